@@ -1,0 +1,147 @@
+//! Wiring: builds the CA store, TLS, issuer and gRPC server from a [`Config`].
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::Context;
+use time::OffsetDateTime;
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+use crate::audit::{AuditSink, TracingSink};
+use crate::authn::TokenAuthenticator;
+use crate::authz::NodeAuthorizer;
+use crate::ca::generate::{self, InitOptions};
+use crate::ca::{ttl, CaBundle, CaStore};
+use crate::config::Config;
+use crate::grpc::{self, CaService};
+use crate::identity::{SpiffeId, TrustDomain};
+use crate::issue::CertificateIssuer;
+use crate::tls::ServingTls;
+
+/// Pluggable collaborators (Kubernetes-backed in production, fakes in unit tests).
+#[derive(Debug, Clone)]
+pub struct Deps {
+    pub audit: Arc<dyn AuditSink>,
+    pub tokens: Option<Arc<dyn TokenAuthenticator>>,
+    pub node_authz: Option<Arc<dyn NodeAuthorizer>>,
+}
+
+impl Default for Deps {
+    fn default() -> Self {
+        Self { audit: Arc::new(TracingSink), tokens: None, node_authz: None }
+    }
+}
+
+/// A running server.
+#[derive(Debug)]
+pub struct App {
+    pub addr: SocketAddr,
+    pub ca: Arc<CaStore>,
+    pub tls: Arc<ServingTls>,
+    shutdown: Option<oneshot::Sender<()>>,
+    server: JoinHandle<Result<(), tonic::transport::Error>>,
+    background: Vec<JoinHandle<()>>,
+}
+
+impl App {
+    /// Loads the CA, binds the listener and starts serving.
+    pub async fn start(cfg: &Config, deps: Deps) -> anyhow::Result<Self> {
+        let ca = Arc::new(CaStore::from_dir(&cfg.ca_dir, cfg.allow_root_change).context("loading CA material")?);
+        let tls = Arc::new(ServingTls::new(&ca.snapshot(), cfg.serving_names.clone(), cfg.trust_domains())?);
+        let listener = TcpListener::bind(cfg.listen).await.with_context(|| format!("binding {}", cfg.listen))?;
+        let addr = listener.local_addr()?;
+        let issuer = Arc::new(CertificateIssuer {
+            ca: ca.clone(),
+            ttl: cfg.ttl,
+            csr_policy: cfg.csr_policy,
+            tokens: deps.tokens,
+            node_authz: deps.node_authz,
+            audit: deps.audit,
+        });
+        let incoming = grpc::tls_incoming(listener, tls.clone());
+        let (tx, rx) = oneshot::channel::<()>();
+        let server = tokio::spawn(
+            tonic::transport::Server::builder()
+                .http2_keepalive_interval(Some(std::time::Duration::from_secs(30)))
+                .add_service(CaService::new(issuer).into_server())
+                .serve_with_incoming_shutdown(incoming, async {
+                    let _ = rx.await;
+                }),
+        );
+        let background = vec![
+            tokio::spawn(ca.clone().watch(cfg.reload_poll)),
+            tokio::spawn(tls.clone().follow(ca.clone())),
+        ];
+        tracing::info!(%addr, ca = ca.snapshot().source(), trust_domain = %cfg.trust_domain, "meshca serving IstioCertificateService");
+        Ok(Self { addr, ca, tls, shutdown: Some(tx), server, background })
+    }
+
+    /// Stops accepting, lets in-flight requests finish, stops background tasks.
+    pub async fn shutdown(mut self) -> anyhow::Result<()> {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        for t in &self.background {
+            t.abort();
+        }
+        (&mut self.server).await??;
+        Ok(())
+    }
+}
+
+impl Drop for App {
+    fn drop(&mut self) {
+        for t in &self.background {
+            t.abort();
+        }
+        self.server.abort();
+    }
+}
+
+/// Default data directory for `serve --dev`.
+pub fn default_data_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("XDG_DATA_HOME") {
+        return PathBuf::from(d).join("meshca");
+    }
+    match std::env::var_os("HOME") {
+        Some(h) => PathBuf::from(h).join(".local/share/meshca"),
+        None => PathBuf::from(".meshca"),
+    }
+}
+
+/// Prepares the embedded default: a root + intermediate in `data_dir/cacerts`
+/// (created once, reused after), and a client certificate for
+/// `spiffe://<td>/ns/default/sa/default` in `data_dir/dev-client` so the
+/// example client can call the server over mTLS. Returns the CA directory.
+pub fn prepare_dev(data_dir: &Path, trust_domain: &TrustDomain) -> anyhow::Result<PathBuf> {
+    let ca_dir = data_dir.join("cacerts");
+    if !ca_dir.join("ca-cert.pem").exists() {
+        let opts = InitOptions { organization: trust_domain.to_string(), ..Default::default() };
+        let ca = generate::generate(&opts, OffsetDateTime::now_utc())?;
+        generate::write_cacerts(&ca_dir, &ca, false)?;
+        tracing::info!(dir = %ca_dir.display(), "generated a development root and intermediate");
+    }
+    let bundle = CaBundle::load_dir(&ca_dir, OffsetDateTime::now_utc())?;
+    let id = SpiffeId::new(trust_domain.clone(), "default", "default")?;
+    write_client_identity(&data_dir.join("dev-client"), &bundle, &id)?;
+    Ok(ca_dir)
+}
+
+/// Issues a 24h client certificate for `id` and writes `cert-chain.pem`,
+/// `key.pem` and `root-cert.pem` into `dir`.
+pub fn write_client_identity(dir: &Path, bundle: &CaBundle, id: &SpiffeId) -> anyhow::Result<()> {
+    let key = rcgen::KeyPair::generate()?;
+    let validity = ttl::validity(OffsetDateTime::now_utc(), 0, &Default::default(), bundle.signing_not_after())?;
+    let spki = rcgen::PublicKeyData::subject_public_key_info(&key);
+    let leaf = bundle.sign_leaf(&spki, id, false, &validity)?;
+    let chain = bundle.response_chain(&leaf.pem);
+    let without_root = &chain[..chain.len().saturating_sub(1)];
+    std::fs::create_dir_all(dir)?;
+    generate::write_file(&dir.join("cert-chain.pem"), without_root.concat().as_bytes(), false)?;
+    generate::write_file(&dir.join("key.pem"), key.serialize_pem().as_bytes(), true)?;
+    generate::write_file(&dir.join("root-cert.pem"), bundle.root_bundle().as_bytes(), false)?;
+    Ok(())
+}

@@ -1,0 +1,111 @@
+//! Caller authentication: who is asking, proven how.
+
+pub mod mtls;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use rustls_pki_types::CertificateDer;
+
+use crate::identity::SpiffeId;
+
+/// How a caller proved its identity.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum AuthnMethod {
+    Mtls,
+    TokenReview,
+}
+
+impl AuthnMethod {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Self::Mtls => "mtls",
+            Self::TokenReview => "token-review",
+        }
+    }
+}
+
+/// The pod a token was bound to, from the TokenReview's `user.extra`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct KubernetesInfo {
+    pub pod_namespace: String,
+    pub pod_name: String,
+    pub pod_uid: String,
+    pub service_account: String,
+    /// Present on tokens minted for a scheduled pod (Kubernetes >= 1.30).
+    pub node_name: Option<String>,
+}
+
+/// An authenticated caller.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Caller {
+    pub method: AuthnMethod,
+    pub identity: SpiffeId,
+    /// Only token callers carry pod information (as in istiod).
+    pub kube: Option<KubernetesInfo>,
+}
+
+/// What the transport and headers offer as proof.
+#[derive(Debug, Clone, Default)]
+pub struct Credentials {
+    pub peer_addr: Option<SocketAddr>,
+    /// The client certificate chain, already verified during the handshake.
+    pub peer_chain: Option<Arc<[CertificateDer<'static>]>>,
+    /// `authorization: Bearer <token>`; never logged.
+    pub bearer: Option<String>,
+    /// The single `clusterid` header value, if exactly one was sent.
+    pub cluster_id: Option<String>,
+}
+
+/// Why authentication failed. The client only ever sees istiod's opaque
+/// message; the reason goes to the audit log.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AuthnError {
+    #[error("no client certificate and no bearer token")]
+    NoCredentials,
+    #[error("client certificate: {0}")]
+    ClientCert(#[from] mtls::MtlsError),
+    #[error("bearer token presented but no token authenticator is configured")]
+    TokenAuthnDisabled,
+    #[error("token review: {0}")]
+    Token(String, &'static str),
+    #[error("token review unavailable: {0}")]
+    Unavailable(String),
+}
+
+impl AuthnError {
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Self::NoCredentials => "authn_no_credentials",
+            Self::ClientCert(e) => e.reason(),
+            Self::TokenAuthnDisabled => "authn_token_disabled",
+            Self::Token(_, reason) => reason,
+            Self::Unavailable(_) => "authn_tokenreview_unavailable",
+        }
+    }
+}
+
+/// Validates bearer tokens (the Kubernetes TokenReview implementation lives
+/// in the kube module). Behind a trait so unit tests can use a fake.
+#[tonic::async_trait]
+pub trait TokenAuthenticator: Send + Sync + std::fmt::Debug {
+    async fn authenticate(&self, token: &str, cluster_id: Option<&str>) -> Result<Caller, AuthnError>;
+}
+
+/// Authenticates a request like istiod: a client certificate wins over a
+/// token (a caller sending both is identified by the certificate).
+pub async fn authenticate(
+    creds: &Credentials,
+    tokens: Option<&dyn TokenAuthenticator>,
+) -> Result<Caller, AuthnError> {
+    if let Some(chain) = creds.peer_chain.as_deref().filter(|c| !c.is_empty()) {
+        let identity = mtls::identity_of(&chain[0], None)?;
+        return Ok(Caller { method: AuthnMethod::Mtls, identity, kube: None });
+    }
+    match (&creds.bearer, tokens) {
+        (Some(token), Some(auth)) => auth.authenticate(token, creds.cluster_id.as_deref()).await,
+        (Some(_), None) => Err(AuthnError::TokenAuthnDisabled),
+        (None, _) => Err(AuthnError::NoCredentials),
+    }
+}

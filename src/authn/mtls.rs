@@ -1,0 +1,144 @@
+//! mTLS callers: the client-certificate verifier used in the handshake and
+//! identity extraction from a verified certificate.
+
+use std::sync::Arc;
+
+use rustls::client::danger::HandshakeSignatureValid;
+use rustls::pki_types::{CertificateDer, UnixTime};
+use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
+use rustls::server::WebPkiClientVerifier;
+use rustls::{CertificateError, DigitallySignedStruct, DistinguishedName, RootCertStore, SignatureScheme};
+use x509_parser::extensions::GeneralName;
+use x509_parser::prelude::{FromDer, X509Certificate};
+
+use crate::identity::{IdentityError, SpiffeId, TrustDomain};
+
+/// Why a client certificate is not an acceptable workload identity.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MtlsError {
+    #[error("certificate does not parse")]
+    Malformed,
+    #[error("certificate has {0} URI SANs; exactly one SPIFFE URI is required")]
+    UriSanCount(usize),
+    #[error("URI SAN is not a SPIFFE workload id: {0}")]
+    NotSpiffe(IdentityError),
+    #[error("trust domain {0} is not the mesh trust domain")]
+    ForeignTrustDomain(String),
+}
+
+impl MtlsError {
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Self::Malformed => "mtls_malformed_cert",
+            Self::UriSanCount(_) => "mtls_uri_san_count",
+            Self::NotSpiffe(_) => "mtls_not_spiffe",
+            Self::ForeignTrustDomain(_) => "mtls_foreign_trust_domain",
+        }
+    }
+}
+
+/// The SPIFFE identity of a client certificate: exactly one URI SAN, a
+/// workload id, and (if `trust_domains` is given) in one of those domains.
+pub fn identity_of(cert: &CertificateDer<'_>, trust_domains: Option<&[TrustDomain]>) -> Result<SpiffeId, MtlsError> {
+    let (_, parsed) = X509Certificate::from_der(cert).map_err(|_| MtlsError::Malformed)?;
+    let uris: Vec<&str> = match parsed.subject_alternative_name() {
+        Ok(Some(san)) => san
+            .value
+            .general_names
+            .iter()
+            .filter_map(|n| match n {
+                GeneralName::URI(u) => Some(*u),
+                _ => None,
+            })
+            .collect(),
+        Ok(None) => Vec::new(),
+        Err(_) => return Err(MtlsError::Malformed),
+    };
+    let [uri] = uris.as_slice() else {
+        return Err(MtlsError::UriSanCount(uris.len()));
+    };
+    let id: SpiffeId = uri.parse().map_err(MtlsError::NotSpiffe)?;
+    if let Some(tds) = trust_domains {
+        if !tds.contains(id.trust_domain()) {
+            return Err(MtlsError::ForeignTrustDomain(id.trust_domain().to_string()));
+        }
+    }
+    Ok(id)
+}
+
+/// "Verify if given": a client may connect without a certificate (token
+/// callers), but a presented certificate must chain to the mesh roots and be
+/// a SPIFFE identity of the mesh trust domain, or the handshake fails.
+#[derive(Debug)]
+pub struct SpiffeClientVerifier {
+    inner: Arc<dyn ClientCertVerifier>,
+    trust_domains: Vec<TrustDomain>,
+}
+
+impl SpiffeClientVerifier {
+    pub fn new(
+        roots: &[CertificateDer<'static>],
+        trust_domains: Vec<TrustDomain>,
+        provider: Arc<rustls::crypto::CryptoProvider>,
+    ) -> Result<Self, rustls::Error> {
+        let mut store = RootCertStore::empty();
+        for root in roots {
+            store.add(root.clone())?;
+        }
+        let inner = WebPkiClientVerifier::builder_with_provider(Arc::new(store), provider)
+            .allow_unauthenticated()
+            .build()
+            .map_err(|e| rustls::Error::General(e.to_string()))?;
+        Ok(Self { inner, trust_domains })
+    }
+}
+
+impl ClientCertVerifier for SpiffeClientVerifier {
+    fn offer_client_auth(&self) -> bool {
+        true
+    }
+
+    fn client_auth_mandatory(&self) -> bool {
+        false
+    }
+
+    fn root_hint_subjects(&self) -> &[DistinguishedName] {
+        self.inner.root_hint_subjects()
+    }
+
+    fn verify_client_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        now: UnixTime,
+    ) -> Result<ClientCertVerified, rustls::Error> {
+        let verified = self.inner.verify_client_cert(end_entity, intermediates, now)?;
+        identity_of(end_entity, Some(&self.trust_domains)).map_err(|e| {
+            tracing::warn!(reason = e.reason(), error = %e, "rejected client certificate");
+            rustls::Error::InvalidCertificate(CertificateError::ApplicationVerificationFailure)
+        })?;
+        Ok(verified)
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.inner.supported_verify_schemes()
+    }
+}

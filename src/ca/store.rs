@@ -1,0 +1,140 @@
+//! The live CA: an atomically swapped [`CaBundle`] and the reload loop that
+//! follows the files on disk (including Kubernetes Secret symlink swaps).
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use notify::Watcher;
+use time::OffsetDateTime;
+use tokio::sync::watch;
+
+use super::bundle::{CaBundle, MaterialError};
+
+/// Debounce between a file event and the reload (istiod uses 100 ms).
+const DEBOUNCE: Duration = Duration::from_millis(100);
+
+/// What happened on a reload attempt.
+#[derive(Debug, PartialEq, Eq)]
+pub enum ReloadOutcome {
+    Unchanged,
+    Swapped,
+}
+
+/// Holds the current CA snapshot and swaps it on reload.
+pub struct CaStore {
+    current: ArcSwap<CaBundle>,
+    dir: Option<PathBuf>,
+    allow_root_change: bool,
+    generation: watch::Sender<u64>,
+}
+
+impl std::fmt::Debug for CaStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CaStore").field("dir", &self.dir).finish_non_exhaustive()
+    }
+}
+
+impl CaStore {
+    /// A store backed by a directory, loaded now.
+    pub fn from_dir(dir: &Path, allow_root_change: bool) -> Result<Self, MaterialError> {
+        let bundle = CaBundle::load_dir(dir, OffsetDateTime::now_utc())?;
+        Ok(Self::new(bundle, Some(dir.to_path_buf()), allow_root_change))
+    }
+
+    pub fn new(bundle: CaBundle, dir: Option<PathBuf>, allow_root_change: bool) -> Self {
+        Self {
+            current: ArcSwap::from_pointee(bundle),
+            dir,
+            allow_root_change,
+            generation: watch::channel(0).0,
+        }
+    }
+
+    /// The bundle a request should use from start to finish.
+    pub fn snapshot(&self) -> Arc<CaBundle> {
+        self.current.load_full()
+    }
+
+    /// Bumped on every swap; the TLS layer rebuilds its config from it.
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
+        self.generation.subscribe()
+    }
+
+    /// Re-reads the directory; swaps only a complete, verified bundle.
+    pub fn reload(&self) -> Result<ReloadOutcome, MaterialError> {
+        let Some(dir) = &self.dir else {
+            return Ok(ReloadOutcome::Unchanged);
+        };
+        let files = super::bundle::BundleFiles::read_dir(dir)?;
+        let old = self.snapshot();
+        let new = CaBundle::from_files(files, OffsetDateTime::now_utc())?;
+        if new.fingerprint() == old.fingerprint() {
+            return Ok(ReloadOutcome::Unchanged);
+        }
+        check_root_change(&old, &new, self.allow_root_change)?;
+        self.swap(new);
+        Ok(ReloadOutcome::Swapped)
+    }
+
+    /// Installs a new bundle (also used by tests).
+    pub fn swap(&self, bundle: CaBundle) {
+        tracing::info!(source = bundle.source(), key_id = bundle.key_id(), not_after = %bundle.signing_not_after(), "CA material loaded");
+        self.current.store(Arc::new(bundle));
+        self.generation.send_modify(|g| *g += 1);
+    }
+
+    /// Follows the directory: file events (debounced) plus a periodic poll
+    /// as a safety net for missed events. Runs until the task is dropped.
+    pub async fn watch(self: Arc<Self>, poll: Duration) {
+        let Some(dir) = self.dir.clone() else { return };
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<()>(16);
+        let watcher = notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
+            if res.is_ok() {
+                let _ = tx.try_send(());
+            }
+        })
+        .and_then(|mut w| w.watch(&dir, notify::RecursiveMode::NonRecursive).map(|_| w));
+        let _watcher = match watcher {
+            Ok(w) => Some(w),
+            Err(e) => {
+                tracing::warn!(error = %e, dir = %dir.display(), "file watch unavailable; polling only");
+                None
+            }
+        };
+        let mut ticker = tokio::time::interval(poll);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                Some(()) = rx.recv() => {
+                    tokio::time::sleep(DEBOUNCE).await;
+                    while rx.try_recv().is_ok() {}
+                }
+                _ = ticker.tick() => {}
+            }
+            let store = self.clone();
+            // Reading files and probing the key is blocking work.
+            let result = tokio::task::spawn_blocking(move || store.reload()).await;
+            match result {
+                Ok(Ok(ReloadOutcome::Swapped)) => {}
+                Ok(Ok(ReloadOutcome::Unchanged)) => {}
+                Ok(Err(e)) => tracing::error!(reason = e.reason(), error = %e, "rejected new CA material; still serving the previous bundle"),
+                Err(e) => tracing::error!(error = %e, "CA reload task failed"),
+            }
+        }
+    }
+}
+
+/// istiod refuses a root change unless multi-root is on, and then only when
+/// one root set contains the other.
+fn check_root_change(old: &CaBundle, new: &CaBundle, allow: bool) -> Result<(), MaterialError> {
+    let set = |b: &CaBundle| -> BTreeSet<Vec<u8>> { b.roots().iter().map(|c| c.as_ref().to_vec()).collect() };
+    let (a, b) = (set(old), set(new));
+    if a == b || (allow && (a.is_subset(&b) || b.is_subset(&a))) {
+        Ok(())
+    } else {
+        Err(MaterialError::RootChanged)
+    }
+}

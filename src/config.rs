@@ -1,0 +1,231 @@
+//! Configuration: CLI flags with Istio's environment variable names beside
+//! them, parsed once at startup into types that cannot hold invalid values.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::ca::ttl::parse_go_duration;
+use crate::ca::{CsrPolicy, TtlPolicy};
+use crate::identity::TrustDomain;
+
+/// A `namespace/serviceaccount` pair (`CA_TRUSTED_NODE_ACCOUNTS` entries).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ServiceAccountRef {
+    pub namespace: String,
+    pub name: String,
+}
+
+impl std::fmt::Display for ServiceAccountRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)
+    }
+}
+
+/// A setting that could not be parsed: names the variable, value and reason.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid {name}={value:?}: {reason}")]
+pub struct ConfigError {
+    pub name: &'static str,
+    pub value: String,
+    pub reason: String,
+}
+
+impl ConfigError {
+    pub fn reason(&self) -> &'static str {
+        "config_invalid"
+    }
+}
+
+fn err(name: &'static str, value: &str, reason: impl Into<String>) -> ConfigError {
+    ConfigError { name, value: value.to_string(), reason: reason.into() }
+}
+
+/// Flags of `meshca serve`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ServeArgs {
+    /// Embedded default: a local CA in --data-dir (created on first start,
+    /// reused after), serving on 127.0.0.1, no cluster needed.
+    #[arg(long)]
+    pub dev: bool,
+    /// Data directory for --dev.
+    #[arg(long, env = "MESHCA_DATA_DIR")]
+    pub data_dir: Option<PathBuf>,
+    /// gRPC listen address [default: 0.0.0.0:15012, or 127.0.0.1:15012 with --dev].
+    #[arg(long, env = "MESHCA_LISTEN")]
+    pub listen: Option<SocketAddr>,
+    /// Directory holding `cacerts` (ca-cert.pem, ca-key.pem, cert-chain.pem,
+    /// root-cert.pem) or a kubernetes.io/tls Secret (tls.crt, tls.key, ca.crt).
+    #[arg(long, env = "ROOT_CA_DIR", default_value = "./etc/cacerts")]
+    pub ca_dir: PathBuf,
+    /// Mesh trust domain.
+    #[arg(long, env = "TRUST_DOMAIN", default_value = "cluster.local")]
+    pub trust_domain: String,
+    /// Other trust domains accepted for client certificates and impersonation (comma-separated).
+    #[arg(long, env = "TRUST_DOMAIN_ALIASES", default_value = "")]
+    pub trust_domain_aliases: String,
+    /// Lifetime when the request asks for <= 0 seconds.
+    #[arg(long, env = "DEFAULT_WORKLOAD_CERT_TTL", default_value = "24h")]
+    pub default_ttl: String,
+    /// Longest lifetime a request may ask for; longer requests are refused.
+    #[arg(long, env = "MAX_WORKLOAD_CERT_TTL", default_value = "2160h")]
+    pub max_ttl: String,
+    /// CSR content checks: `strict` (CSR SANs must be the caller's identity) or `istiod` (ignored).
+    #[arg(long, env = "MESHCA_CSR_POLICY", value_enum, default_value_t = CsrPolicy::Strict)]
+    pub csr_policy: CsrPolicy,
+    /// DNS names / IPs of the serving certificate (comma-separated).
+    #[arg(long, env = "MESHCA_SERVING_NAMES", default_value = "meshca.istio-system.svc,meshca.istio-system.svc.cluster.local,localhost,127.0.0.1")]
+    pub serving_names: String,
+    /// `ns/sa,...` of node proxies allowed to impersonate (empty disables impersonation).
+    #[arg(long, env = "CA_TRUSTED_NODE_ACCOUNTS", default_value = "")]
+    pub trusted_node_accounts: String,
+    /// TokenReview audiences (comma-separated).
+    #[arg(long, env = "TOKEN_AUDIENCES", default_value = "istio-ca")]
+    pub token_audiences: String,
+    /// This cluster's id, matched against the `clusterid` header.
+    #[arg(long, env = "CLUSTER_ID", default_value = "Kubernetes")]
+    pub cluster_id: String,
+    /// Accept a reloaded root bundle that adds or removes roots.
+    #[arg(long, env = "ISTIO_MULTIROOT_MESH", default_value_t = false, action = clap::ArgAction::Set)]
+    pub multiroot: bool,
+    /// How often CA files are re-read even without a file event.
+    #[arg(long, env = "MESHCA_RELOAD_POLL", default_value = "10s")]
+    pub reload_poll: String,
+}
+
+/// Parsed, typed configuration of the server.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub listen: SocketAddr,
+    pub ca_dir: PathBuf,
+    pub trust_domain: TrustDomain,
+    pub trust_domain_aliases: Vec<TrustDomain>,
+    pub ttl: TtlPolicy,
+    pub csr_policy: CsrPolicy,
+    pub serving_names: Vec<String>,
+    pub trusted_node_accounts: Vec<ServiceAccountRef>,
+    pub token_audiences: Vec<String>,
+    pub cluster_id: String,
+    pub allow_root_change: bool,
+    pub reload_poll: Duration,
+}
+
+impl Config {
+    /// All trust domains accepted: the mesh one first, then aliases.
+    pub fn trust_domains(&self) -> Vec<TrustDomain> {
+        let mut v = vec![self.trust_domain.clone()];
+        v.extend(self.trust_domain_aliases.iter().cloned());
+        v
+    }
+
+    /// Parses flags; `ca_dir` and `listen` are resolved by the caller for --dev.
+    pub fn from_args(a: &ServeArgs, ca_dir: PathBuf, listen: SocketAddr) -> Result<Self, ConfigError> {
+        let trust_domain = TrustDomain::new(&a.trust_domain).map_err(|e| err("TRUST_DOMAIN", &a.trust_domain, e.to_string()))?;
+        let trust_domain_aliases = list(&a.trust_domain_aliases)
+            .map(|s| TrustDomain::new(s).map_err(|e| err("TRUST_DOMAIN_ALIASES", s, e.to_string())))
+            .collect::<Result<_, _>>()?;
+        let duration = |name, v: &str| parse_go_duration(v).map_err(|e| err(name, v, e));
+        let ttl = TtlPolicy {
+            default: duration("DEFAULT_WORKLOAD_CERT_TTL", &a.default_ttl)?,
+            max: duration("MAX_WORKLOAD_CERT_TTL", &a.max_ttl)?,
+        };
+        if ttl.default.is_zero() {
+            return Err(err("DEFAULT_WORKLOAD_CERT_TTL", &a.default_ttl, "must be positive"));
+        }
+        if ttl.max.is_zero() {
+            return Err(err("MAX_WORKLOAD_CERT_TTL", &a.max_ttl, "must be positive"));
+        }
+        let reload_poll = duration("MESHCA_RELOAD_POLL", &a.reload_poll)?;
+        if reload_poll.is_zero() {
+            return Err(err("MESHCA_RELOAD_POLL", &a.reload_poll, "must be positive"));
+        }
+        let serving_names: Vec<String> = list(&a.serving_names).map(str::to_string).collect();
+        if serving_names.is_empty() {
+            return Err(err("MESHCA_SERVING_NAMES", &a.serving_names, "at least one name is required"));
+        }
+        let token_audiences: Vec<String> = list(&a.token_audiences).map(str::to_string).collect();
+        if token_audiences.is_empty() {
+            return Err(err("TOKEN_AUDIENCES", &a.token_audiences, "at least one audience is required"));
+        }
+        Ok(Self {
+            listen,
+            ca_dir,
+            trust_domain,
+            trust_domain_aliases,
+            ttl,
+            csr_policy: a.csr_policy,
+            serving_names,
+            trusted_node_accounts: parse_service_accounts(&a.trusted_node_accounts)?,
+            token_audiences,
+            cluster_id: a.cluster_id.clone(),
+            allow_root_change: a.multiroot,
+            reload_poll,
+        })
+    }
+}
+
+fn list(s: &str) -> impl Iterator<Item = &str> {
+    s.split(',').map(str::trim).filter(|s| !s.is_empty())
+}
+
+/// Parses `CA_TRUSTED_NODE_ACCOUNTS`. istiod skips malformed entries with a
+/// warning; meshca refuses to start, since a typo would silently disable
+/// (or mis-target) impersonation.
+pub fn parse_service_accounts(s: &str) -> Result<Vec<ServiceAccountRef>, ConfigError> {
+    list(s)
+        .map(|entry| match entry.split_once('/') {
+            Some((ns, sa)) if !ns.is_empty() && !sa.is_empty() && !sa.contains('/') => {
+                Ok(ServiceAccountRef { namespace: ns.to_string(), name: sa.to_string() })
+            }
+            _ => Err(err("CA_TRUSTED_NODE_ACCOUNTS", entry, "expected <namespace>/<serviceaccount>")),
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+    use test_case::test_case;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        serve: ServeArgs,
+    }
+
+    fn parse(args: &[&str]) -> Result<Config, ConfigError> {
+        let cli = Cli::try_parse_from(std::iter::once("meshca").chain(args.iter().copied())).unwrap();
+        Config::from_args(&cli.serve, "/tmp/ca".into(), "127.0.0.1:0".parse().unwrap())
+    }
+
+    #[test]
+    fn defaults_match_istiod() {
+        let c = parse(&[]).unwrap();
+        assert_eq!(c.trust_domain.as_str(), "cluster.local");
+        assert_eq!(c.ttl, TtlPolicy::default());
+        assert_eq!(c.token_audiences, vec!["istio-ca"]);
+        assert_eq!(c.cluster_id, "Kubernetes");
+        assert!(c.trusted_node_accounts.is_empty());
+        assert_eq!(c.csr_policy, CsrPolicy::Strict);
+    }
+
+    #[test]
+    fn parses_typed_values() {
+        let c = parse(&["--trusted-node-accounts", "istio-system/ztunnel, kube-system/ztunnel", "--max-ttl", "48h", "--trust-domain-aliases", "old.local"]).unwrap();
+        assert_eq!(c.trusted_node_accounts.len(), 2);
+        assert_eq!(c.trusted_node_accounts[1].to_string(), "kube-system/ztunnel");
+        assert_eq!(c.ttl.max, Duration::from_secs(48 * 3600));
+        assert_eq!(c.trust_domains().len(), 2);
+    }
+
+    #[test_case(&["--trusted-node-accounts", "ztunnel"], "CA_TRUSTED_NODE_ACCOUNTS" ; "no slash")]
+    #[test_case(&["--trusted-node-accounts", "a/b/c"], "CA_TRUSTED_NODE_ACCOUNTS" ; "two slashes")]
+    #[test_case(&["--default-ttl", "forever"], "DEFAULT_WORKLOAD_CERT_TTL" ; "bad duration")]
+    #[test_case(&["--max-ttl", "0s"], "MAX_WORKLOAD_CERT_TTL" ; "zero max")]
+    #[test_case(&["--trust-domain", "a b"], "TRUST_DOMAIN" ; "bad trust domain")]
+    #[test_case(&["--token-audiences", ","], "TOKEN_AUDIENCES" ; "no audience")]
+    fn rejects_with_variable_name(args: &[&str], name: &str) {
+        assert_eq!(parse(args).unwrap_err().name, name);
+    }
+}

@@ -1,0 +1,21 @@
+//! meshca: a certificate authority that speaks Istio's CA protocol
+//! (`istio.v1.auth.IstioCertificateService/CreateCertificate`).
+//!
+//! Modules follow the request path: [`authn`] (who is calling), [`authz`]
+//! (may a node proxy impersonate), [`ca`] (CSR policy, validity, signing),
+//! [`issue`] (the use case), [`grpc`] (the wire), [`audit`] (one record per call).
+
+pub mod app;
+pub mod audit;
+pub mod authn;
+pub mod authz;
+pub mod ca;
+pub mod config;
+pub mod grpc;
+pub mod identity;
+pub mod issue;
+pub mod proto;
+pub mod tls;
+
+#[cfg(any(test, feature = "testing"))]
+pub mod testing;
