@@ -31,7 +31,11 @@ pub struct Deps {
 
 impl Default for Deps {
     fn default() -> Self {
-        Self { audit: Arc::new(TracingSink), tokens: None, node_authz: None }
+        Self {
+            audit: Arc::new(TracingSink),
+            tokens: None,
+            node_authz: None,
+        }
     }
 }
 
@@ -49,9 +53,17 @@ pub struct App {
 impl App {
     /// Loads the CA, binds the listener and starts serving.
     pub async fn start(cfg: &Config, deps: Deps) -> anyhow::Result<Self> {
-        let ca = Arc::new(CaStore::from_dir(&cfg.ca_dir, cfg.allow_root_change).context("loading CA material")?);
-        let tls = Arc::new(ServingTls::new(&ca.snapshot(), cfg.serving_names.clone(), cfg.trust_domains())?);
-        let listener = TcpListener::bind(cfg.listen).await.with_context(|| format!("binding {}", cfg.listen))?;
+        let ca = Arc::new(
+            CaStore::from_dir(&cfg.ca_dir, cfg.allow_root_change).context("loading CA material")?,
+        );
+        let tls = Arc::new(ServingTls::new(
+            &ca.snapshot(),
+            cfg.serving_names.clone(),
+            cfg.trust_domains(),
+        )?);
+        let listener = TcpListener::bind(cfg.listen)
+            .await
+            .with_context(|| format!("binding {}", cfg.listen))?;
         let addr = listener.local_addr()?;
         let issuer = Arc::new(CertificateIssuer {
             ca: ca.clone(),
@@ -76,7 +88,14 @@ impl App {
             tokio::spawn(tls.clone().follow(ca.clone())),
         ];
         tracing::info!(%addr, ca = ca.snapshot().source(), trust_domain = %cfg.trust_domain, "meshca serving IstioCertificateService");
-        Ok(Self { addr, ca, tls, shutdown: Some(tx), server, background })
+        Ok(Self {
+            addr,
+            ca,
+            tls,
+            shutdown: Some(tx),
+            server,
+            background,
+        })
     }
 
     /// Stops accepting, lets in-flight requests finish, stops background tasks.
@@ -119,7 +138,10 @@ pub fn default_data_dir() -> PathBuf {
 pub fn prepare_dev(data_dir: &Path, trust_domain: &TrustDomain) -> anyhow::Result<PathBuf> {
     let ca_dir = data_dir.join("cacerts");
     if !ca_dir.join("ca-cert.pem").exists() {
-        let opts = InitOptions { organization: trust_domain.to_string(), ..Default::default() };
+        let opts = InitOptions {
+            organization: trust_domain.to_string(),
+            ..Default::default()
+        };
         let ca = generate::generate(&opts, OffsetDateTime::now_utc())?;
         generate::write_cacerts(&ca_dir, &ca, false)?;
         tracing::info!(dir = %ca_dir.display(), "generated a development root and intermediate");
@@ -134,14 +156,27 @@ pub fn prepare_dev(data_dir: &Path, trust_domain: &TrustDomain) -> anyhow::Resul
 /// `key.pem` and `root-cert.pem` into `dir`.
 pub fn write_client_identity(dir: &Path, bundle: &CaBundle, id: &SpiffeId) -> anyhow::Result<()> {
     let key = rcgen::KeyPair::generate()?;
-    let validity = ttl::validity(OffsetDateTime::now_utc(), 0, &Default::default(), bundle.signing_not_after())?;
+    let validity = ttl::validity(
+        OffsetDateTime::now_utc(),
+        0,
+        &Default::default(),
+        bundle.signing_not_after(),
+    )?;
     let spki = rcgen::PublicKeyData::subject_public_key_info(&key);
     let leaf = bundle.sign_leaf(&spki, id, false, &validity)?;
     let chain = bundle.response_chain(&leaf.pem);
     let without_root = &chain[..chain.len().saturating_sub(1)];
     std::fs::create_dir_all(dir)?;
-    generate::write_file(&dir.join("cert-chain.pem"), without_root.concat().as_bytes(), false)?;
+    generate::write_file(
+        &dir.join("cert-chain.pem"),
+        without_root.concat().as_bytes(),
+        false,
+    )?;
     generate::write_file(&dir.join("key.pem"), key.serialize_pem().as_bytes(), true)?;
-    generate::write_file(&dir.join("root-cert.pem"), bundle.root_bundle().as_bytes(), false)?;
+    generate::write_file(
+        &dir.join("root-cert.pem"),
+        bundle.root_bundle().as_bytes(),
+        false,
+    )?;
     Ok(())
 }

@@ -38,7 +38,11 @@ impl ConfigError {
 }
 
 fn err(name: &'static str, value: &str, reason: impl Into<String>) -> ConfigError {
-    ConfigError { name, value: value.to_string(), reason: reason.into() }
+    ConfigError {
+        name,
+        value: value.to_string(),
+        reason: reason.into(),
+    }
 }
 
 /// Flags of `meshca serve`.
@@ -74,7 +78,11 @@ pub struct ServeArgs {
     #[arg(long, env = "MESHCA_CSR_POLICY", value_enum, default_value_t = CsrPolicy::Strict)]
     pub csr_policy: CsrPolicy,
     /// DNS names / IPs of the serving certificate (comma-separated).
-    #[arg(long, env = "MESHCA_SERVING_NAMES", default_value = "meshca.istio-system.svc,meshca.istio-system.svc.cluster.local,localhost,127.0.0.1")]
+    #[arg(
+        long,
+        env = "MESHCA_SERVING_NAMES",
+        default_value = "meshca.istio-system.svc,meshca.istio-system.svc.cluster.local,localhost,127.0.0.1"
+    )]
     pub serving_names: String,
     /// `ns/sa,...` of node proxies allowed to impersonate (empty disables impersonation).
     #[arg(long, env = "CA_TRUSTED_NODE_ACCOUNTS", default_value = "")]
@@ -119,8 +127,13 @@ impl Config {
     }
 
     /// Parses flags; `ca_dir` and `listen` are resolved by the caller for --dev.
-    pub fn from_args(a: &ServeArgs, ca_dir: PathBuf, listen: SocketAddr) -> Result<Self, ConfigError> {
-        let trust_domain = TrustDomain::new(&a.trust_domain).map_err(|e| err("TRUST_DOMAIN", &a.trust_domain, e.to_string()))?;
+    pub fn from_args(
+        a: &ServeArgs,
+        ca_dir: PathBuf,
+        listen: SocketAddr,
+    ) -> Result<Self, ConfigError> {
+        let trust_domain = TrustDomain::new(&a.trust_domain)
+            .map_err(|e| err("TRUST_DOMAIN", &a.trust_domain, e.to_string()))?;
         let trust_domain_aliases = list(&a.trust_domain_aliases)
             .map(|s| TrustDomain::new(s).map_err(|e| err("TRUST_DOMAIN_ALIASES", s, e.to_string())))
             .collect::<Result<_, _>>()?;
@@ -130,22 +143,38 @@ impl Config {
             max: duration("MAX_WORKLOAD_CERT_TTL", &a.max_ttl)?,
         };
         if ttl.default.is_zero() {
-            return Err(err("DEFAULT_WORKLOAD_CERT_TTL", &a.default_ttl, "must be positive"));
+            return Err(err(
+                "DEFAULT_WORKLOAD_CERT_TTL",
+                &a.default_ttl,
+                "must be positive",
+            ));
         }
         if ttl.max.is_zero() {
             return Err(err("MAX_WORKLOAD_CERT_TTL", &a.max_ttl, "must be positive"));
         }
         let reload_poll = duration("MESHCA_RELOAD_POLL", &a.reload_poll)?;
         if reload_poll.is_zero() {
-            return Err(err("MESHCA_RELOAD_POLL", &a.reload_poll, "must be positive"));
+            return Err(err(
+                "MESHCA_RELOAD_POLL",
+                &a.reload_poll,
+                "must be positive",
+            ));
         }
         let serving_names: Vec<String> = list(&a.serving_names).map(str::to_string).collect();
         if serving_names.is_empty() {
-            return Err(err("MESHCA_SERVING_NAMES", &a.serving_names, "at least one name is required"));
+            return Err(err(
+                "MESHCA_SERVING_NAMES",
+                &a.serving_names,
+                "at least one name is required",
+            ));
         }
         let token_audiences: Vec<String> = list(&a.token_audiences).map(str::to_string).collect();
         if token_audiences.is_empty() {
-            return Err(err("TOKEN_AUDIENCES", &a.token_audiences, "at least one audience is required"));
+            return Err(err(
+                "TOKEN_AUDIENCES",
+                &a.token_audiences,
+                "at least one audience is required",
+            ));
         }
         Ok(Self {
             listen,
@@ -175,9 +204,16 @@ pub fn parse_service_accounts(s: &str) -> Result<Vec<ServiceAccountRef>, ConfigE
     list(s)
         .map(|entry| match entry.split_once('/') {
             Some((ns, sa)) if !ns.is_empty() && !sa.is_empty() && !sa.contains('/') => {
-                Ok(ServiceAccountRef { namespace: ns.to_string(), name: sa.to_string() })
+                Ok(ServiceAccountRef {
+                    namespace: ns.to_string(),
+                    name: sa.to_string(),
+                })
             }
-            _ => Err(err("CA_TRUSTED_NODE_ACCOUNTS", entry, "expected <namespace>/<serviceaccount>")),
+            _ => Err(err(
+                "CA_TRUSTED_NODE_ACCOUNTS",
+                entry,
+                "expected <namespace>/<serviceaccount>",
+            )),
         })
         .collect()
 }
@@ -195,7 +231,8 @@ mod tests {
     }
 
     fn parse(args: &[&str]) -> Result<Config, ConfigError> {
-        let cli = Cli::try_parse_from(std::iter::once("meshca").chain(args.iter().copied())).unwrap();
+        let cli =
+            Cli::try_parse_from(std::iter::once("meshca").chain(args.iter().copied())).unwrap();
         Config::from_args(&cli.serve, "/tmp/ca".into(), "127.0.0.1:0".parse().unwrap())
     }
 
@@ -212,9 +249,20 @@ mod tests {
 
     #[test]
     fn parses_typed_values() {
-        let c = parse(&["--trusted-node-accounts", "istio-system/ztunnel, kube-system/ztunnel", "--max-ttl", "48h", "--trust-domain-aliases", "old.local"]).unwrap();
+        let c = parse(&[
+            "--trusted-node-accounts",
+            "istio-system/ztunnel, kube-system/ztunnel",
+            "--max-ttl",
+            "48h",
+            "--trust-domain-aliases",
+            "old.local",
+        ])
+        .unwrap();
         assert_eq!(c.trusted_node_accounts.len(), 2);
-        assert_eq!(c.trusted_node_accounts[1].to_string(), "kube-system/ztunnel");
+        assert_eq!(
+            c.trusted_node_accounts[1].to_string(),
+            "kube-system/ztunnel"
+        );
         assert_eq!(c.ttl.max, Duration::from_secs(48 * 3600));
         assert_eq!(c.trust_domains().len(), 2);
     }

@@ -17,7 +17,9 @@ use tonic::{Request, Response, Status};
 use crate::authn::Credentials;
 use crate::ca::TtlError;
 use crate::issue::{CertificateIssuer, IssueError, IssueRequest, RequestError};
-use crate::proto::istio_certificate_service_server::{IstioCertificateService, IstioCertificateServiceServer};
+use crate::proto::istio_certificate_service_server::{
+    IstioCertificateService, IstioCertificateServiceServer,
+};
 use crate::proto::{IstioCertificateRequest, IstioCertificateResponse};
 use crate::tls::ServingTls;
 
@@ -36,14 +38,22 @@ const IMPERSONATION_FAILURE: &str = "request impersonation authentication failur
 impl From<IssueError> for Status {
     fn from(err: IssueError) -> Self {
         match err {
-            IssueError::Unauthenticated(crate::authn::AuthnError::Unavailable(_)) => Status::unavailable(AUTHN_FAILURE),
+            IssueError::Unauthenticated(crate::authn::AuthnError::Unavailable(_)) => {
+                Status::unavailable(AUTHN_FAILURE)
+            }
             IssueError::Unauthenticated(_) => Status::unauthenticated(AUTHN_FAILURE),
-            IssueError::Impersonation(e) if e.is_unavailable() => Status::unavailable(IMPERSONATION_FAILURE),
+            IssueError::Impersonation(e) if e.is_unavailable() => {
+                Status::unavailable(IMPERSONATION_FAILURE)
+            }
             IssueError::Impersonation(_) => Status::unauthenticated(IMPERSONATION_FAILURE),
             IssueError::Request(e) => Status::invalid_argument(format!("CSR signing error ({e})")),
             IssueError::Csr(e) => Status::invalid_argument(format!("CSR signing error ({e})")),
-            IssueError::Ttl(e @ TtlError::TooLong { .. }) => Status::invalid_argument(format!("CSR signing error ({e})")),
-            IssueError::Ttl(e @ TtlError::SignerExpired(_)) => Status::internal(format!("CSR signing error ({e})")),
+            IssueError::Ttl(e @ TtlError::TooLong { .. }) => {
+                Status::invalid_argument(format!("CSR signing error ({e})"))
+            }
+            IssueError::Ttl(e @ TtlError::SignerExpired(_)) => {
+                Status::internal(format!("CSR signing error ({e})"))
+            }
             IssueError::Sign(e) => Status::internal(format!("CSR signing error ({e})")),
         }
     }
@@ -55,7 +65,10 @@ impl From<IssueError> for Status {
 pub fn decode_request(msg: IstioCertificateRequest) -> Result<IssueRequest, RequestError> {
     let mut impersonate = None;
     if let Some(meta) = &msg.metadata {
-        for (key, name) in [(IMPERSONATED_IDENTITY, IMPERSONATED_IDENTITY), (CERT_SIGNER, CERT_SIGNER)] {
+        for (key, name) in [
+            (IMPERSONATED_IDENTITY, IMPERSONATED_IDENTITY),
+            (CERT_SIGNER, CERT_SIGNER),
+        ] {
             match meta.fields.get(key).and_then(|v| v.kind.as_ref()) {
                 None | Some(Kind::NullValue(_)) => {}
                 Some(Kind::StringValue(s)) if key == IMPERSONATED_IDENTITY && !s.is_empty() => {
@@ -66,7 +79,11 @@ pub fn decode_request(msg: IstioCertificateRequest) -> Result<IssueRequest, Requ
             }
         }
     }
-    Ok(IssueRequest { csr: msg.csr, validity_secs: msg.validity_duration, impersonate })
+    Ok(IssueRequest {
+        csr: msg.csr,
+        validity_secs: msg.validity_duration,
+        impersonate,
+    })
 }
 
 /// Reads credentials from the connection and headers.
@@ -104,8 +121,7 @@ impl CaService {
     }
 
     pub fn into_server(self) -> IstioCertificateServiceServer<Self> {
-        IstioCertificateServiceServer::new(self)
-            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        IstioCertificateServiceServer::new(self).max_decoding_message_size(MAX_MESSAGE_BYTES)
     }
 }
 
@@ -143,13 +159,21 @@ impl Connected for TlsConn {
 }
 
 impl AsyncRead for TlsConn {
-    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
         Pin::new(&mut self.inner).poll_read(cx, buf)
     }
 }
 
 impl AsyncWrite for TlsConn {
-    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
         Pin::new(&mut self.inner).poll_write(cx, buf)
     }
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
@@ -158,7 +182,11 @@ impl AsyncWrite for TlsConn {
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         Pin::new(&mut self.inner).poll_shutdown(cx)
     }
-    fn poll_write_vectored(mut self: Pin<&mut Self>, cx: &mut Context<'_>, bufs: &[std::io::IoSlice<'_>]) -> Poll<std::io::Result<usize>> {
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
         Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
     }
     fn is_write_vectored(&self) -> bool {
@@ -192,15 +220,24 @@ pub fn tls_incoming(
             tokio::spawn(async move {
                 match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
                     Ok(Ok(stream)) => {
-                        let peer_chain = stream
-                            .get_ref()
-                            .1
-                            .peer_certificates()
-                            .map(|c| c.iter().map(|c| c.clone().into_owned()).collect::<Vec<_>>().into());
-                        let conn = TlsConn { inner: stream, info: ConnInfo { remote_addr, peer_chain } };
+                        let peer_chain = stream.get_ref().1.peer_certificates().map(|c| {
+                            c.iter()
+                                .map(|c| c.clone().into_owned())
+                                .collect::<Vec<_>>()
+                                .into()
+                        });
+                        let conn = TlsConn {
+                            inner: stream,
+                            info: ConnInfo {
+                                remote_addr,
+                                peer_chain,
+                            },
+                        };
                         let _ = tx.send(Ok(conn)).await;
                     }
-                    Ok(Err(e)) => tracing::info!(peer = %remote_addr, error = %e, "TLS handshake failed"),
+                    Ok(Err(e)) => {
+                        tracing::info!(peer = %remote_addr, error = %e, "TLS handshake failed")
+                    }
                     Err(_) => tracing::info!(peer = %remote_addr, "TLS handshake timed out"),
                 }
             });

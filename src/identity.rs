@@ -44,9 +44,9 @@ impl TrustDomain {
     pub fn strict(td: &str) -> Result<Self, IdentityError> {
         let valid = !td.is_empty()
             && td.len() <= 255
-            && td
-                .bytes()
-                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'.' | b'-' | b'_'));
+            && td.bytes().all(|b| {
+                b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'.' | b'-' | b'_')
+            });
         if valid {
             Ok(Self(td.to_string()))
         } else {
@@ -107,8 +107,7 @@ impl SpiffeId {
 fn valid_segment(s: &str) -> bool {
     !s.is_empty()
         && s.len() <= 253
-        && s
-            .bytes()
+        && s.bytes()
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b'_'))
 }
 

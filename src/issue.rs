@@ -110,8 +110,12 @@ impl CertificateIssuer {
                 let r = audit.record();
                 r.impersonated = true;
                 r.requested_identity = Some(requested.clone());
-                let authz = self.node_authz.as_ref().ok_or(ImpersonationError::NotConfigured)?;
-                let (id, evidence) = authz.authorize(&caller, requested, creds.cluster_id.as_deref())?;
+                let authz = self
+                    .node_authz
+                    .as_ref()
+                    .ok_or(ImpersonationError::NotConfigured)?;
+                let (id, evidence) =
+                    authz.authorize(&caller, requested, creds.cluster_id.as_deref())?;
                 let r = audit.record();
                 r.node = Some(evidence.node.clone());
                 r.evidence = Some(evidence.pod.clone());
@@ -126,7 +130,12 @@ impl CertificateIssuer {
 
         // One snapshot for the whole signing step: a reload cannot mix material.
         let bundle = self.ca.snapshot();
-        let validity = ttl::validity(OffsetDateTime::now_utc(), req.validity_secs, &self.ttl, bundle.signing_not_after())?;
+        let validity = ttl::validity(
+            OffsetDateTime::now_utc(),
+            req.validity_secs,
+            &self.ttl,
+            bundle.signing_not_after(),
+        )?;
         let leaf = bundle.sign_leaf(&csr.spki_der, &identity, csr.has_common_name, &validity)?;
         let r = audit.record();
         r.serial = Some(leaf.serial_hex.clone());

@@ -14,7 +14,11 @@ use meshca::config::{Config, ServeArgs};
 use meshca::identity::TrustDomain;
 
 #[derive(Parser)]
-#[command(name = "meshca", version, about = "An Istio-compatible certificate authority")]
+#[command(
+    name = "meshca",
+    version,
+    about = "An Istio-compatible certificate authority"
+)]
 struct Cli {
     /// Log format: plain or json.
     #[arg(long, env = "LOG_FORMAT", default_value = "plain", global = true)]
@@ -52,7 +56,9 @@ enum Command {
 fn init_tracing(format: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
     if format == "json" {
         builder.json().init();
     } else {
@@ -66,11 +72,22 @@ async fn main() -> anyhow::Result<()> {
     init_tracing(&cli.log_format);
     match cli.command {
         Command::Serve(args) => serve(args).await,
-        Command::Init { out, key_type, root_ttl, intermediate_ttl, trust_domain, force } => {
+        Command::Init {
+            out,
+            key_type,
+            root_ttl,
+            intermediate_ttl,
+            trust_domain,
+            force,
+        } => {
             let opts = InitOptions {
                 key_type,
-                root_ttl: parse_go_duration(&root_ttl).map_err(anyhow::Error::msg).context("--root-ttl")?,
-                intermediate_ttl: parse_go_duration(&intermediate_ttl).map_err(anyhow::Error::msg).context("--intermediate-ttl")?,
+                root_ttl: parse_go_duration(&root_ttl)
+                    .map_err(anyhow::Error::msg)
+                    .context("--root-ttl")?,
+                intermediate_ttl: parse_go_duration(&intermediate_ttl)
+                    .map_err(anyhow::Error::msg)
+                    .context("--intermediate-ttl")?,
                 organization: TrustDomain::new(&trust_domain)?.to_string(),
             };
             let ca = generate::generate(&opts, OffsetDateTime::now_utc())?;
@@ -87,30 +104,43 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         let data_dir = args.data_dir.clone().unwrap_or_else(app::default_data_dir);
         let td = TrustDomain::new(&args.trust_domain)?;
         let ca_dir = app::prepare_dev(&data_dir, &td)?;
-        println!("meshca dev mode: CA in {}, client identity in {}", ca_dir.display(), data_dir.join("dev-client").display());
-        (ca_dir, args.listen.unwrap_or(([127, 0, 0, 1], 15012).into()))
+        println!(
+            "meshca dev mode: CA in {}, client identity in {}",
+            ca_dir.display(),
+            data_dir.join("dev-client").display()
+        );
+        (
+            ca_dir,
+            args.listen.unwrap_or(([127, 0, 0, 1], 15012).into()),
+        )
     } else {
-        (args.ca_dir.clone(), args.listen.unwrap_or(([0, 0, 0, 0], 15012).into()))
+        (
+            args.ca_dir.clone(),
+            args.listen.unwrap_or(([0, 0, 0, 0], 15012).into()),
+        )
     };
     let config = Config::from_args(&args, ca_dir, listen)?;
     let app = App::start(&config, Deps::default()).await?;
     println!("listening on {}", app.addr);
     shutdown_signal().await;
     tracing::info!("shutting down");
-    tokio::time::timeout(Duration::from_secs(10), app.shutdown()).await.ok();
+    tokio::time::timeout(Duration::from_secs(10), app.shutdown())
+        .await
+        .ok();
     Ok(())
 }
 
 async fn shutdown_signal() {
     #[cfg(unix)]
     {
-        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(s) => s,
-            Err(_) => {
-                let _ = tokio::signal::ctrl_c().await;
-                return;
-            }
-        };
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(_) => {
+                    let _ = tokio::signal::ctrl_c().await;
+                    return;
+                }
+            };
         tokio::select! {
             _ = tokio::signal::ctrl_c() => {}
             _ = term.recv() => {}

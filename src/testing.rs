@@ -27,16 +27,25 @@ pub fn csr_pem(key: &KeyPair, sans: &[SanType], ca: bool) -> String {
     params.subject_alt_names = sans.to_vec();
     if ca {
         // basicConstraints CA:TRUE requested through the extension request.
-        let mut bc = CustomExtension::from_oid_content(&[2, 5, 29, 19], vec![0x30, 0x03, 0x01, 0x01, 0xff]);
+        let mut bc =
+            CustomExtension::from_oid_content(&[2, 5, 29, 19], vec![0x30, 0x03, 0x01, 0x01, 0xff]);
         bc.set_criticality(true);
         params.custom_extensions.push(bc);
     }
-    params.serialize_request(key).expect("csr").pem().expect("pem")
+    params
+        .serialize_request(key)
+        .expect("csr")
+        .pem()
+        .expect("pem")
 }
 
 /// A CSR for a SPIFFE id, as ztunnel and istio-agent send.
 pub fn csr_for(key: &KeyPair, id: &str) -> String {
-    csr_pem(key, &[SanType::URI(id.to_string().try_into().expect("uri"))], false)
+    csr_pem(
+        key,
+        &[SanType::URI(id.to_string().try_into().expect("uri"))],
+        false,
+    )
 }
 
 /// A CA directory in the cacerts layout, generated now.
@@ -49,7 +58,14 @@ pub struct TestPki {
 impl TestPki {
     pub fn new(key_type: KeyType) -> Self {
         let dir = tempfile::tempdir().expect("tempdir");
-        let ca = generate::generate(&InitOptions { key_type, ..Default::default() }, OffsetDateTime::now_utc()).expect("generate");
+        let ca = generate::generate(
+            &InitOptions {
+                key_type,
+                ..Default::default()
+            },
+            OffsetDateTime::now_utc(),
+        )
+        .expect("generate");
         generate::write_cacerts(dir.path(), &ca, false).expect("write");
         Self { dir, ca }
     }
@@ -61,4 +77,147 @@ impl TestPki {
     pub fn path_buf(&self) -> PathBuf {
         self.dir.path().to_path_buf()
     }
+}
+
+/// A new intermediate under the same root as `ca` (for reload tests).
+pub fn new_intermediate(ca: &generate::GeneratedCa, now: OffsetDateTime) -> generate::GeneratedCa {
+    let root_key = KeyPair::from_pem(&ca.root_key).expect("root key");
+    let root = rcgen::Issuer::from_ca_cert_pem(&ca.root_cert, root_key).expect("root issuer");
+    let key = KeyPair::generate().expect("key");
+    let mut params = generate::ca_params(
+        "meshca intermediate CA",
+        "cluster.local",
+        now,
+        now + time::Duration::days(30),
+        Some(0),
+    )
+    .expect("params");
+    params.use_authority_key_identifier_extension = true;
+    let cert = params.signed_by(&key, &root).expect("sign");
+    generate::GeneratedCa {
+        root_cert: ca.root_cert.clone(),
+        root_key: ca.root_key.clone(),
+        ca_cert: cert.pem(),
+        ca_key: key.serialize_pem(),
+    }
+}
+
+/// Signs arbitrary leaf parameters with the bundle's signing key (for
+/// malformed client certificates that meshca itself would never issue).
+pub fn sign_custom(
+    bundle: &crate::ca::CaBundle,
+    params: &CertificateParams,
+    key: &KeyPair,
+) -> String {
+    params.signed_by(key, bundle.issuer()).expect("sign").pem()
+}
+
+/// A client certificate (chain PEM without the root, key PEM) for `id`,
+/// valid over `validity`.
+pub fn client_identity(
+    bundle: &crate::ca::CaBundle,
+    id: &str,
+    validity: &crate::ca::Validity,
+) -> (String, String) {
+    let key = KeyPair::generate().expect("key");
+    let spki = rcgen::PublicKeyData::subject_public_key_info(&key);
+    let leaf = bundle
+        .sign_leaf(&spki, &id.parse().expect("spiffe id"), false, validity)
+        .expect("leaf");
+    let chain = bundle.response_chain(&leaf.pem);
+    (chain[..chain.len() - 1].concat(), key.serialize_pem())
+}
+
+/// A validity window of `hours` from now (negative for already expired).
+pub fn validity_hours(from_hours: i64, to_hours: i64) -> crate::ca::Validity {
+    let now = OffsetDateTime::now_utc();
+    crate::ca::Validity {
+        not_before: now + time::Duration::hours(from_hours),
+        not_after: now + time::Duration::hours(to_hours),
+        clamped: false,
+    }
+}
+
+/// A gRPC client over TLS to a local meshca, trusting `root_pem`, optionally
+/// presenting a client certificate.
+pub async fn client(
+    addr: std::net::SocketAddr,
+    root_pem: &str,
+    identity: Option<(&str, &str)>,
+) -> Result<
+    crate::proto::istio_certificate_service_client::IstioCertificateServiceClient<
+        tonic::transport::Channel,
+    >,
+    tonic::transport::Error,
+> {
+    use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
+    let mut tls = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(root_pem))
+        .domain_name("localhost");
+    if let Some((cert, key)) = identity {
+        tls = tls.identity(Identity::from_pem(cert, key));
+    }
+    let channel = Channel::from_shared(format!("https://127.0.0.1:{}", addr.port()))
+        .expect("uri")
+        .tls_config(tls)?
+        .connect()
+        .await?;
+    Ok(crate::proto::istio_certificate_service_client::IstioCertificateServiceClient::new(channel))
+}
+
+/// A request message with string metadata.
+pub fn request(
+    csr: String,
+    ttl: i64,
+    metadata: &[(&str, prost_types::Value)],
+) -> crate::proto::IstioCertificateRequest {
+    let metadata = (!metadata.is_empty()).then(|| prost_types::Struct {
+        fields: metadata
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.clone()))
+            .collect(),
+    });
+    crate::proto::IstioCertificateRequest {
+        csr,
+        validity_duration: ttl,
+        metadata,
+    }
+}
+
+/// A protobuf string value.
+pub fn string_value(s: &str) -> prost_types::Value {
+    prost_types::Value {
+        kind: Some(prost_types::value::Kind::StringValue(s.to_string())),
+    }
+}
+
+/// A server config for tests: 127.0.0.1:0, istiod defaults, fast reload polling.
+pub fn test_config(ca_dir: PathBuf) -> crate::config::Config {
+    crate::config::Config {
+        listen: "127.0.0.1:0".parse().expect("addr"),
+        ca_dir,
+        trust_domain: crate::identity::TrustDomain::new("cluster.local").expect("td"),
+        trust_domain_aliases: Vec::new(),
+        ttl: Default::default(),
+        csr_policy: Default::default(),
+        serving_names: vec!["localhost".into(), "127.0.0.1".into()],
+        trusted_node_accounts: Vec::new(),
+        token_audiences: vec!["istio-ca".into()],
+        cluster_id: "Kubernetes".into(),
+        allow_root_change: false,
+        reload_poll: std::time::Duration::from_millis(500),
+    }
+}
+
+/// Starts a server with an in-memory audit sink.
+pub async fn start_server(
+    cfg: &crate::config::Config,
+    mut deps: crate::app::Deps,
+) -> (crate::app::App, std::sync::Arc<crate::audit::MemorySink>) {
+    let sink = std::sync::Arc::new(crate::audit::MemorySink::default());
+    deps.audit = sink.clone();
+    let app = crate::app::App::start(cfg, deps)
+        .await
+        .expect("server starts");
+    (app, sink)
 }

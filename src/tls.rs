@@ -6,7 +6,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
-use rcgen::{CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, KeyPair, KeyUsagePurpose, SanType};
+use rcgen::{
+    CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, KeyPair,
+    KeyUsagePurpose, SanType,
+};
 use rustls::ServerConfig;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 use time::OffsetDateTime;
@@ -35,14 +38,24 @@ pub struct ServingTls {
 
 impl std::fmt::Debug for ServingTls {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ServingTls").field("names", &self.names).finish_non_exhaustive()
+        f.debug_struct("ServingTls")
+            .field("names", &self.names)
+            .finish_non_exhaustive()
     }
 }
 
 impl ServingTls {
-    pub fn new(bundle: &CaBundle, names: Vec<String>, trust_domains: Vec<TrustDomain>) -> Result<Self, TlsError> {
+    pub fn new(
+        bundle: &CaBundle,
+        names: Vec<String>,
+        trust_domains: Vec<TrustDomain>,
+    ) -> Result<Self, TlsError> {
         let config = build(bundle, &names, &trust_domains)?;
-        Ok(Self { config: ArcSwap::from_pointee(config), names, trust_domains })
+        Ok(Self {
+            config: ArcSwap::from_pointee(config),
+            names,
+            trust_domains,
+        })
     }
 
     pub fn current(&self) -> Arc<ServerConfig> {
@@ -50,7 +63,8 @@ impl ServingTls {
     }
 
     pub fn rebuild(&self, bundle: &CaBundle) -> Result<(), TlsError> {
-        self.config.store(Arc::new(build(bundle, &self.names, &self.trust_domains)?));
+        self.config
+            .store(Arc::new(build(bundle, &self.names, &self.trust_domains)?));
         Ok(())
     }
 
@@ -69,7 +83,11 @@ impl ServingTls {
     }
 }
 
-fn build(bundle: &CaBundle, names: &[String], tds: &[TrustDomain]) -> Result<ServerConfig, TlsError> {
+fn build(
+    bundle: &CaBundle,
+    names: &[String],
+    tds: &[TrustDomain],
+) -> Result<ServerConfig, TlsError> {
     let (chain, key) = serving_cert(bundle, names)?;
     let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
     let verifier = SpiffeClientVerifier::new(bundle.roots(), tds.to_vec(), provider.clone())?;
@@ -100,7 +118,10 @@ pub fn serving_cert(
         .collect::<Result<_, _>>()?;
     params.not_before = now - time::Duration::minutes(2);
     params.not_after = (now + SERVING_TTL).min(bundle.signing_not_after());
-    params.key_usages = vec![KeyUsagePurpose::DigitalSignature, KeyUsagePurpose::KeyEncipherment];
+    params.key_usages = vec![
+        KeyUsagePurpose::DigitalSignature,
+        KeyUsagePurpose::KeyEncipherment,
+    ];
     params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
     params.use_authority_key_identifier_extension = true;
     let cert = params.signed_by(&key, bundle.issuer())?;

@@ -90,7 +90,11 @@ impl AuthnError {
 /// in the kube module). Behind a trait so unit tests can use a fake.
 #[tonic::async_trait]
 pub trait TokenAuthenticator: Send + Sync + std::fmt::Debug {
-    async fn authenticate(&self, token: &str, cluster_id: Option<&str>) -> Result<Caller, AuthnError>;
+    async fn authenticate(
+        &self,
+        token: &str,
+        cluster_id: Option<&str>,
+    ) -> Result<Caller, AuthnError>;
 }
 
 /// Authenticates a request like istiod: a client certificate wins over a
@@ -101,7 +105,11 @@ pub async fn authenticate(
 ) -> Result<Caller, AuthnError> {
     if let Some(chain) = creds.peer_chain.as_deref().filter(|c| !c.is_empty()) {
         let identity = mtls::identity_of(&chain[0], None)?;
-        return Ok(Caller { method: AuthnMethod::Mtls, identity, kube: None });
+        return Ok(Caller {
+            method: AuthnMethod::Mtls,
+            identity,
+            kube: None,
+        });
     }
     match (&creds.bearer, tokens) {
         (Some(token), Some(auth)) => auth.authenticate(token, creds.cluster_id.as_deref()).await,

@@ -7,7 +7,9 @@ use rustls::client::danger::HandshakeSignatureValid;
 use rustls::pki_types::{CertificateDer, UnixTime};
 use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
 use rustls::server::WebPkiClientVerifier;
-use rustls::{CertificateError, DigitallySignedStruct, DistinguishedName, RootCertStore, SignatureScheme};
+use rustls::{
+    CertificateError, DigitallySignedStruct, DistinguishedName, RootCertStore, SignatureScheme,
+};
 use x509_parser::extensions::GeneralName;
 use x509_parser::prelude::{FromDer, X509Certificate};
 
@@ -39,7 +41,10 @@ impl MtlsError {
 
 /// The SPIFFE identity of a client certificate: exactly one URI SAN, a
 /// workload id, and (if `trust_domains` is given) in one of those domains.
-pub fn identity_of(cert: &CertificateDer<'_>, trust_domains: Option<&[TrustDomain]>) -> Result<SpiffeId, MtlsError> {
+pub fn identity_of(
+    cert: &CertificateDer<'_>,
+    trust_domains: Option<&[TrustDomain]>,
+) -> Result<SpiffeId, MtlsError> {
     let (_, parsed) = X509Certificate::from_der(cert).map_err(|_| MtlsError::Malformed)?;
     let uris: Vec<&str> = match parsed.subject_alternative_name() {
         Ok(Some(san)) => san
@@ -89,7 +94,10 @@ impl SpiffeClientVerifier {
             .allow_unauthenticated()
             .build()
             .map_err(|e| rustls::Error::General(e.to_string()))?;
-        Ok(Self { inner, trust_domains })
+        Ok(Self {
+            inner,
+            trust_domains,
+        })
     }
 }
 
@@ -112,7 +120,9 @@ impl ClientCertVerifier for SpiffeClientVerifier {
         intermediates: &[CertificateDer<'_>],
         now: UnixTime,
     ) -> Result<ClientCertVerified, rustls::Error> {
-        let verified = self.inner.verify_client_cert(end_entity, intermediates, now)?;
+        let verified = self
+            .inner
+            .verify_client_cert(end_entity, intermediates, now)?;
         identity_of(end_entity, Some(&self.trust_domains)).map_err(|e| {
             tracing::warn!(reason = e.reason(), error = %e, "rejected client certificate");
             rustls::Error::InvalidCertificate(CertificateError::ApplicationVerificationFailure)

@@ -3,8 +3,8 @@
 use std::path::{Path, PathBuf};
 
 use rcgen::{
-    CertificateParams, CustomExtension, DistinguishedName, DnType, ExtendedKeyUsagePurpose,
-    IsCa, Issuer, KeyPair, KeyUsagePurpose, SanType, SerialNumber, SignatureAlgorithm,
+    CertificateParams, CustomExtension, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
+    Issuer, KeyPair, KeyUsagePurpose, SanType, SerialNumber, SignatureAlgorithm,
     SubjectPublicKeyInfo,
 };
 use rustls_pki_types::pem::PemObject;
@@ -19,7 +19,12 @@ use super::ttl::Validity;
 use crate::identity::SpiffeId;
 
 /// Istio `cacerts` file names.
-pub const CACERTS_FILES: [&str; 4] = ["ca-cert.pem", "ca-key.pem", "cert-chain.pem", "root-cert.pem"];
+pub const CACERTS_FILES: [&str; 4] = [
+    "ca-cert.pem",
+    "ca-key.pem",
+    "cert-chain.pem",
+    "root-cert.pem",
+];
 /// `kubernetes.io/tls` Secret file names.
 pub const TLS_FILES: [&str; 3] = ["tls.crt", "tls.key", "ca.crt"];
 
@@ -121,12 +126,19 @@ impl BundleFiles {
             String::from_utf8(bytes).map_err(|_| MaterialError::NotText(f.to_string()))
         };
         let missing = |files: &[&str]| -> Vec<String> {
-            files.iter().filter(|f| !exists(f)).map(|f| f.to_string()).collect()
+            files
+                .iter()
+                .filter(|f| !exists(f))
+                .map(|f| f.to_string())
+                .collect()
         };
         if exists("tls.crt") {
             let m = missing(&TLS_FILES);
             if !m.is_empty() {
-                return Err(MaterialError::Incomplete { dir: dir.to_path_buf(), missing: m });
+                return Err(MaterialError::Incomplete {
+                    dir: dir.to_path_buf(),
+                    missing: m,
+                });
             }
             let tls = read("tls.crt")?;
             let ca = read("ca.crt")?;
@@ -144,7 +156,10 @@ impl BundleFiles {
             return Err(MaterialError::NotFound(dir.to_path_buf()));
         }
         if !m.is_empty() {
-            return Err(MaterialError::Incomplete { dir: dir.to_path_buf(), missing: m });
+            return Err(MaterialError::Incomplete {
+                dir: dir.to_path_buf(),
+                missing: m,
+            });
         }
         Ok(Self {
             signing_cert: read("ca-cert.pem")?,
@@ -157,7 +172,12 @@ impl BundleFiles {
 
     fn fingerprint(&self) -> [u8; 32] {
         let mut all = Vec::new();
-        for part in [&self.signing_cert, &self.signing_key, &self.cert_chain, &self.root_bundle] {
+        for part in [
+            &self.signing_cert,
+            &self.signing_key,
+            &self.cert_chain,
+            &self.root_bundle,
+        ] {
             all.extend_from_slice(&sha256(part.as_bytes()));
         }
         sha256(&all)
@@ -216,14 +236,24 @@ impl CaBundle {
         let signing_cert = certs("signing certificate", &files.signing_cert)?
             .into_iter()
             .next()
-            .ok_or(MaterialError::NoCertificate { file: "signing certificate".into() })?;
+            .ok_or(MaterialError::NoCertificate {
+                file: "signing certificate".into(),
+            })?;
         let chain = certs_allow_empty("cert chain", &files.cert_chain)?;
         let roots = certs("root bundle", &files.root_bundle)?;
 
         let (_, parsed) = X509Certificate::from_der(&signing_cert).map_err(|e| {
-            MaterialError::BadCertificate { file: "signing certificate".into(), detail: e.to_string() }
+            MaterialError::BadCertificate {
+                file: "signing certificate".into(),
+                detail: e.to_string(),
+            }
         })?;
-        let is_ca = parsed.basic_constraints().ok().flatten().map(|bc| bc.value.ca).unwrap_or(false);
+        let is_ca = parsed
+            .basic_constraints()
+            .ok()
+            .flatten()
+            .map(|bc| bc.value.ca)
+            .unwrap_or(false);
         let can_sign = parsed
             .key_usage()
             .ok()
@@ -246,18 +276,27 @@ impl CaBundle {
         if rcgen::PublicKeyData::der_bytes(&key) != spki.subject_public_key.data.as_ref() {
             return Err(MaterialError::KeyMismatch);
         }
-        let key_id = match parsed.extensions().iter().find_map(|e| match e.parsed_extension() {
-            x509_parser::extensions::ParsedExtension::SubjectKeyIdentifier(ski) => Some(ski.0),
-            _ => None,
-        }) {
+        let key_id = match parsed
+            .extensions()
+            .iter()
+            .find_map(|e| match e.parsed_extension() {
+                x509_parser::extensions::ParsedExtension::SubjectKeyIdentifier(ski) => Some(ski.0),
+                _ => None,
+            }) {
             Some(ski) => hex::encode(ski),
             None => hex::encode(&sha256(spki.raw)[..20]),
         };
-        let issuer = Issuer::from_ca_cert_der(&signing_cert, key)
-            .map_err(|e| MaterialError::BadCertificate { file: "signing certificate".into(), detail: e.to_string() })?;
+        let issuer = Issuer::from_ca_cert_der(&signing_cert, key).map_err(|e| {
+            MaterialError::BadCertificate {
+                file: "signing certificate".into(),
+                detail: e.to_string(),
+            }
+        })?;
 
         let not_after_of = |der: &CertificateDer<'_>| {
-            X509Certificate::from_der(der).ok().map(|(_, c)| c.validity().not_after.to_datetime())
+            X509Certificate::from_der(der)
+                .ok()
+                .map(|(_, c)| c.validity().not_after.to_datetime())
         };
         let root_not_after = not_after_of(&roots[0]).unwrap_or(signing_not_after);
         let chain_not_after = chain.first().and_then(not_after_of);
@@ -295,8 +334,9 @@ impl CaBundle {
             not_after: (now + time::Duration::hours(1)).min(self.signing_not_after),
             clamped: false,
         };
-        let spki = SubjectPublicKeyInfo::from_der(&rcgen::PublicKeyData::subject_public_key_info(&key))
-            .map_err(|e| MaterialError::BadKey(e.to_string()))?;
+        let spki =
+            SubjectPublicKeyInfo::from_der(&rcgen::PublicKeyData::subject_public_key_info(&key))
+                .map_err(|e| MaterialError::BadKey(e.to_string()))?;
         let leaf = self
             .sign_leaf_spki(&spki, &id, false, &validity)
             .map_err(|e| MaterialError::ChainInvalid(e.to_string()))?;
@@ -305,7 +345,11 @@ impl CaBundle {
     }
 
     /// Verifies a leaf issued by this bundle against its roots (client auth usage).
-    pub fn verify_leaf(&self, leaf: &CertificateDer<'_>, now: OffsetDateTime) -> Result<(), String> {
+    pub fn verify_leaf(
+        &self,
+        leaf: &CertificateDer<'_>,
+        now: OffsetDateTime,
+    ) -> Result<(), String> {
         let anchors: Vec<_> = self
             .roots
             .iter()
@@ -334,7 +378,8 @@ impl CaBundle {
         common_name: bool,
         validity: &Validity,
     ) -> Result<IssuedLeaf, SignError> {
-        let spki = SubjectPublicKeyInfo::from_der(spki_der).map_err(|e| SignError::PublicKey(e.to_string()))?;
+        let spki = SubjectPublicKeyInfo::from_der(spki_der)
+            .map_err(|e| SignError::PublicKey(e.to_string()))?;
         self.sign_leaf_spki(&spki, identity, common_name, validity)
     }
 
@@ -354,12 +399,20 @@ impl CaBundle {
         params.distinguished_name = DistinguishedName::new();
         // istiod's dual-use rule: a CN is set only when the CSR had one.
         if common_name && id.len() <= 64 {
-            params.distinguished_name.push(DnType::CommonName, id.clone());
+            params
+                .distinguished_name
+                .push(DnType::CommonName, id.clone());
         }
         params.not_before = validity.not_before;
         params.not_after = validity.not_after;
-        params.key_usages = vec![KeyUsagePurpose::DigitalSignature, KeyUsagePurpose::KeyEncipherment];
-        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
+        params.key_usages = vec![
+            KeyUsagePurpose::DigitalSignature,
+            KeyUsagePurpose::KeyEncipherment,
+        ];
+        params.extended_key_usages = vec![
+            ExtendedKeyUsagePurpose::ServerAuth,
+            ExtendedKeyUsagePurpose::ClientAuth,
+        ];
         params.subject_alt_names = vec![SanType::URI(id.try_into().map_err(gen)?)];
         params.use_authority_key_identifier_extension = true;
         // Critical CA:FALSE written by hand: rcgen's ExplicitNoCa also adds a
@@ -439,10 +492,15 @@ fn certs(file: &str, pem: &str) -> Result<Vec<CertificateDer<'static>>, Material
 fn certs_allow_empty(file: &str, pem: &str) -> Result<Vec<CertificateDer<'static>>, MaterialError> {
     let out = CertificateDer::pem_slice_iter(pem.as_bytes())
         .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| MaterialError::BadCertificate { file: file.into(), detail: e.to_string() })?;
+        .map_err(|e| MaterialError::BadCertificate {
+            file: file.into(),
+            detail: e.to_string(),
+        })?;
     for der in &out {
-        X509Certificate::from_der(der)
-            .map_err(|e| MaterialError::BadCertificate { file: file.into(), detail: e.to_string() })?;
+        X509Certificate::from_der(der).map_err(|e| MaterialError::BadCertificate {
+            file: file.into(),
+            detail: e.to_string(),
+        })?;
     }
     Ok(out)
 }
@@ -462,17 +520,23 @@ fn signing_algorithm(
             match curve.as_str() {
                 "1.2.840.10045.3.1.7" => Ok((&rcgen::PKCS_ECDSA_P256_SHA256, "ecdsa-p256")),
                 "1.3.132.0.34" => Ok((&rcgen::PKCS_ECDSA_P384_SHA384, "ecdsa-p384")),
-                other => Err(MaterialError::BadKey(format!("unsupported EC curve {other}"))),
+                other => Err(MaterialError::BadKey(format!(
+                    "unsupported EC curve {other}"
+                ))),
             }
         }
         "1.2.840.113549.1.1.1" => match spki.parsed() {
-            Ok(PublicKey::RSA(rsa)) if rsa.key_size() >= 2048 => Ok((&rcgen::PKCS_RSA_SHA256, "rsa")),
+            Ok(PublicKey::RSA(rsa)) if rsa.key_size() >= 2048 => {
+                Ok((&rcgen::PKCS_RSA_SHA256, "rsa"))
+            }
             Ok(PublicKey::RSA(rsa)) => Err(MaterialError::BadKey(format!(
                 "RSA signing key of {} bits is below 2048",
                 rsa.key_size()
             ))),
             _ => Err(MaterialError::BadKey("malformed RSA public key".into())),
         },
-        other => Err(MaterialError::BadKey(format!("unsupported signing key algorithm {other}"))),
+        other => Err(MaterialError::BadKey(format!(
+            "unsupported signing key algorithm {other}"
+        ))),
     }
 }

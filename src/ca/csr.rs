@@ -268,7 +268,12 @@ mod tests {
     #[test_case(&rcgen::PKCS_ED25519, KeyKind::Ed25519 ; "ed25519")]
     fn accepts_supported_keys(alg: &'static rcgen::SignatureAlgorithm, want: KeyKind) {
         let key = KeyPair::generate_for(alg).unwrap();
-        let csr = parse_and_verify(&csr_pem(&key, &[SanType::URI(id().to_string().try_into().unwrap())], false)).unwrap();
+        let csr = parse_and_verify(&csr_pem(
+            &key,
+            &[SanType::URI(id().to_string().try_into().unwrap())],
+            false,
+        ))
+        .unwrap();
         assert_eq!(csr.key, want);
         check_policy(&csr, &id(), CsrPolicy::Strict).unwrap();
     }
@@ -283,7 +288,12 @@ mod tests {
     #[test]
     fn dns_san_is_refused_in_strict_mode_only() {
         let key = KeyPair::generate().unwrap();
-        let csr = parse_and_verify(&csr_pem(&key, &[SanType::DnsName("evil.example".try_into().unwrap())], false)).unwrap();
+        let csr = parse_and_verify(&csr_pem(
+            &key,
+            &[SanType::DnsName("evil.example".try_into().unwrap())],
+            false,
+        ))
+        .unwrap();
         assert_eq!(
             check_policy(&csr, &id(), CsrPolicy::Strict),
             Err(CsrError::SanNotAuthorized("DNS:evil.example".into()))
@@ -295,8 +305,16 @@ mod tests {
     fn other_identity_is_refused() {
         let key = KeyPair::generate().unwrap();
         let other = "spiffe://cluster.local/ns/default/sa/other";
-        let csr = parse_and_verify(&csr_pem(&key, &[SanType::URI(other.try_into().unwrap())], false)).unwrap();
-        assert_eq!(check_policy(&csr, &id(), CsrPolicy::Strict), Err(CsrError::SanNotAuthorized(other.into())));
+        let csr = parse_and_verify(&csr_pem(
+            &key,
+            &[SanType::URI(other.try_into().unwrap())],
+            false,
+        ))
+        .unwrap();
+        assert_eq!(
+            check_policy(&csr, &id(), CsrPolicy::Strict),
+            Err(CsrError::SanNotAuthorized(other.into()))
+        );
     }
 
     #[test]
@@ -304,18 +322,27 @@ mod tests {
         let key = KeyPair::generate().unwrap();
         let csr = parse_and_verify(&csr_pem(&key, &[], true)).unwrap();
         assert!(csr.requests_ca);
-        assert_eq!(check_policy(&csr, &id(), CsrPolicy::Strict), Err(CsrError::RequestsCa));
+        assert_eq!(
+            check_policy(&csr, &id(), CsrPolicy::Strict),
+            Err(CsrError::RequestsCa)
+        );
     }
 
     #[test]
     fn tampered_signature_is_refused() {
         let key = KeyPair::generate().unwrap();
         let pem = csr_pem(&key, &[], false);
-        let mut der = CertificateSigningRequestDer::from_pem_slice(pem.as_bytes()).unwrap().as_ref().to_vec();
+        let mut der = CertificateSigningRequestDer::from_pem_slice(pem.as_bytes())
+            .unwrap()
+            .as_ref()
+            .to_vec();
         let n = der.len();
         der[n - 5] ^= 0x01;
         let pem = crate::testing::pem_encode("CERTIFICATE REQUEST", &der);
-        assert!(matches!(parse_and_verify(&pem), Err(CsrError::BadSignature | CsrError::Malformed)));
+        assert!(matches!(
+            parse_and_verify(&pem),
+            Err(CsrError::BadSignature | CsrError::Malformed)
+        ));
     }
 
     #[test_case("", CsrError::NotPem ; "empty")]
@@ -328,6 +355,9 @@ mod tests {
     #[test]
     fn rejects_oversized() {
         let pem = "A".repeat(MAX_CSR_BYTES + 1);
-        assert_eq!(parse_and_verify(&pem).unwrap_err(), CsrError::TooLarge(MAX_CSR_BYTES + 1));
+        assert_eq!(
+            parse_and_verify(&pem).unwrap_err(),
+            CsrError::TooLarge(MAX_CSR_BYTES + 1)
+        );
     }
 }

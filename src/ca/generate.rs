@@ -84,7 +84,13 @@ pub enum GenerateError {
     Exists(String),
 }
 
-fn ca_params(cn: &str, org: &str, not_before: OffsetDateTime, not_after: OffsetDateTime, path_len: Option<u8>) -> Result<CertificateParams, rcgen::Error> {
+pub(crate) fn ca_params(
+    cn: &str,
+    org: &str,
+    not_before: OffsetDateTime,
+    not_after: OffsetDateTime,
+    path_len: Option<u8>,
+) -> Result<CertificateParams, rcgen::Error> {
     let mut p = CertificateParams::default();
     let mut serial = [0u8; 16];
     aws_lc_rs::rand::fill(&mut serial).map_err(|_| rcgen::Error::RingUnspecified)?;
@@ -96,7 +102,11 @@ fn ca_params(cn: &str, org: &str, not_before: OffsetDateTime, not_after: OffsetD
         Some(n) => BasicConstraints::Constrained(n),
         None => BasicConstraints::Unconstrained,
     });
-    p.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign, KeyUsagePurpose::DigitalSignature];
+    p.key_usages = vec![
+        KeyUsagePurpose::KeyCertSign,
+        KeyUsagePurpose::CrlSign,
+        KeyUsagePurpose::DigitalSignature,
+    ];
     p.not_before = not_before;
     p.not_after = not_after;
     Ok(p)
@@ -112,7 +122,13 @@ pub fn generate(opts: &InitOptions, now: OffsetDateTime) -> Result<GeneratedCa, 
 
     let ca_key = opts.key_type.generate()?;
     let ca_end = (now + opts.intermediate_ttl).min(root_end);
-    let mut ca_params = ca_params("meshca intermediate CA", &opts.organization, now, ca_end, Some(0))?;
+    let mut ca_params = ca_params(
+        "meshca intermediate CA",
+        &opts.organization,
+        now,
+        ca_end,
+        Some(0),
+    )?;
     ca_params.use_authority_key_identifier_extension = true;
     let ca_cert = ca_params.signed_by(&ca_key, &root_issuer)?;
     Ok(GeneratedCa {
@@ -180,12 +196,22 @@ mod tests {
     #[test_case(KeyType::Rsa2048, "rsa")]
     fn generated_ca_loads_and_verifies(key_type: KeyType, alg: &str) {
         let now = OffsetDateTime::now_utc();
-        let ca = generate(&InitOptions { key_type, ..Default::default() }, now).unwrap();
+        let ca = generate(
+            &InitOptions {
+                key_type,
+                ..Default::default()
+            },
+            now,
+        )
+        .unwrap();
         let dir = tempfile::tempdir().unwrap();
         write_cacerts(dir.path(), &ca, false).unwrap();
         let bundle = CaBundle::load_dir(dir.path(), now).unwrap();
         assert_eq!(bundle.key_algorithm(), alg);
-        assert!(matches!(write_cacerts(dir.path(), &ca, false), Err(GenerateError::Exists(_))));
+        assert!(matches!(
+            write_cacerts(dir.path(), &ca, false),
+            Err(GenerateError::Exists(_))
+        ));
         let files = BundleFiles::read_dir(dir.path()).unwrap();
         assert_eq!(files.root_bundle, ca.root_cert);
     }

@@ -33,7 +33,9 @@ pub struct CaStore {
 
 impl std::fmt::Debug for CaStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CaStore").field("dir", &self.dir).finish_non_exhaustive()
+        f.debug_struct("CaStore")
+            .field("dir", &self.dir)
+            .finish_non_exhaustive()
     }
 }
 
@@ -41,7 +43,11 @@ impl CaStore {
     /// A store backed by a directory, loaded now.
     pub fn from_dir(dir: &Path, allow_root_change: bool) -> Result<Self, MaterialError> {
         let bundle = CaBundle::load_dir(dir, OffsetDateTime::now_utc())?;
-        Ok(Self::new(bundle, Some(dir.to_path_buf()), allow_root_change))
+        Ok(Self::new(
+            bundle,
+            Some(dir.to_path_buf()),
+            allow_root_change,
+        ))
     }
 
     pub fn new(bundle: CaBundle, dir: Option<PathBuf>, allow_root_change: bool) -> Self {
@@ -96,7 +102,10 @@ impl CaStore {
                 let _ = tx.try_send(());
             }
         })
-        .and_then(|mut w| w.watch(&dir, notify::RecursiveMode::NonRecursive).map(|_| w));
+        .and_then(|mut w| {
+            w.watch(&dir, notify::RecursiveMode::NonRecursive)
+                .map(|_| w)
+        });
         let _watcher = match watcher {
             Ok(w) => Some(w),
             Err(e) => {
@@ -120,7 +129,9 @@ impl CaStore {
             match result {
                 Ok(Ok(ReloadOutcome::Swapped)) => {}
                 Ok(Ok(ReloadOutcome::Unchanged)) => {}
-                Ok(Err(e)) => tracing::error!(reason = e.reason(), error = %e, "rejected new CA material; still serving the previous bundle"),
+                Ok(Err(e)) => {
+                    tracing::error!(reason = e.reason(), error = %e, "rejected new CA material; still serving the previous bundle")
+                }
                 Err(e) => tracing::error!(error = %e, "CA reload task failed"),
             }
         }
@@ -130,7 +141,9 @@ impl CaStore {
 /// istiod refuses a root change unless multi-root is on, and then only when
 /// one root set contains the other.
 fn check_root_change(old: &CaBundle, new: &CaBundle, allow: bool) -> Result<(), MaterialError> {
-    let set = |b: &CaBundle| -> BTreeSet<Vec<u8>> { b.roots().iter().map(|c| c.as_ref().to_vec()).collect() };
+    let set = |b: &CaBundle| -> BTreeSet<Vec<u8>> {
+        b.roots().iter().map(|c| c.as_ref().to_vec()).collect()
+    };
     let (a, b) = (set(old), set(new));
     if a == b || (allow && (a.is_subset(&b) || b.is_subset(&a))) {
         Ok(())

@@ -129,9 +129,7 @@ pub fn parse_go_duration(s: &str) -> Result<Duration, String> {
             'd' => 86400,
             _ => return Err(format!("invalid duration {s:?}: unknown unit {c:?}")),
         };
-        let n: u64 = num
-            .parse()
-            .map_err(|_| format!("invalid duration {s:?}"))?;
+        let n: u64 = num.parse().map_err(|_| format!("invalid duration {s:?}"))?;
         num.clear();
         total = n
             .checked_mul(unit)
@@ -179,9 +177,15 @@ mod tests {
 
     #[test]
     fn too_long_message_matches_istiod() {
-        let p = TtlPolicy { default: Duration::from_secs(1800), max: Duration::from_secs(7200) };
+        let p = TtlPolicy {
+            default: Duration::from_secs(1800),
+            max: Duration::from_secs(7200),
+        };
         let err = validity(NOW, 3 * 3600, &p, SIGNER_END).unwrap_err();
-        assert_eq!(err.to_string(), "requested TTL 3h0m0s is greater than the max allowed TTL 2h0m0s");
+        assert_eq!(
+            err.to_string(),
+            "requested TTL 3h0m0s is greater than the max allowed TTL 2h0m0s"
+        );
     }
 
     #[test]
