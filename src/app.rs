@@ -11,14 +11,17 @@ use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
 use crate::audit::{AuditSink, TracingSink};
+use crate::authn::token::{KubeTokenAuthenticator, TokenReviewSettings};
 use crate::authn::TokenAuthenticator;
-use crate::authz::NodeAuthorizer;
+use crate::authz::{KubeNodeAuthorizer, NodeAuthorizer, NodePolicy};
 use crate::ca::generate::{self, InitOptions};
 use crate::ca::{ttl, CaBundle, CaStore};
 use crate::config::Config;
+use crate::config::KubeSettings;
 use crate::grpc::{self, CaService};
 use crate::identity::{SpiffeId, TrustDomain};
 use crate::issue::CertificateIssuer;
+use crate::podindex::PodIndex;
 use crate::tls::ServingTls;
 
 /// Pluggable collaborators (Kubernetes-backed in production, fakes in unit tests).
@@ -43,8 +46,13 @@ impl Default for Deps {
 #[derive(Debug)]
 pub struct App {
     pub addr: SocketAddr,
+    pub admin_addr: SocketAddr,
     pub ca: Arc<CaStore>,
     pub tls: Arc<ServingTls>,
+    /// The pod index, when impersonation is backed by Kubernetes.
+    pub pod_index: Option<Arc<PodIndex>>,
+    /// The TokenReview authenticator, when Kubernetes is on.
+    pub token_reviewer: Option<Arc<KubeTokenAuthenticator>>,
     shutdown: Option<oneshot::Sender<()>>,
     server: JoinHandle<Result<(), tonic::transport::Error>>,
     background: Vec<JoinHandle<()>>,
@@ -52,10 +60,58 @@ pub struct App {
 
 impl App {
     /// Loads the CA, binds the listener and starts serving.
-    pub async fn start(cfg: &Config, deps: Deps) -> anyhow::Result<Self> {
+    pub async fn start(cfg: &Config, mut deps: Deps) -> anyhow::Result<Self> {
+        // One crypto provider for every rustls user in the process (kube, tonic).
+        let _ = rustls::crypto::aws_lc_rs::default_provider().install_default();
         let ca = Arc::new(
             CaStore::from_dir(&cfg.ca_dir, cfg.allow_root_change).context("loading CA material")?,
         );
+        let mut background = Vec::new();
+        let mut pod_index = None;
+        let mut token_reviewer = None;
+        if let Some(kube) = &cfg.kube {
+            let client = kube_client(kube).await?;
+            if !cfg.trusted_node_accounts.is_empty() {
+                let index = Arc::new(PodIndex::new());
+                background.push(tokio::spawn(crate::podindex::watch::run(
+                    client.clone(),
+                    index.clone(),
+                )));
+                let policy = NodePolicy {
+                    trusted: cfg.trusted_node_accounts.iter().cloned().collect(),
+                    trust_domains: cfg.trust_domains(),
+                    cluster_id: cfg.cluster_id.clone(),
+                    mtls_impersonation: cfg.mtls_impersonation,
+                };
+                deps.node_authz.get_or_insert_with(|| {
+                    Arc::new(KubeNodeAuthorizer {
+                        policy,
+                        index: index.clone(),
+                    })
+                });
+                pod_index = Some(index);
+            }
+            if deps.tokens.is_none() {
+                let settings = TokenReviewSettings {
+                    audiences: cfg.token_audiences.clone(),
+                    trust_domain: cfg.trust_domain.clone(),
+                    cluster_id: cfg.cluster_id.clone(),
+                    cache_ttl: kube.token_cache_ttl,
+                    timeout: kube.tokenreview_timeout,
+                };
+                let reviewer = Arc::new(KubeTokenAuthenticator::new(
+                    client,
+                    settings,
+                    pod_index.clone(),
+                ));
+                deps.tokens = Some(reviewer.clone());
+                token_reviewer = Some(reviewer);
+            }
+        } else if !cfg.trusted_node_accounts.is_empty() && deps.node_authz.is_none() {
+            tracing::warn!(
+                "CA_TRUSTED_NODE_ACCOUNTS is set but Kubernetes is off: impersonation is disabled"
+            );
+        }
         let tls = Arc::new(ServingTls::new(
             &ca.snapshot(),
             cfg.serving_names.clone(),
@@ -83,13 +139,22 @@ impl App {
                     let _ = rx.await;
                 }),
         );
-        let background = vec![
-            tokio::spawn(ca.clone().watch(cfg.reload_poll)),
-            tokio::spawn(tls.clone().follow(ca.clone())),
-        ];
+        background.push(tokio::spawn(ca.clone().watch(cfg.reload_poll)));
+        background.push(tokio::spawn(tls.clone().follow(ca.clone())));
+        let health = crate::http::Health {
+            ca: ca.clone(),
+            index: pod_index.clone(),
+        };
+        let (admin_addr, admin) = crate::http::bind(cfg.admin_listen, health)
+            .await
+            .with_context(|| format!("binding {}", cfg.admin_listen))?;
+        background.push(admin);
         tracing::info!(%addr, ca = ca.snapshot().source(), trust_domain = %cfg.trust_domain, "meshca serving IstioCertificateService");
         Ok(Self {
             addr,
+            admin_addr,
+            pod_index,
+            token_reviewer,
             ca,
             tls,
             shutdown: Some(tx),
@@ -118,6 +183,22 @@ impl Drop for App {
         }
         self.server.abort();
     }
+}
+
+/// A client for the configured API server (kubeconfig file or in-cluster).
+pub async fn kube_client(settings: &KubeSettings) -> anyhow::Result<kube::Client> {
+    let config = match &settings.kubeconfig {
+        Some(path) => {
+            let kc = kube::config::Kubeconfig::read_from(path)
+                .with_context(|| format!("reading kubeconfig {}", path.display()))?;
+            kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
+                .await?
+        }
+        None => kube::Config::infer()
+            .await
+            .context("no in-cluster Kubernetes config")?,
+    };
+    Ok(kube::Client::try_from(config)?)
 }
 
 /// Default data directory for `serve --dev`.

@@ -1,8 +1,14 @@
 //! Authorization of impersonation: may this node proxy receive that identity?
 //! The Kubernetes-backed node authorizer implements [`NodeAuthorizer`].
 
-use crate::authn::Caller;
-use crate::identity::IdentityError;
+use std::collections::HashSet;
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use crate::authn::{AuthnMethod, Caller, Credentials, KubernetesInfo};
+use crate::config::ServiceAccountRef;
+use crate::identity::{IdentityError, SpiffeId, TrustDomain};
+use crate::podindex::{IndexState, PodIndex};
 
 /// Why an impersonation request was refused. The client sees istiod's opaque
 /// message; the reason goes to the audit log.
@@ -28,6 +34,10 @@ pub enum ImpersonationError {
     CallerPodUidMismatch(String, String),
     #[error("pod found, but ServiceAccount does not match: {0} vs {1}")]
     CallerServiceAccountMismatch(String, String),
+    #[error("caller pod {0} has terminated")]
+    CallerPodTerminal(String),
+    #[error("several nodes have a pod at caller address {0}")]
+    CallerPodAmbiguous(String),
     #[error("caller pod {0} is not scheduled on a node")]
     CallerPodUnscheduled(String),
     #[error("no instances of {0:?} found on node {1:?}")]
@@ -48,6 +58,8 @@ impl ImpersonationError {
             Self::CallerPodUidMismatch(..) => "impersonation_caller_pod_uid_mismatch",
             Self::CallerServiceAccountMismatch(..) => "impersonation_caller_sa_mismatch",
             Self::CallerPodUnscheduled(_) => "impersonation_caller_pod_unscheduled",
+            Self::CallerPodTerminal(_) => "impersonation_caller_pod_terminal",
+            Self::CallerPodAmbiguous(_) => "impersonation_caller_pod_ambiguous",
             Self::NoPodOnNode(..) => "impersonation_no_pod_on_node",
         }
     }
@@ -73,6 +85,360 @@ pub trait NodeAuthorizer: Send + Sync + std::fmt::Debug {
         &self,
         caller: &Caller,
         requested: &str,
-        cluster_id: Option<&str>,
-    ) -> Result<(crate::identity::SpiffeId, Evidence), ImpersonationError>;
+        creds: &Credentials,
+    ) -> Result<(SpiffeId, Evidence), ImpersonationError>;
+}
+
+/// The static part of node authorization.
+#[derive(Debug, Clone)]
+pub struct NodePolicy {
+    /// `CA_TRUSTED_NODE_ACCOUNTS`.
+    pub trusted: HashSet<ServiceAccountRef>,
+    /// Mesh trust domain first, then aliases.
+    pub trust_domains: Vec<TrustDomain>,
+    /// `CLUSTER_ID`: the only cluster this CA authorizes for.
+    pub cluster_id: String,
+    /// Let mTLS callers impersonate, locating their node by source IP.
+    pub mtls_impersonation: bool,
+}
+
+/// istiod's node authorization (node_auth.go), then stricter: the requested
+/// identity must be in the mesh trust domain, the caller's pod must not be
+/// terminal, terminal pods never authorize, and an unsynced index is a
+/// retryable error rather than a silent deny.
+pub fn authorize_impersonation(
+    policy: &NodePolicy,
+    caller: &Caller,
+    requested: &str,
+    creds: &Credentials,
+    index_synced: bool,
+    index: &IndexState,
+) -> Result<(SpiffeId, Evidence), ImpersonationError> {
+    // istiod looks the cluster up exactly: no alias, no "empty means local".
+    let cluster = creds.cluster_id.as_deref().unwrap_or("");
+    if cluster != policy.cluster_id {
+        return Err(ImpersonationError::UnknownCluster(cluster.to_string()));
+    }
+    let (caller_ns, caller_sa) = match (&caller.kube, caller.method) {
+        (Some(k), _) => (k.pod_namespace.clone(), k.service_account.clone()),
+        (None, AuthnMethod::Mtls) if policy.mtls_impersonation => (
+            caller.identity.namespace().to_string(),
+            caller.identity.service_account().to_string(),
+        ),
+        (None, method) => return Err(ImpersonationError::NoPodBinding(method.as_str())),
+    };
+    let caller_ref = ServiceAccountRef {
+        namespace: caller_ns.clone(),
+        name: caller_sa.clone(),
+    };
+    if !policy.trusted.contains(&caller_ref) {
+        return Err(ImpersonationError::CallerNotTrusted(caller_ref.to_string()));
+    }
+    let id: SpiffeId = requested
+        .parse()
+        .map_err(|e| ImpersonationError::InvalidIdentity(requested.to_string(), e))?;
+    if !policy.trust_domains.contains(id.trust_domain()) {
+        return Err(ImpersonationError::ForeignTrustDomain(
+            id.trust_domain().to_string(),
+        ));
+    }
+    if !index_synced {
+        return Err(ImpersonationError::IndexNotReady);
+    }
+    let node = match &caller.kube {
+        Some(k) => caller_node_from_token(k, index)?,
+        None => caller_node_from_ip(&caller_ref, creds.peer_addr.map(|a| a.ip()), index)?,
+    };
+    let pod = index
+        .on_node(&node, id.namespace(), id.service_account())
+        .next()
+        .ok_or_else(|| {
+            ImpersonationError::NoPodOnNode(
+                format!("{}/{}", id.namespace(), id.service_account()),
+                node.clone(),
+            )
+        })?;
+    let evidence = Evidence {
+        node: node.clone(),
+        pod: format!("{}/{} uid={}", pod.namespace, pod.name, pod.uid),
+    };
+    Ok((id, evidence))
+}
+
+fn caller_node_from_token(
+    k: &KubernetesInfo,
+    index: &IndexState,
+) -> Result<String, ImpersonationError> {
+    let pod_ref = format!("{}/{}", k.pod_namespace, k.pod_name);
+    let pod = index
+        .get(&k.pod_namespace, &k.pod_name)
+        .ok_or_else(|| ImpersonationError::CallerPodNotFound(pod_ref.clone()))?;
+    if *pod.uid != *k.pod_uid {
+        return Err(ImpersonationError::CallerPodUidMismatch(
+            pod.uid.to_string(),
+            k.pod_uid.clone(),
+        ));
+    }
+    if *pod.service_account != *k.service_account {
+        return Err(ImpersonationError::CallerServiceAccountMismatch(
+            pod.service_account.to_string(),
+            k.service_account.clone(),
+        ));
+    }
+    if pod.phase.is_terminal() {
+        return Err(ImpersonationError::CallerPodTerminal(pod_ref));
+    }
+    pod.node
+        .as_ref()
+        .map(|n| n.to_string())
+        .ok_or(ImpersonationError::CallerPodUnscheduled(pod_ref))
+}
+
+/// mTLS callers: the caller's node is the node of the running pod that owns
+/// the connection's source IP and runs as the certificate's service account.
+fn caller_node_from_ip(
+    sa: &ServiceAccountRef,
+    ip: Option<IpAddr>,
+    index: &IndexState,
+) -> Result<String, ImpersonationError> {
+    let ip = ip.ok_or_else(|| ImpersonationError::CallerPodNotFound("(no peer address)".into()))?;
+    let nodes: HashSet<&str> = index
+        .with_ip(ip)
+        .filter(|p| {
+            !p.phase.is_terminal()
+                && *p.namespace == *sa.namespace
+                && *p.service_account == *sa.name
+        })
+        .filter_map(|p| p.node.as_deref())
+        .collect();
+    match nodes.into_iter().collect::<Vec<_>>().as_slice() {
+        [node] => Ok(node.to_string()),
+        [] => Err(ImpersonationError::CallerPodNotFound(format!(
+            "{sa} at {ip}"
+        ))),
+        _ => Err(ImpersonationError::CallerPodAmbiguous(ip.to_string())),
+    }
+}
+
+/// Node authorization backed by the live pod index.
+#[derive(Debug)]
+pub struct KubeNodeAuthorizer {
+    pub policy: NodePolicy,
+    pub index: Arc<PodIndex>,
+}
+
+impl NodeAuthorizer for KubeNodeAuthorizer {
+    fn authorize(
+        &self,
+        caller: &Caller,
+        requested: &str,
+        creds: &Credentials,
+    ) -> Result<(SpiffeId, Evidence), ImpersonationError> {
+        let synced = self.index.is_synced();
+        self.index.read(|state| {
+            authorize_impersonation(&self.policy, caller, requested, creds, synced, state)
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::podindex::{pod, IndexEvent, LeanPod, Phase};
+    use test_case::test_case;
+
+    const REQ: &str = "spiffe://cluster.local/ns/ns-a/sa/sa-a";
+
+    fn ztunnel_pod() -> LeanPod {
+        pod(
+            "istio-system",
+            "ztunnel-a",
+            "12345",
+            Some("zt-node"),
+            "ztunnel",
+            Phase::Running,
+        )
+    }
+    fn same_node() -> LeanPod {
+        pod(
+            "ns-a",
+            "pod-a",
+            "a1",
+            Some("zt-node"),
+            "sa-a",
+            Phase::Running,
+        )
+    }
+    fn other_node() -> LeanPod {
+        pod(
+            "ns-a",
+            "pod-b",
+            "b1",
+            Some("other-node"),
+            "sa-a",
+            Phase::Running,
+        )
+    }
+
+    fn policy(trusted: &[&str]) -> NodePolicy {
+        NodePolicy {
+            trusted: crate::config::parse_service_accounts(&trusted.join(","))
+                .unwrap()
+                .into_iter()
+                .collect(),
+            trust_domains: vec![
+                TrustDomain::new("cluster.local").unwrap(),
+                TrustDomain::new("alias.local").unwrap(),
+            ],
+            cluster_id: "Kubernetes".into(),
+            mtls_impersonation: false,
+        }
+    }
+
+    fn token_caller(uid: &str) -> Caller {
+        Caller {
+            method: AuthnMethod::TokenReview,
+            identity: "spiffe://cluster.local/ns/istio-system/sa/ztunnel"
+                .parse()
+                .unwrap(),
+            kube: Some(KubernetesInfo {
+                pod_namespace: "istio-system".into(),
+                pod_name: "ztunnel-a".into(),
+                pod_uid: uid.into(),
+                service_account: "ztunnel".into(),
+                node_name: Some("zt-node".into()),
+            }),
+        }
+    }
+
+    fn creds(cluster: Option<&str>) -> Credentials {
+        Credentials {
+            cluster_id: cluster.map(str::to_string),
+            peer_addr: Some("10.0.0.9:4000".parse().unwrap()),
+            ..Default::default()
+        }
+    }
+
+    fn state(pods: Vec<LeanPod>) -> IndexState {
+        let mut s = IndexState::default();
+        s.apply(IndexEvent::Init);
+        for p in pods {
+            s.apply(IndexEvent::InitApply(p));
+        }
+        s.apply(IndexEvent::InitDone);
+        s
+    }
+
+    // Upstream node_auth_test.go cases, then meshca's stricter ones.
+    #[test_case(&[], vec![], REQ, "12345", Some("Kubernetes"), Some("impersonation_caller_not_trusted") ; "empty allowed identities")]
+    #[test_case(&["istio-system/ztunnel"], vec![ztunnel_pod()], REQ, "12345", Some("Kubernetes"), Some("impersonation_no_pod_on_node") ; "allowed but not on node")]
+    #[test_case(&["istio-system/ztunnel"], vec![ztunnel_pod(), same_node()], REQ, "12345", Some("Kubernetes"), None ; "allowed on node")]
+    #[test_case(&["istio-system/ztunnel"], vec![ztunnel_pod(), other_node()], REQ, "12345", Some("Kubernetes"), Some("impersonation_no_pod_on_node") ; "allowed off node")]
+    #[test_case(&["istio-system/ztunnel"], vec![ztunnel_pod(), same_node(), other_node()], REQ, "12345", Some("Kubernetes"), None ; "on and off node")]
+    #[test_case(&["istio-system/ztunnel"], vec![ztunnel_pod()], "not-spiffe-idenditity", "12345", Some("Kubernetes"), Some("impersonation_invalid_identity") ; "invalid requested")]
+    #[test_case(&["istio-system/ztunnel"], vec![same_node()], REQ, "12345", Some("Kubernetes"), Some("impersonation_caller_pod_not_found") ; "unknown caller")]
+    #[test_case(&["istio-system/ztunnel"], vec![ztunnel_pod(), same_node()], REQ, "bogus", Some("Kubernetes"), Some("impersonation_caller_pod_uid_mismatch") ; "bad uid")]
+    #[test_case(&["istio-system/ztunnel"], vec![pod("istio-system", "ztunnel-a", "12345", Some("zt-node"), "bogus", Phase::Running), same_node()], REQ, "12345", Some("Kubernetes"), Some("impersonation_caller_sa_mismatch") ; "bad account")]
+    #[test_case(&["istio-system/ztunnel"], vec![ztunnel_pod(), same_node()], "spiffe://evil.domain/ns/ns-a/sa/sa-a", "12345", Some("Kubernetes"), Some("impersonation_foreign_trust_domain") ; "foreign trust domain")]
+    #[test_case(&["istio-system/ztunnel"], vec![ztunnel_pod(), same_node()], "spiffe://alias.local/ns/ns-a/sa/sa-a", "12345", Some("Kubernetes"), None ; "alias trust domain")]
+    #[test_case(&["istio-system/ztunnel"], vec![ztunnel_pod(), same_node()], REQ, "12345", None, Some("impersonation_unknown_cluster") ; "missing clusterid")]
+    #[test_case(&["istio-system/ztunnel"], vec![ztunnel_pod(), same_node()], REQ, "12345", Some("remote"), Some("impersonation_unknown_cluster") ; "other cluster")]
+    #[test_case(&["istio-system/ztunnel"], vec![ztunnel_pod(), pod("ns-a", "pod-a", "a1", Some("zt-node"), "sa-a", Phase::Succeeded)], REQ, "12345", Some("Kubernetes"), Some("impersonation_no_pod_on_node") ; "succeeded pod does not authorize")]
+    #[test_case(&["istio-system/ztunnel"], vec![pod("istio-system", "ztunnel-a", "12345", Some("zt-node"), "ztunnel", Phase::Succeeded), same_node()], REQ, "12345", Some("Kubernetes"), Some("impersonation_caller_pod_terminal") ; "terminated caller")]
+    #[test_case(&["istio-system/ztunnel"], vec![pod("istio-system", "ztunnel-a", "12345", None, "ztunnel", Phase::Pending), same_node()], REQ, "12345", Some("Kubernetes"), Some("impersonation_caller_pod_unscheduled") ; "unscheduled caller")]
+    #[test_case(&["istio-system/ztunnel"], vec![ztunnel_pod(), pod("ns-a", "pod-a", "a1", Some("zt-node"), "sa-other", Phase::Running)], REQ, "12345", Some("Kubernetes"), Some("impersonation_no_pod_on_node") ; "other sa on node")]
+    fn token_callers(
+        trusted: &[&str],
+        pods: Vec<LeanPod>,
+        requested: &str,
+        uid: &str,
+        cluster: Option<&str>,
+        want: Option<&str>,
+    ) {
+        let got = authorize_impersonation(
+            &policy(trusted),
+            &token_caller(uid),
+            requested,
+            &creds(cluster),
+            true,
+            &state(pods),
+        );
+        match (got, want) {
+            (Ok((id, ev)), None) => {
+                assert_eq!(id.to_string(), requested);
+                assert_eq!(ev.node, "zt-node");
+                assert!(ev.pod.starts_with("ns-a/pod-a"), "{ev:?}");
+            }
+            (Err(e), Some(reason)) => assert_eq!(e.reason(), reason, "{e}"),
+            (got, want) => panic!("got {got:?}, want {want:?}"),
+        }
+    }
+
+    #[test]
+    fn unsynced_index_is_retryable() {
+        let e = authorize_impersonation(
+            &policy(&["istio-system/ztunnel"]),
+            &token_caller("12345"),
+            REQ,
+            &creds(Some("Kubernetes")),
+            false,
+            &IndexState::default(),
+        )
+        .unwrap_err();
+        assert_eq!(e, ImpersonationError::IndexNotReady);
+        assert!(e.is_unavailable());
+    }
+
+    fn mtls_caller() -> Caller {
+        Caller {
+            method: AuthnMethod::Mtls,
+            identity: "spiffe://cluster.local/ns/istio-system/sa/ztunnel"
+                .parse()
+                .unwrap(),
+            kube: None,
+        }
+    }
+
+    #[test]
+    fn mtls_callers_cannot_impersonate_by_default() {
+        let e = authorize_impersonation(
+            &policy(&["istio-system/ztunnel"]),
+            &mtls_caller(),
+            REQ,
+            &creds(Some("Kubernetes")),
+            true,
+            &state(vec![ztunnel_pod(), same_node()]),
+        )
+        .unwrap_err();
+        assert_eq!(e.reason(), "impersonation_no_pod_binding");
+    }
+
+    #[test_case("10.0.0.9", "ztunnel", None ; "source ip matches ztunnel pod")]
+    #[test_case("10.0.0.8", "ztunnel", Some("impersonation_caller_pod_not_found") ; "unknown source ip")]
+    #[test_case("10.0.0.9", "other", Some("impersonation_caller_pod_not_found") ; "ip belongs to another sa")]
+    fn mtls_impersonation_by_source_ip(pod_ip: &str, pod_sa: &str, want: Option<&str>) {
+        let mut p = policy(&["istio-system/ztunnel"]);
+        p.mtls_impersonation = true;
+        let mut zt = pod(
+            "istio-system",
+            "ztunnel-a",
+            "12345",
+            Some("zt-node"),
+            pod_sa,
+            Phase::Running,
+        );
+        zt.pod_ips = vec![pod_ip.parse().unwrap()];
+        let got = authorize_impersonation(
+            &p,
+            &mtls_caller(),
+            REQ,
+            &creds(Some("Kubernetes")),
+            true,
+            &state(vec![zt, same_node()]),
+        );
+        match want {
+            None => assert_eq!(got.unwrap().1.node, "zt-node"),
+            Some(r) => assert_eq!(got.unwrap_err().reason(), r),
+        }
+    }
 }

@@ -99,6 +99,43 @@ pub struct ServeArgs {
     /// How often CA files are re-read even without a file event.
     #[arg(long, env = "MESHCA_RELOAD_POLL", default_value = "10s")]
     pub reload_poll: String,
+    /// Health and metrics HTTP address [default: 0.0.0.0:15014, or 127.0.0.1:15014 with --dev].
+    #[arg(long, env = "MESHCA_ADMIN_LISTEN")]
+    pub admin_listen: Option<SocketAddr>,
+    /// Kubernetes integration (TokenReview callers, pod index): `auto` turns it
+    /// on in a cluster or when a kubeconfig is given.
+    #[arg(long, env = "MESHCA_KUBERNETES", value_enum, default_value_t = KubeMode::Auto)]
+    pub kubernetes: KubeMode,
+    /// Kubeconfig for the API server (default: in-cluster config).
+    #[arg(long, env = "KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
+    /// Longest a successful TokenReview is reused (bounded by the token's own expiry; 0s disables).
+    #[arg(long, env = "MESHCA_TOKEN_CACHE_TTL", default_value = "60s")]
+    pub token_cache_ttl: String,
+    /// TokenReview deadline; a slow API server gives the client Unavailable.
+    #[arg(long, env = "MESHCA_TOKENREVIEW_TIMEOUT", default_value = "5s")]
+    pub tokenreview_timeout: String,
+    /// Let mTLS-authenticated node proxies impersonate; their node is found by
+    /// matching the connection's source IP to a running pod of the
+    /// certificate's service account. Off by default (istiod never allows it).
+    #[arg(long, env = "MESHCA_MTLS_IMPERSONATION", default_value_t = false, action = clap::ArgAction::Set)]
+    pub mtls_impersonation: bool,
+}
+
+/// Whether to talk to Kubernetes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum KubeMode {
+    Auto,
+    On,
+    Off,
+}
+
+/// Kubernetes settings, present when the integration is on.
+#[derive(Debug, Clone)]
+pub struct KubeSettings {
+    pub kubeconfig: Option<PathBuf>,
+    pub token_cache_ttl: Duration,
+    pub tokenreview_timeout: Duration,
 }
 
 /// Parsed, typed configuration of the server.
@@ -116,6 +153,9 @@ pub struct Config {
     pub cluster_id: String,
     pub allow_root_change: bool,
     pub reload_poll: Duration,
+    pub admin_listen: SocketAddr,
+    pub kube: Option<KubeSettings>,
+    pub mtls_impersonation: bool,
 }
 
 impl Config {
@@ -126,12 +166,16 @@ impl Config {
         v
     }
 
-    /// Parses flags; `ca_dir` and `listen` are resolved by the caller for --dev.
+    /// Parses flags. `ca_dir` is resolved by the caller (--dev uses its data
+    /// dir); `in_cluster` says whether KUBERNETES_SERVICE_HOST is set.
     pub fn from_args(
         a: &ServeArgs,
         ca_dir: PathBuf,
-        listen: SocketAddr,
+        in_cluster: bool,
     ) -> Result<Self, ConfigError> {
+        let host: [u8; 4] = if a.dev { [127, 0, 0, 1] } else { [0, 0, 0, 0] };
+        let listen = a.listen.unwrap_or((host, 15012).into());
+        let admin_listen = a.admin_listen.unwrap_or((host, 15014).into());
         let trust_domain = TrustDomain::new(&a.trust_domain)
             .map_err(|e| err("TRUST_DOMAIN", &a.trust_domain, e.to_string()))?;
         let trust_domain_aliases = list(&a.trust_domain_aliases)
@@ -176,7 +220,27 @@ impl Config {
                 "at least one audience is required",
             ));
         }
+        let kube_on = match a.kubernetes {
+            KubeMode::On => true,
+            KubeMode::Off => false,
+            KubeMode::Auto => a.kubeconfig.is_some() || in_cluster,
+        };
+        let kube = if kube_on {
+            Some(KubeSettings {
+                kubeconfig: a.kubeconfig.clone(),
+                token_cache_ttl: duration("MESHCA_TOKEN_CACHE_TTL", &a.token_cache_ttl)?,
+                tokenreview_timeout: duration(
+                    "MESHCA_TOKENREVIEW_TIMEOUT",
+                    &a.tokenreview_timeout,
+                )?,
+            })
+        } else {
+            None
+        };
         Ok(Self {
+            admin_listen,
+            kube,
+            mtls_impersonation: a.mtls_impersonation,
             listen,
             ca_dir,
             trust_domain,
@@ -233,7 +297,7 @@ mod tests {
     fn parse(args: &[&str]) -> Result<Config, ConfigError> {
         let cli =
             Cli::try_parse_from(std::iter::once("meshca").chain(args.iter().copied())).unwrap();
-        Config::from_args(&cli.serve, "/tmp/ca".into(), "127.0.0.1:0".parse().unwrap())
+        Config::from_args(&cli.serve, "/tmp/ca".into(), false)
     }
 
     #[test]
@@ -245,6 +309,21 @@ mod tests {
         assert_eq!(c.cluster_id, "Kubernetes");
         assert!(c.trusted_node_accounts.is_empty());
         assert_eq!(c.csr_policy, CsrPolicy::Strict);
+        assert_eq!(c.listen.to_string(), "0.0.0.0:15012");
+        assert_eq!(c.admin_listen.to_string(), "0.0.0.0:15014");
+        assert!(c.kube.is_none() && !c.mtls_impersonation);
+    }
+
+    #[test]
+    fn dev_binds_loopback_and_kube_follows_mode() {
+        let c = parse(&["--dev"]).unwrap();
+        assert_eq!(c.listen.to_string(), "127.0.0.1:15012");
+        assert!(parse(&["--kubeconfig", "/k"]).unwrap().kube.is_some());
+        assert!(parse(&["--kubernetes", "on"]).unwrap().kube.is_some());
+        assert!(parse(&["--kubernetes", "off", "--kubeconfig", "/k"])
+            .unwrap()
+            .kube
+            .is_none());
     }
 
     #[test]

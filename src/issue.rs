@@ -114,8 +114,7 @@ impl CertificateIssuer {
                     .node_authz
                     .as_ref()
                     .ok_or(ImpersonationError::NotConfigured)?;
-                let (id, evidence) =
-                    authz.authorize(&caller, requested, creds.cluster_id.as_deref())?;
+                let (id, evidence) = authz.authorize(&caller, requested, creds)?;
                 let r = audit.record();
                 r.node = Some(evidence.node.clone());
                 r.evidence = Some(evidence.pod.clone());

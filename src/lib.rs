@@ -12,8 +12,10 @@ pub mod authz;
 pub mod ca;
 pub mod config;
 pub mod grpc;
+pub mod http;
 pub mod identity;
 pub mod issue;
+pub mod podindex;
 pub mod proto;
 pub mod tls;
 

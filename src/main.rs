@@ -30,7 +30,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Serve IstioCertificateService over TLS.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Generate a root and an intermediate in Istio's cacerts layout.
     Init {
         /// Output directory.
@@ -71,7 +71,7 @@ async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     init_tracing(&cli.log_format);
     match cli.command {
-        Command::Serve(args) => serve(args).await,
+        Command::Serve(args) => serve(*args).await,
         Command::Init {
             out,
             key_type,
@@ -100,7 +100,7 @@ async fn main() -> anyhow::Result<()> {
 }
 
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
-    let (ca_dir, listen) = if args.dev {
+    let ca_dir = if args.dev {
         let data_dir = args.data_dir.clone().unwrap_or_else(app::default_data_dir);
         let td = TrustDomain::new(&args.trust_domain)?;
         let ca_dir = app::prepare_dev(&data_dir, &td)?;
@@ -109,19 +109,17 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             ca_dir.display(),
             data_dir.join("dev-client").display()
         );
-        (
-            ca_dir,
-            args.listen.unwrap_or(([127, 0, 0, 1], 15012).into()),
-        )
+        ca_dir
     } else {
-        (
-            args.ca_dir.clone(),
-            args.listen.unwrap_or(([0, 0, 0, 0], 15012).into()),
-        )
+        args.ca_dir.clone()
     };
-    let config = Config::from_args(&args, ca_dir, listen)?;
+    let in_cluster = std::env::var_os("KUBERNETES_SERVICE_HOST").is_some();
+    let config = Config::from_args(&args, ca_dir, in_cluster)?;
     let app = App::start(&config, Deps::default()).await?;
-    println!("listening on {}", app.addr);
+    println!(
+        "listening on {} (gRPC), {} (health)",
+        app.addr, app.admin_addr
+    );
     shutdown_signal().await;
     tracing::info!("shutting down");
     tokio::time::timeout(Duration::from_secs(10), app.shutdown())

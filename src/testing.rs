@@ -206,6 +206,9 @@ pub fn test_config(ca_dir: PathBuf) -> crate::config::Config {
         cluster_id: "Kubernetes".into(),
         allow_root_change: false,
         reload_poll: std::time::Duration::from_millis(500),
+        admin_listen: "127.0.0.1:0".parse().expect("addr"),
+        kube: None,
+        mtls_impersonation: false,
     }
 }
 

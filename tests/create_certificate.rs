@@ -1,5 +1,6 @@
 //! End-to-end tests of CreateCertificate: a real server on 127.0.0.1:0 with
 //! real rustls handshakes, driven by a tonic client.
+#![allow(clippy::unwrap_used, clippy::type_complexity)]
 
 use std::time::Duration;
 
@@ -908,7 +909,7 @@ async fn hot_reload_swaps_intermediate_without_failing_requests() {
             ("root-cert.pem", ca.root_cert.clone()),
         ]
     };
-    secret_volume_write(vol.path(), 1, &&files(&pki.ca));
+    secret_volume_write(vol.path(), 1, &files(&pki.ca));
     let old = CaBundle::load_dir(vol.path(), OffsetDateTime::now_utc()).unwrap();
     let (app, audit) = testing::start_server(
         &testing::test_config(vol.path().to_path_buf()),
@@ -954,7 +955,7 @@ async fn hot_reload_swaps_intermediate_without_failing_requests() {
 
     tokio::time::sleep(Duration::from_millis(300)).await;
     let new_ca = testing::new_intermediate(&pki.ca, OffsetDateTime::now_utc());
-    secret_volume_write(vol.path(), 2, &&files(&new_ca));
+    secret_volume_write(vol.path(), 2, &files(&new_ca));
     // Wait until the new intermediate signs.
     let new_key_id = CaBundle::load_dir(vol.path(), OffsetDateTime::now_utc())
         .unwrap()
@@ -972,7 +973,7 @@ async fn hot_reload_swaps_intermediate_without_failing_requests() {
     let bad = TestPki::new(KeyType::EcdsaP256);
     let mut bad_files = files(&new_ca);
     bad_files[1].1 = bad.ca.ca_key.clone();
-    secret_volume_write(vol.path(), 3, &&bad_files);
+    secret_volume_write(vol.path(), 3, &bad_files);
     tokio::time::sleep(Duration::from_millis(1200)).await;
     assert_eq!(
         app.ca.snapshot().key_id(),

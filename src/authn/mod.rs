@@ -1,6 +1,7 @@
 //! Caller authentication: who is asking, proven how.
 
 pub mod mtls;
+pub mod token;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
