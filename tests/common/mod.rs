@@ -1,0 +1,356 @@
+//! Shared helpers for the integration tests that run against the real
+//! kube-apiserver started by `scripts/kube-testenv up` (see scripts/test).
+#![allow(dead_code, clippy::unwrap_used)]
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use base64::Engine;
+use k8s_openapi::api::authentication::v1::{BoundObjectReference, TokenRequest, TokenRequestSpec};
+use k8s_openapi::api::core::v1::{Container, Namespace, Pod, PodSpec, ServiceAccount};
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, PolicyRule, RoleRef, Subject};
+use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
+use kube::{Api, Client};
+use meshca::app::{App, Deps};
+use meshca::audit::MemorySink;
+use meshca::config::{Config, KubeSettings};
+use meshca::testing::{self, TestPki};
+use rcgen::KeyPair;
+use serde_json::json;
+
+/// The running test cluster, from `scripts/kube-testenv up`'s env file.
+pub struct Kte {
+    pub dir: PathBuf,
+    pub admin: Client,
+}
+
+/// Connects to the test cluster. A missing cluster is a failure, not a skip.
+pub async fn kte() -> Kte {
+    let _ = rustls::crypto::aws_lc_rs::default_provider().install_default();
+    let dir = std::env::var_os("KTE_DIR").map(PathBuf::from).unwrap_or_else(|| {
+        panic!("KTE_DIR is not set: these tests need the real kube-apiserver. Run ./scripts/test, or `scripts/kube-testenv up DIR && source DIR/env`")
+    });
+    let admin = client(&dir.join("admin.kubeconfig")).await;
+    Kte { dir, admin }
+}
+
+pub async fn client(kubeconfig: &std::path::Path) -> Client {
+    let kc = kube::config::Kubeconfig::read_from(kubeconfig).unwrap();
+    let cfg = kube::Config::from_custom_kubeconfig(kc, &Default::default())
+        .await
+        .unwrap();
+    Client::try_from(cfg).unwrap()
+}
+
+/// A unique lower-case name.
+pub fn unique(prefix: &str) -> String {
+    let mut b = [0u8; 4];
+    aws_lc_rs::rand::fill(&mut b).unwrap();
+    format!("{prefix}-{}", hex::encode(b))
+}
+
+impl Kte {
+    pub fn meshca_kubeconfig(&self) -> PathBuf {
+        self.dir.join("meshca.kubeconfig")
+    }
+
+    pub async fn namespace(&self, prefix: &str) -> String {
+        let name = unique(prefix);
+        let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": name}})).unwrap();
+        Api::<Namespace>::all(self.admin.clone())
+            .create(&PostParams::default(), &ns)
+            .await
+            .unwrap();
+        name
+    }
+
+    pub async fn service_account(&self, ns: &str, name: &str) {
+        let sa: ServiceAccount =
+            serde_json::from_value(json!({"metadata": {"name": name}})).unwrap();
+        Api::<ServiceAccount>::namespaced(self.admin.clone(), ns)
+            .create(&PostParams::default(), &sa)
+            .await
+            .unwrap();
+    }
+
+    /// Creates a pod bound to `node` (no scheduler runs); returns its UID.
+    pub async fn pod(&self, ns: &str, name: &str, sa: &str, node: &str) -> String {
+        let pod = Pod {
+            metadata: kube::api::ObjectMeta {
+                name: Some(name.into()),
+                ..Default::default()
+            },
+            spec: Some(PodSpec {
+                node_name: Some(node.into()),
+                service_account_name: Some(sa.into()),
+                automount_service_account_token: Some(false),
+                termination_grace_period_seconds: Some(0),
+                containers: vec![Container {
+                    name: "app".into(),
+                    image: Some("example.invalid/app:0".into()),
+                    ..Default::default()
+                }],
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let created = Api::<Pod>::namespaced(self.admin.clone(), ns)
+            .create(&PostParams::default(), &pod)
+            .await
+            .unwrap();
+        created.metadata.uid.unwrap()
+    }
+
+    pub async fn delete_pod(&self, ns: &str, name: &str) {
+        let dp = DeleteParams {
+            grace_period_seconds: Some(0),
+            ..Default::default()
+        };
+        Api::<Pod>::namespaced(self.admin.clone(), ns)
+            .delete(name, &dp)
+            .await
+            .unwrap();
+    }
+
+    pub async fn set_phase(&self, ns: &str, name: &str, phase: &str) {
+        let patch = json!({"status": {"phase": phase}});
+        Api::<Pod>::namespaced(self.admin.clone(), ns)
+            .patch_status(name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .unwrap();
+    }
+
+    /// Mints a pod-bound ServiceAccount token with the TokenRequest API.
+    pub async fn token(
+        &self,
+        ns: &str,
+        sa: &str,
+        pod: Option<(&str, &str)>,
+        audience: &str,
+    ) -> String {
+        let tr = TokenRequest {
+            spec: TokenRequestSpec {
+                audiences: vec![audience.into()],
+                expiration_seconds: Some(3600),
+                bound_object_ref: pod.map(|(name, uid)| BoundObjectReference {
+                    api_version: Some("v1".into()),
+                    kind: Some("Pod".into()),
+                    name: Some(name.into()),
+                    uid: Some(uid.into()),
+                }),
+            },
+            ..Default::default()
+        };
+        let api = Api::<ServiceAccount>::namespaced(self.admin.clone(), ns);
+        let out: TokenRequest = api
+            .create_subresource("token", sa, &PostParams::default(), &tr)
+            .await
+            .unwrap();
+        out.status.unwrap().token
+    }
+
+    /// A token for `ns/sa` signed with the cluster's real ServiceAccount key
+    /// but already expired (TokenRequest refuses lifetimes under 10 minutes).
+    pub async fn expired_token(&self, ns: &str, sa: &str) -> String {
+        let sa_obj = Api::<ServiceAccount>::namespaced(self.admin.clone(), ns)
+            .get(sa)
+            .await
+            .unwrap();
+        let key_pem = std::fs::read(self.dir.join("pki/sa.key")).unwrap();
+        use rustls_pki_types::pem::PemObject;
+        let key_der = rustls_pki_types::PrivateKeyDer::from_pem_slice(&key_pem).unwrap();
+        let key = match &key_der {
+            rustls_pki_types::PrivateKeyDer::Pkcs8(k) => {
+                aws_lc_rs::rsa::KeyPair::from_pkcs8(k.secret_pkcs8_der()).unwrap()
+            }
+            other => aws_lc_rs::rsa::KeyPair::from_der(other.secret_der()).unwrap(),
+        };
+        let now = time::OffsetDateTime::now_utc().unix_timestamp();
+        let b64 = |v: &serde_json::Value| {
+            base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(serde_json::to_vec(v).unwrap())
+        };
+        let header = b64(&json!({"alg": "RS256", "typ": "JWT"}));
+        let claims = b64(&json!({
+            "iss": "https://kubernetes.default.svc.cluster.local",
+            "aud": ["istio-ca"],
+            "sub": format!("system:serviceaccount:{ns}:{sa}"),
+            "iat": now - 7200, "nbf": now - 7200, "exp": now - 3600,
+            "kubernetes.io": {"namespace": ns, "serviceaccount": {"name": sa, "uid": sa_obj.metadata.uid.unwrap()}}
+        }));
+        let signing_input = format!("{header}.{claims}");
+        let mut sig = vec![0u8; key.public_modulus_len()];
+        key.sign(
+            &aws_lc_rs::signature::RSA_PKCS1_SHA256,
+            &aws_lc_rs::rand::SystemRandom::new(),
+            signing_input.as_bytes(),
+            &mut sig,
+        )
+        .unwrap();
+        format!(
+            "{signing_input}.{}",
+            base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(sig)
+        )
+    }
+
+    /// A kubeconfig for a ServiceAccount that may create TokenReviews but not
+    /// list pods: with it meshca authenticates callers but its pod index can
+    /// never sync.
+    pub async fn kubeconfig_without_pod_access(&self) -> PathBuf {
+        let ns = self.namespace("noindex").await;
+        self.service_account(&ns, "ca").await;
+        let role = ClusterRole {
+            metadata: kube::api::ObjectMeta {
+                name: Some(ns.clone()),
+                ..Default::default()
+            },
+            rules: Some(vec![PolicyRule {
+                api_groups: Some(vec!["authentication.k8s.io".into()]),
+                resources: Some(vec!["tokenreviews".into()]),
+                verbs: vec!["create".into()],
+                ..Default::default()
+            }]),
+            ..Default::default()
+        };
+        Api::<ClusterRole>::all(self.admin.clone())
+            .create(&PostParams::default(), &role)
+            .await
+            .unwrap();
+        let binding = ClusterRoleBinding {
+            metadata: kube::api::ObjectMeta {
+                name: Some(ns.clone()),
+                ..Default::default()
+            },
+            role_ref: RoleRef {
+                api_group: "rbac.authorization.k8s.io".into(),
+                kind: "ClusterRole".into(),
+                name: ns.clone(),
+            },
+            subjects: Some(vec![Subject {
+                kind: "ServiceAccount".into(),
+                name: "ca".into(),
+                namespace: Some(ns.clone()),
+                ..Default::default()
+            }]),
+        };
+        Api::<ClusterRoleBinding>::all(self.admin.clone())
+            .create(&PostParams::default(), &binding)
+            .await
+            .unwrap();
+        let token = self
+            .token(
+                &ns,
+                "ca",
+                None,
+                "https://kubernetes.default.svc.cluster.local",
+            )
+            .await;
+        let mut kc: serde_yaml_ng::Value =
+            serde_yaml_ng::from_str(&std::fs::read_to_string(self.meshca_kubeconfig()).unwrap())
+                .unwrap();
+        kc["users"][0]["user"] = serde_yaml_ng::to_value(json!({"token": token})).unwrap();
+        let path = self.dir.join(format!("{ns}.kubeconfig"));
+        std::fs::write(&path, serde_yaml_ng::to_string(&kc).unwrap()).unwrap();
+        path
+    }
+}
+
+/// A meshca server wired to the test cluster with the least-privilege
+/// `meshca` kubeconfig.
+pub struct Server {
+    pub app: App,
+    pub audit: std::sync::Arc<MemorySink>,
+    pub pki: TestPki,
+}
+
+pub fn kube_config(pki: &TestPki, kubeconfig: PathBuf, trusted: &[String]) -> Config {
+    let mut cfg = testing::test_config(pki.path_buf());
+    cfg.kube = Some(KubeSettings {
+        kubeconfig: Some(kubeconfig),
+        token_cache_ttl: Duration::from_secs(60),
+        tokenreview_timeout: Duration::from_secs(3),
+    });
+    cfg.trusted_node_accounts = meshca::config::parse_service_accounts(&trusted.join(",")).unwrap();
+    cfg
+}
+
+pub async fn start(cfg: Config, pki: TestPki) -> Server {
+    let (app, audit) = testing::start_server(&cfg, Deps::default()).await;
+    Server { app, audit, pki }
+}
+
+impl Server {
+    /// Waits until the pod index satisfies `f` (the watch is asynchronous).
+    pub async fn wait_index(&self, what: &str, f: impl Fn(&meshca::podindex::IndexState) -> bool) {
+        let index = self.app.pod_index.as_ref().expect("pod index enabled");
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while !(index.is_synced() && index.read(&f)) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "pod index never showed: {what}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Calls CreateCertificate with a bearer token.
+    pub async fn call(
+        &self,
+        token: &str,
+        csr_identity: &str,
+        impersonate: Option<&str>,
+        cluster: Option<&str>,
+    ) -> Result<Vec<String>, tonic::Status> {
+        let mut c = testing::client(self.app.addr, &self.pki.ca.root_cert, None)
+            .await
+            .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
+        let key = KeyPair::generate().unwrap();
+        let meta: Vec<(&str, prost_types::Value)> = impersonate
+            .map(|i| ("ImpersonatedIdentity", testing::string_value(i)))
+            .into_iter()
+            .collect();
+        let mut req = tonic::Request::new(testing::request(
+            testing::csr_for(&key, csr_identity),
+            0,
+            &meta,
+        ));
+        req.metadata_mut()
+            .insert("authorization", format!("Bearer {token}").parse().unwrap());
+        if let Some(c) = cluster {
+            req.metadata_mut().insert("clusterid", c.parse().unwrap());
+        }
+        c.create_certificate(req)
+            .await
+            .map(|r| r.into_inner().cert_chain)
+    }
+
+    pub fn last_reason(&self) -> &'static str {
+        self.audit.records().last().expect("an audit record").reason
+    }
+
+    pub async fn readyz(&self) -> u16 {
+        let url = format!("http://{}/readyz", self.app.admin_addr);
+        let out = tokio::process::Command::new("curl")
+            .args(["-s", "-o", "/dev/null", "-w", "%{http_code}", &url])
+            .output()
+            .await
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).parse().unwrap_or(0)
+    }
+}
+
+/// The SPIFFE id of a Kubernetes service account in the test trust domain.
+pub fn spiffe(ns: &str, sa: &str) -> String {
+    format!("spiffe://cluster.local/ns/{ns}/sa/{sa}")
+}
+
+/// The URI SAN of a PEM leaf.
+pub fn leaf_uri(pem: &str) -> String {
+    use rustls_pki_types::pem::PemObject;
+    let der = rustls_pki_types::CertificateDer::from_pem_slice(pem.as_bytes()).unwrap();
+    let (_, cert) = x509_parser::parse_x509_certificate(&der).unwrap();
+    let san = cert.subject_alternative_name().unwrap().unwrap();
+    match &san.value.general_names[..] {
+        [x509_parser::extensions::GeneralName::URI(u)] => u.to_string(),
+        other => panic!("unexpected SANs {other:?}"),
+    }
+}
