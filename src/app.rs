@@ -10,7 +10,8 @@ use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
-use crate::audit::{AuditSink, TracingSink};
+use crate::audit::chain::{ChainedSink, CheckpointKey};
+use crate::audit::AuditSink;
 use crate::authn::token::{KubeTokenAuthenticator, TokenReviewSettings};
 use crate::authn::TokenAuthenticator;
 use crate::authz::{KubeNodeAuthorizer, NodeAuthorizer, NodePolicy};
@@ -18,28 +19,41 @@ use crate::ca::generate::{self, InitOptions};
 use crate::ca::{ttl, CaBundle, CaStore};
 use crate::config::Config;
 use crate::config::KubeSettings;
+use crate::config::{AuditSettings, AuditSinkKind};
 use crate::grpc::{self, CaService};
 use crate::identity::{SpiffeId, TrustDomain};
 use crate::issue::CertificateIssuer;
+use crate::metrics::Metrics;
 use crate::podindex::PodIndex;
 use crate::tls::ServingTls;
 
 /// Pluggable collaborators (Kubernetes-backed in production, fakes in unit tests).
-#[derive(Debug, Clone)]
+/// Any left `None` is built from the config.
+#[derive(Debug, Clone, Default)]
 pub struct Deps {
-    pub audit: Arc<dyn AuditSink>,
+    pub audit: Option<Arc<dyn AuditSink>>,
     pub tokens: Option<Arc<dyn TokenAuthenticator>>,
     pub node_authz: Option<Arc<dyn NodeAuthorizer>>,
 }
 
-impl Default for Deps {
-    fn default() -> Self {
-        Self {
-            audit: Arc::new(TracingSink),
-            tokens: None,
-            node_authz: None,
+/// Builds the configured chained audit sink.
+pub fn audit_sink(a: &AuditSettings) -> anyhow::Result<Arc<ChainedSink>> {
+    let key = match &a.checkpoint_key {
+        Some(p) => Some(CheckpointKey::from_pem(
+            &std::fs::read(p).with_context(|| format!("reading {}", p.display()))?,
+        )?),
+        None => {
+            tracing::warn!("no MESHCA_AUDIT_CHECKPOINT_KEY: audit checkpoints are unsigned (the hash chain still detects edits)");
+            None
         }
-    }
+    };
+    let sink = match a.sink {
+        AuditSinkKind::Stdout => ChainedSink::stdout(key, a.checkpoint_every)?,
+        AuditSinkKind::File => {
+            ChainedSink::file(&a.file, a.max_bytes, a.max_files, key, a.checkpoint_every)?
+        }
+    };
+    Ok(Arc::new(sink))
 }
 
 /// A running server.
@@ -53,6 +67,9 @@ pub struct App {
     pub pod_index: Option<Arc<PodIndex>>,
     /// The TokenReview authenticator, when Kubernetes is on.
     pub token_reviewer: Option<Arc<KubeTokenAuthenticator>>,
+    pub metrics: Arc<Metrics>,
+    /// The chained audit writer, unless the caller supplied its own sink.
+    pub audit_chain: Option<Arc<ChainedSink>>,
     shutdown: Option<oneshot::Sender<()>>,
     server: JoinHandle<Result<(), tonic::transport::Error>>,
     background: Vec<JoinHandle<()>>,
@@ -66,6 +83,16 @@ impl App {
         let ca = Arc::new(
             CaStore::from_dir(&cfg.ca_dir, cfg.allow_root_change).context("loading CA material")?,
         );
+        let metrics = Arc::new(Metrics::new());
+        let mut audit_chain = None;
+        let audit: Arc<dyn AuditSink> = match deps.audit.take() {
+            Some(a) => a,
+            None => {
+                let chain = audit_sink(&cfg.audit)?;
+                audit_chain = Some(chain.clone());
+                chain
+            }
+        };
         let mut background = Vec::new();
         let mut pod_index = None;
         let mut token_reviewer = None;
@@ -127,7 +154,8 @@ impl App {
             csr_policy: cfg.csr_policy,
             tokens: deps.tokens,
             node_authz: deps.node_authz,
-            audit: deps.audit,
+            audit,
+            metrics: Some(metrics.clone()),
         });
         let incoming = grpc::tls_incoming(listener, tls.clone());
         let (tx, rx) = oneshot::channel::<()>();
@@ -139,11 +167,26 @@ impl App {
                     let _ = rx.await;
                 }),
         );
-        background.push(tokio::spawn(ca.clone().watch(cfg.reload_poll)));
+        background.push(tokio::spawn(
+            ca.clone().watch(cfg.reload_poll, Some(metrics.clone())),
+        ));
+        if let Some(chain) = &audit_chain {
+            let (chain, every) = (chain.clone(), cfg.audit.checkpoint_interval);
+            background.push(tokio::spawn(async move {
+                loop {
+                    tokio::time::sleep(every).await;
+                    if let Err(e) = chain.checkpoint_if_pending("periodic") {
+                        tracing::error!(error = %e, "audit checkpoint failed");
+                    }
+                }
+            }));
+        }
         background.push(tokio::spawn(tls.clone().follow(ca.clone())));
         let health = crate::http::Health {
             ca: ca.clone(),
             index: pod_index.clone(),
+            metrics: metrics.clone(),
+            token_reviewer: token_reviewer.clone(),
         };
         let (admin_addr, admin) = crate::http::bind(cfg.admin_listen, health)
             .await
@@ -155,6 +198,8 @@ impl App {
             admin_addr,
             pod_index,
             token_reviewer,
+            metrics,
+            audit_chain,
             ca,
             tls,
             shutdown: Some(tx),
@@ -172,6 +217,9 @@ impl App {
             t.abort();
         }
         (&mut self.server).await??;
+        if let Some(chain) = &self.audit_chain {
+            chain.checkpoint("shutdown")?;
+        }
         Ok(())
     }
 }

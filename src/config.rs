@@ -120,6 +120,51 @@ pub struct ServeArgs {
     /// certificate's service account. Off by default (istiod never allows it).
     #[arg(long, env = "MESHCA_MTLS_IMPERSONATION", default_value_t = false, action = clap::ArgAction::Set)]
     pub mtls_impersonation: bool,
+    /// Audit sink: `stdout` (JSON lines, nothing else is written there) or `file`.
+    #[arg(long, env = "MESHCA_AUDIT_SINK", value_enum, default_value_t = AuditSinkKind::Stdout)]
+    pub audit_sink: AuditSinkKind,
+    /// Audit file for `--audit-sink file`.
+    #[arg(
+        long,
+        env = "MESHCA_AUDIT_FILE",
+        default_value = "/var/log/meshca/audit.log"
+    )]
+    pub audit_file: PathBuf,
+    /// Rotate the audit file at this size.
+    #[arg(long, env = "MESHCA_AUDIT_MAX_BYTES", default_value_t = 100 * 1024 * 1024)]
+    pub audit_max_bytes: u64,
+    /// Audit files kept (current + rotated).
+    #[arg(long, env = "MESHCA_AUDIT_MAX_FILES", default_value_t = 10)]
+    pub audit_max_files: u32,
+    /// PKCS#8 PEM key (ECDSA P-256 or Ed25519) that signs audit checkpoints
+    /// (`meshca audit keygen` makes one). Without it checkpoints are unsigned.
+    #[arg(long, env = "MESHCA_AUDIT_CHECKPOINT_KEY")]
+    pub audit_checkpoint_key: Option<PathBuf>,
+    /// Write a checkpoint after this many records.
+    #[arg(long, env = "MESHCA_AUDIT_CHECKPOINT_EVERY", default_value_t = 1000)]
+    pub audit_checkpoint_every: u64,
+    /// Also write a checkpoint this often when records are pending.
+    #[arg(long, env = "MESHCA_AUDIT_CHECKPOINT_INTERVAL", default_value = "60s")]
+    pub audit_checkpoint_interval: String,
+}
+
+/// Where audit records go.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum AuditSinkKind {
+    Stdout,
+    File,
+}
+
+/// Audit log settings.
+#[derive(Debug, Clone)]
+pub struct AuditSettings {
+    pub sink: AuditSinkKind,
+    pub file: PathBuf,
+    pub max_bytes: u64,
+    pub max_files: u32,
+    pub checkpoint_key: Option<PathBuf>,
+    pub checkpoint_every: u64,
+    pub checkpoint_interval: Duration,
 }
 
 /// Whether to talk to Kubernetes.
@@ -156,6 +201,7 @@ pub struct Config {
     pub admin_listen: SocketAddr,
     pub kube: Option<KubeSettings>,
     pub mtls_impersonation: bool,
+    pub audit: AuditSettings,
 }
 
 impl Config {
@@ -237,7 +283,28 @@ impl Config {
         } else {
             None
         };
+        let checkpoint_interval = duration(
+            "MESHCA_AUDIT_CHECKPOINT_INTERVAL",
+            &a.audit_checkpoint_interval,
+        )?;
+        if checkpoint_interval.is_zero() || a.audit_checkpoint_every == 0 {
+            return Err(err(
+                "MESHCA_AUDIT_CHECKPOINT_EVERY",
+                &a.audit_checkpoint_every.to_string(),
+                "checkpoints must be periodic (every > 0, interval > 0)",
+            ));
+        }
+        let audit = AuditSettings {
+            sink: a.audit_sink,
+            file: a.audit_file.clone(),
+            max_bytes: a.audit_max_bytes,
+            max_files: a.audit_max_files,
+            checkpoint_key: a.audit_checkpoint_key.clone(),
+            checkpoint_every: a.audit_checkpoint_every,
+            checkpoint_interval,
+        };
         Ok(Self {
+            audit,
             admin_listen,
             kube,
             mtls_impersonation: a.mtls_impersonation,

@@ -55,6 +55,7 @@ impl From<IssueError> for Status {
                 Status::internal(format!("CSR signing error ({e})"))
             }
             IssueError::Sign(e) => Status::internal(format!("CSR signing error ({e})")),
+            IssueError::Audit(_) => Status::internal("CSR signing error (audit log unavailable)"),
         }
     }
 }

@@ -1,4 +1,4 @@
-//! The admin HTTP port: liveness and readiness (metrics join later). Nothing
+//! The admin HTTP port: liveness, readiness and Prometheus metrics. Nothing
 //! here takes a lock the signing path uses: readiness reads atomics.
 
 use std::net::SocketAddr;
@@ -10,7 +10,11 @@ use axum::routing::get;
 use axum::Router;
 use tokio::net::TcpListener;
 
+use std::sync::atomic::Ordering;
+
+use crate::authn::token::KubeTokenAuthenticator;
 use crate::ca::CaStore;
+use crate::metrics::{Metrics, Snapshot};
 use crate::podindex::PodIndex;
 
 /// What readiness depends on.
@@ -19,6 +23,8 @@ pub struct Health {
     pub ca: Arc<CaStore>,
     /// Present when impersonation is served from a pod index.
     pub index: Option<Arc<PodIndex>>,
+    pub metrics: Arc<Metrics>,
+    pub token_reviewer: Option<Arc<KubeTokenAuthenticator>>,
 }
 
 impl Health {
@@ -33,6 +39,35 @@ impl Health {
             _ => Ok(()),
         }
     }
+}
+
+async fn metrics(State(h): State<Health>) -> ([(axum::http::HeaderName, &'static str); 1], String) {
+    let bundle = h.ca.snapshot();
+    let snap = Snapshot {
+        root_not_after: Some(bundle.root_not_after().unix_timestamp()),
+        chain_not_after: bundle.chain_not_after().map(|t| t.unix_timestamp()),
+        signing_not_after: Some(bundle.signing_not_after().unix_timestamp()),
+        pod_index: h
+            .index
+            .as_ref()
+            .map(|i| (i.len(), i.is_synced(), i.events_applied())),
+        token_cache: h.token_reviewer.as_ref().map(|r| {
+            (
+                r.hits.load(Ordering::Relaxed),
+                r.misses.load(Ordering::Relaxed),
+            )
+        }),
+    };
+    let body = h
+        .metrics
+        .render(&snap, time::OffsetDateTime::now_utc().unix_timestamp());
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        body,
+    )
 }
 
 async fn healthz() -> &'static str {
@@ -59,6 +94,7 @@ pub async fn bind(
     let app = Router::new()
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
         .with_state(health);
     let task = tokio::spawn(async move {
         if let Err(e) = axum::serve(listener, app).await {

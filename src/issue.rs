@@ -5,10 +5,11 @@ use std::sync::Arc;
 
 use time::OffsetDateTime;
 
-use crate::audit::{AuditGuard, AuditSink};
+use crate::audit::{AuditError, AuditGuard, AuditSink};
 use crate::authn::{self, AuthnError, Credentials, TokenAuthenticator};
 use crate::authz::{ImpersonationError, NodeAuthorizer};
 use crate::ca::{csr, ttl, CaStore, CsrError, CsrPolicy, SignError, TtlError, TtlPolicy};
+use crate::metrics::{ErrorClass, Metrics};
 
 /// A decoded request.
 #[derive(Debug, Clone, Default)]
@@ -41,6 +42,9 @@ pub enum IssueError {
     Ttl(#[from] TtlError),
     #[error("{0}")]
     Sign(#[from] SignError),
+    /// Fail closed: a certificate is never returned without its audit record.
+    #[error("{0}")]
+    Audit(#[from] AuditError),
 }
 
 impl IssueError {
@@ -52,6 +56,25 @@ impl IssueError {
             Self::Csr(e) => e.reason(),
             Self::Ttl(e) => e.reason(),
             Self::Sign(e) => e.reason(),
+            Self::Audit(_) => "audit_write_failed",
+        }
+    }
+
+    /// How istiod's metrics count this failure.
+    pub fn class(&self) -> ErrorClass {
+        match self {
+            Self::Unauthenticated(_) | Self::Impersonation(_) => ErrorClass::Authentication,
+            Self::Request(_) => ErrorClass::Csr { parsing: false },
+            Self::Csr(e) => ErrorClass::Csr {
+                parsing: matches!(
+                    e,
+                    CsrError::NotPem | CsrError::Malformed | CsrError::TooLarge(_)
+                ),
+            },
+            Self::Ttl(TtlError::TooLong { .. }) => ErrorClass::Ttl,
+            Self::Ttl(TtlError::SignerExpired(_)) | Self::Sign(_) | Self::Audit(_) => {
+                ErrorClass::CertGen
+            }
         }
     }
 }
@@ -65,6 +88,7 @@ pub struct CertificateIssuer {
     pub tokens: Option<Arc<dyn TokenAuthenticator>>,
     pub node_authz: Option<Arc<dyn NodeAuthorizer>>,
     pub audit: Arc<dyn AuditSink>,
+    pub metrics: Option<Arc<Metrics>>,
 }
 
 impl CertificateIssuer {
@@ -74,16 +98,19 @@ impl CertificateIssuer {
         creds: &Credentials,
         req: Result<IssueRequest, RequestError>,
     ) -> Result<Vec<String>, IssueError> {
-        let mut audit = AuditGuard::new(self.audit.clone(), creds.peer_addr);
+        let mut audit = AuditGuard::new(self.audit.clone(), self.metrics.clone(), creds.peer_addr);
         let result = self.issue_inner(creds, req, &mut audit).await;
         match &result {
             Ok(_) => audit.allow(),
             Err(e) => {
                 tracing::warn!(request_id = audit.request_id(), reason = e.reason(), error = %e, "certificate request denied");
-                audit.deny(e.reason(), e.to_string());
+                audit.deny(e.reason(), Some(e.class()), e.to_string());
             }
         }
-        result
+        match (audit.finish(), result) {
+            (Err(e), Ok(_)) => Err(IssueError::Audit(e)),
+            (_, result) => result,
+        }
     }
 
     async fn issue_inner(
@@ -95,7 +122,7 @@ impl CertificateIssuer {
         let caller = authn::authenticate(creds, self.tokens.as_deref()).await?;
         {
             let r = audit.record();
-            r.authn_method = Some(caller.method.as_str());
+            r.authn_method = Some(caller.method.as_str().to_string());
             r.caller_identity = Some(caller.identity.to_string());
             if let Some(k) = &caller.kube {
                 r.caller_pod = Some(format!("{}/{}", k.pod_namespace, k.pod_name));
@@ -143,5 +170,110 @@ impl CertificateIssuer {
         r.not_after = Some(leaf.not_after);
         r.issuer_key_id = Some(bundle.key_id().to_string());
         Ok(bundle.response_chain(&leaf.pem))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::audit::{Decision, MemorySink};
+    use crate::authn::Caller;
+    use crate::authz::Evidence;
+    use crate::ca::generate::KeyType;
+    use crate::identity::{IdentityError, SpiffeId};
+    use crate::testing::{client_identity, csr_for, validity_hours, TestPki};
+    use rustls_pki_types::pem::PemObject;
+    use rustls_pki_types::CertificateDer;
+
+    /// Denies every impersonation with a fixed error.
+    #[derive(Debug)]
+    struct Fixed(ImpersonationError);
+
+    impl NodeAuthorizer for Fixed {
+        fn authorize(
+            &self,
+            _: &Caller,
+            _: &str,
+            _: &Credentials,
+        ) -> Result<(SpiffeId, Evidence), ImpersonationError> {
+            Err(self.0.clone())
+        }
+    }
+
+    fn every_denial() -> Vec<ImpersonationError> {
+        use ImpersonationError::*;
+        vec![
+            NotConfigured,
+            NoPodBinding("mtls"),
+            CallerNotTrusted("a/b".into()),
+            InvalidIdentity("x".into(), IdentityError::WrongShape),
+            ForeignTrustDomain("evil".into()),
+            UnknownCluster("remote".into()),
+            IndexNotReady,
+            CallerPodNotFound("a/b".into()),
+            CallerPodUidMismatch("1".into(), "2".into()),
+            CallerServiceAccountMismatch("a".into(), "b".into()),
+            CallerPodTerminal("a/b".into()),
+            CallerPodAmbiguous("10.0.0.1".into()),
+            CallerPodUnscheduled("a/b".into()),
+            NoPodOnNode("a/b".into(), "n".into()),
+        ]
+    }
+
+    #[tokio::test]
+    async fn every_impersonation_denial_gives_exactly_one_audit_record_with_its_reason() {
+        let pki = TestPki::new(KeyType::EcdsaP256);
+        let ca = Arc::new(crate::ca::CaStore::from_dir(pki.path(), false).unwrap());
+        let (chain, _) = client_identity(
+            &ca.snapshot(),
+            "spiffe://cluster.local/ns/istio-system/sa/ztunnel",
+            &validity_hours(-1, 1),
+        );
+        let peer_chain: Vec<CertificateDer<'static>> =
+            CertificateDer::pem_slice_iter(chain.as_bytes())
+                .collect::<Result<_, _>>()
+                .unwrap();
+        let creds = Credentials {
+            peer_chain: Some(peer_chain.into()),
+            ..Default::default()
+        };
+        let requested = "spiffe://cluster.local/ns/app/sa/app";
+        let csr = csr_for(&rcgen::KeyPair::generate().unwrap(), requested);
+        let mut reasons = std::collections::BTreeSet::new();
+        for denial in every_denial() {
+            let sink = Arc::new(MemorySink::default());
+            let metrics = Arc::new(Metrics::new());
+            let issuer = CertificateIssuer {
+                ca: ca.clone(),
+                ttl: TtlPolicy::default(),
+                csr_policy: CsrPolicy::Strict,
+                tokens: None,
+                node_authz: Some(Arc::new(Fixed(denial.clone()))),
+                audit: sink.clone(),
+                metrics: Some(metrics.clone()),
+            };
+            let req = IssueRequest {
+                csr: csr.clone(),
+                validity_secs: 0,
+                impersonate: Some(requested.into()),
+            };
+            let err = issuer.issue(&creds, Ok(req)).await.unwrap_err();
+            let records = sink.records();
+            assert_eq!(records.len(), 1, "{denial:?}");
+            assert_eq!(records[0].reason, denial.reason());
+            assert_eq!(records[0].decision, Decision::Deny);
+            assert!(records[0].impersonated);
+            assert_eq!(records[0].requested_identity.as_deref(), Some(requested));
+            assert_eq!(err.reason(), denial.reason());
+            assert_eq!(
+                metrics
+                    .citadel
+                    .authentication_failure_count
+                    .load(std::sync::atomic::Ordering::Relaxed),
+                1
+            );
+            reasons.insert(denial.reason());
+        }
+        assert_eq!(reasons.len(), every_denial().len(), "reasons are distinct");
     }
 }

@@ -51,6 +51,90 @@ enum Command {
         #[arg(long)]
         force: bool,
     },
+    /// Read the audit log: verify its hash chain and signed checkpoints, query it.
+    #[command(subcommand)]
+    Audit(AuditCommand),
+    /// Show a certificate chain as istioctl's ztunnel-config certificates table,
+    /// each chain verified against --root.
+    Certs(CertsArgs),
+}
+
+#[derive(Subcommand)]
+enum AuditCommand {
+    /// Check the chain and checkpoints; report the first broken record.
+    Verify {
+        /// Public key (or the private key) that signs checkpoints; without it
+        /// only the hash chain is checked.
+        #[arg(long)]
+        key: Option<PathBuf>,
+        /// Also fail if records follow the last checkpoint (a clean shutdown
+        /// always ends the log with one).
+        #[arg(long)]
+        strict: bool,
+        /// Files oldest first (audit.log.2 audit.log.1 audit.log), or - for stdin.
+        #[arg(required = true)]
+        files: Vec<PathBuf>,
+    },
+    /// Filter records.
+    Query {
+        /// Requested or caller identity.
+        #[arg(long)]
+        identity: Option<String>,
+        #[arg(long)]
+        node: Option<String>,
+        /// Caller identity or caller pod (ns/name).
+        #[arg(long)]
+        caller: Option<String>,
+        #[arg(long, value_parser = ["allow", "deny"])]
+        decision: Option<String>,
+        #[arg(long)]
+        reason: Option<String>,
+        /// RFC 3339 time.
+        #[arg(long)]
+        since: Option<String>,
+        #[arg(long)]
+        until: Option<String>,
+        #[arg(short = 'o', long, default_value = "table", value_parser = ["table", "json"])]
+        output: String,
+        #[arg(required = true)]
+        files: Vec<PathBuf>,
+    },
+    /// Generate an ECDSA P-256 checkpoint signing key; prints its public key.
+    Keygen {
+        #[arg(long)]
+        out: PathBuf,
+    },
+}
+
+#[derive(clap::Args)]
+struct CertsArgs {
+    /// Root bundle the chains must verify to (meshca's root-cert.pem).
+    #[arg(long)]
+    root: PathBuf,
+    /// A PEM chain (leaf first).
+    #[arg(long, conflicts_with_all = ["ztunnel_dump"])]
+    pem: Option<PathBuf>,
+    /// A ztunnel config dump (JSON from its admin /config_dump).
+    #[arg(long)]
+    ztunnel_dump: Option<PathBuf>,
+    /// Instead of a file: call CreateCertificate on this meshca (host:port).
+    #[arg(long)]
+    addr: Option<String>,
+    #[arg(long, default_value = "localhost")]
+    server_name: String,
+    /// Client certificate chain for --addr (mTLS).
+    #[arg(long, requires = "key")]
+    cert: Option<PathBuf>,
+    #[arg(long)]
+    key: Option<PathBuf>,
+    /// ServiceAccount token file for --addr.
+    #[arg(long)]
+    token_file: Option<PathBuf>,
+    /// Identity to request with --addr (default: the client certificate's).
+    #[arg(long)]
+    identity: Option<String>,
+    #[arg(short = 'o', long, default_value = "table", value_parser = ["table", "json"])]
+    output: String,
 }
 
 fn init_tracing(format: &str) {
@@ -72,6 +156,8 @@ async fn main() -> anyhow::Result<()> {
     init_tracing(&cli.log_format);
     match cli.command {
         Command::Serve(args) => serve(*args).await,
+        Command::Audit(cmd) => audit(cmd),
+        Command::Certs(args) => certs(args).await,
         Command::Init {
             out,
             key_type,
@@ -104,7 +190,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         let data_dir = args.data_dir.clone().unwrap_or_else(app::default_data_dir);
         let td = TrustDomain::new(&args.trust_domain)?;
         let ca_dir = app::prepare_dev(&data_dir, &td)?;
-        println!(
+        eprintln!(
             "meshca dev mode: CA in {}, client identity in {}",
             ca_dir.display(),
             data_dir.join("dev-client").display()
@@ -116,7 +202,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let in_cluster = std::env::var_os("KUBERNETES_SERVICE_HOST").is_some();
     let config = Config::from_args(&args, ca_dir, in_cluster)?;
     let app = App::start(&config, Deps::default()).await?;
-    println!(
+    // stdout carries only the audit stream.
+    eprintln!(
         "listening on {} (gRPC), {} (health)",
         app.addr, app.admin_addr
     );
@@ -146,4 +233,150 @@ async fn shutdown_signal() {
     }
     #[cfg(not(unix))]
     let _ = tokio::signal::ctrl_c().await;
+}
+
+fn rfc3339(s: &Option<String>) -> anyhow::Result<Option<OffsetDateTime>> {
+    s.as_deref()
+        .map(|t| {
+            OffsetDateTime::parse(t, &time::format_description::well_known::Rfc3339)
+                .with_context(|| format!("bad time {t:?}"))
+        })
+        .transpose()
+}
+
+fn audit(cmd: AuditCommand) -> anyhow::Result<()> {
+    use meshca::audit::chain::{CheckpointKey, VerifyKey};
+    use meshca::audit::verify;
+    match cmd {
+        AuditCommand::Verify { key, strict, files } => {
+            let key = key
+                .map(|p| {
+                    std::fs::read(&p)
+                        .map_err(anyhow::Error::from)
+                        .and_then(|b| Ok(VerifyKey::from_pem(&b)?))
+                })
+                .transpose()?;
+            let lines = verify::read_lines(&files)?;
+            match verify::verify_lines(&lines, key.as_ref()) {
+                Ok(r) => {
+                    println!(
+                        "OK: {} records, {} checkpoints ({} signature-verified), {} chain start(s), seq {}..{}",
+                        r.records,
+                        r.checkpoints,
+                        r.signed_checkpoints,
+                        r.chain_starts,
+                        r.first_seq.unwrap_or(0),
+                        r.last_seq.unwrap_or(0)
+                    );
+                    if key.is_none() {
+                        println!("warning: no --key given: checkpoint signatures were not checked");
+                    }
+                    if r.unsigned_tail > 0 {
+                        println!("warning: {} record(s) after the last checkpoint are not covered by a checkpoint", r.unsigned_tail);
+                        if strict {
+                            anyhow::bail!("--strict: the log does not end with a checkpoint (truncated, or the writer did not shut down cleanly)");
+                        }
+                    }
+                    Ok(())
+                }
+                Err(f) => {
+                    println!("FAIL at {f}");
+                    std::process::exit(1);
+                }
+            }
+        }
+        AuditCommand::Query {
+            identity,
+            node,
+            caller,
+            decision,
+            reason,
+            since,
+            until,
+            output,
+            files,
+        } => {
+            let q = verify::Query {
+                identity,
+                node,
+                caller,
+                decision: decision.map(|d| {
+                    if d == "allow" {
+                        meshca::audit::Decision::Allow
+                    } else {
+                        meshca::audit::Decision::Deny
+                    }
+                }),
+                reason,
+                since: rfc3339(&since)?,
+                until: rfc3339(&until)?,
+            };
+            let records = verify::query(&verify::read_lines(&files)?, &q)?;
+            if output == "json" {
+                for r in &records {
+                    println!("{}", serde_json::to_string(r)?);
+                }
+            } else {
+                print!("{}", verify::table(&records));
+            }
+            Ok(())
+        }
+        AuditCommand::Keygen { out } => {
+            let pem = CheckpointKey::generate_pem()?;
+            generate::write_file(&out, pem.as_bytes(), true)?;
+            print!("{}", VerifyKey::from_pem(pem.as_bytes())?.to_pem());
+            eprintln!("wrote {} (mount it as MESHCA_AUDIT_CHECKPOINT_KEY; give the public key above to auditors)", out.display());
+            Ok(())
+        }
+    }
+}
+
+async fn certs(args: CertsArgs) -> anyhow::Result<()> {
+    use meshca::certs;
+    let root_pem = std::fs::read_to_string(&args.root)?;
+    let trust = certs::Trust::from_pem(&root_pem)?;
+    let now = OffsetDateTime::now_utc();
+    let rows = match (&args.pem, &args.ztunnel_dump, &args.addr) {
+        (Some(p), _, _) => certs::pem_rows(&std::fs::read_to_string(p)?, &trust, now)?,
+        (None, Some(d), _) => certs::ztunnel_rows(&std::fs::read_to_string(d)?, &trust, now)?,
+        (None, None, Some(addr)) => {
+            let client = match (&args.cert, &args.key) {
+                (Some(c), Some(k)) => {
+                    Some((std::fs::read_to_string(c)?, std::fs::read_to_string(k)?))
+                }
+                _ => None,
+            };
+            let identity = args.identity.clone().or_else(|| {
+                let (chain, _) = client.as_ref()?;
+                certs::pem_rows(chain, &trust, now)
+                    .ok()?
+                    .into_iter()
+                    .next()
+                    .map(|r| r.certificate_name)
+            });
+            let call = certs::LiveCall {
+                addr: addr.clone(),
+                server_name: args.server_name.clone(),
+                root_pem: root_pem.clone(),
+                client,
+                token: args
+                    .token_file
+                    .as_ref()
+                    .map(std::fs::read_to_string)
+                    .transpose()?
+                    .map(|t| t.trim().to_string()),
+                identity,
+            };
+            certs::pem_rows(&certs::fetch_live(&call).await?.concat(), &trust, now)?
+        }
+        (None, None, None) => {
+            anyhow::bail!("give --pem FILE, --ztunnel-dump FILE or --addr HOST:PORT")
+        }
+    };
+    if args.output == "json" {
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+    } else {
+        print!("{}", certs::table(&rows));
+    }
+    Ok(())
 }

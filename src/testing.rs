@@ -2,23 +2,12 @@
 
 use std::path::{Path, PathBuf};
 
-use base64::Engine;
 use rcgen::{CertificateParams, CustomExtension, DistinguishedName, KeyPair, SanType};
 use time::OffsetDateTime;
 
 use crate::ca::generate::{self, InitOptions, KeyType};
 
-/// PEM-encodes DER with 64-column lines.
-pub fn pem_encode(label: &str, der: &[u8]) -> String {
-    let b64 = base64::engine::general_purpose::STANDARD.encode(der);
-    let mut out = format!("-----BEGIN {label}-----\n");
-    for chunk in b64.as_bytes().chunks(64) {
-        out.push_str(std::str::from_utf8(chunk).unwrap_or_default());
-        out.push('\n');
-    }
-    out.push_str(&format!("-----END {label}-----\n"));
-    out
-}
+pub use crate::ca::generate::pem_encode;
 
 /// A CSR signed by `key` with the given SANs, optionally asking for CA:true.
 pub fn csr_pem(key: &KeyPair, sans: &[SanType], ca: bool) -> String {
@@ -209,6 +198,15 @@ pub fn test_config(ca_dir: PathBuf) -> crate::config::Config {
         admin_listen: "127.0.0.1:0".parse().expect("addr"),
         kube: None,
         mtls_impersonation: false,
+        audit: crate::config::AuditSettings {
+            sink: crate::config::AuditSinkKind::Stdout,
+            file: PathBuf::from("audit.log"),
+            max_bytes: 1 << 20,
+            max_files: 3,
+            checkpoint_key: None,
+            checkpoint_every: 1000,
+            checkpoint_interval: std::time::Duration::from_secs(60),
+        },
     }
 }
 
@@ -218,9 +216,30 @@ pub async fn start_server(
     mut deps: crate::app::Deps,
 ) -> (crate::app::App, std::sync::Arc<crate::audit::MemorySink>) {
     let sink = std::sync::Arc::new(crate::audit::MemorySink::default());
-    deps.audit = sink.clone();
+    deps.audit = Some(sink.clone());
     let app = crate::app::App::start(cfg, deps)
         .await
         .expect("server starts");
     (app, sink)
+}
+
+/// A plain HTTP/1.1 GET against the admin port: (status, body).
+pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let req = format!("GET {path} HTTP/1.1\r\nHost: meshca\r\nConnection: close\r\n\r\n");
+    s.write_all(req.as_bytes()).await.expect("write");
+    let mut buf = Vec::new();
+    s.read_to_end(&mut buf).await.expect("read");
+    let text = String::from_utf8_lossy(&buf).into_owned();
+    let status = text
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    (status, body)
 }

@@ -154,7 +154,7 @@ async fn issued_leaf_matches_istiod_profile_and_chain_layout() {
     assert_eq!(records.len(), 1);
     let r = &records[0];
     assert_eq!(r.decision, Decision::Allow);
-    assert_eq!(r.authn_method, Some("mtls"));
+    assert_eq!(r.authn_method.as_deref(), Some("mtls"));
     assert_eq!(r.caller_identity.as_deref(), Some(CLIENT_ID));
     assert_eq!(
         r.serial
@@ -813,7 +813,7 @@ async fn bad_inputs_get_stable_codes_and_one_audit_record_each() {
                 }
                 assert_eq!(records.len(), before + 1, "{name}: one audit record");
                 assert_eq!(records[before].decision, Decision::Deny, "{name}");
-                assert_eq!(Some(records[before].reason), reason, "{name}");
+                assert_eq!(Some(records[before].reason.as_str()), reason, "{name}");
             }
             Want::HandshakeRejected => {
                 let err = got
@@ -1016,5 +1016,78 @@ async fn hot_reload_swaps_intermediate_without_failing_requests() {
         .into_inner()
         .cert_chain;
     assert_eq!(chain[1], new_ca.ca_cert);
+    app.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn metrics_count_a_scripted_mix_and_health_endpoints_answer() {
+    let pki = TestPki::new(KeyType::EcdsaP256);
+    let b = bundle(&pki);
+    let (app, audit) =
+        testing::start_server(&testing::test_config(pki.path_buf()), Deps::default()).await;
+    let (cert, key) = client_identity(&b, CLIENT_ID, &validity_hours(-1, 1));
+    let mut mtls = client(app.addr, &pki.ca.root_cert, Some((&cert, &key)))
+        .await
+        .unwrap();
+    let mut anon = client(app.addr, &pki.ca.root_cert, None).await.unwrap();
+    let k = KeyPair::generate().unwrap();
+    // 3 issued, 2 unauthenticated, 1 CSR error (parse), 1 policy error, 1 TTL error.
+    for _ in 0..3 {
+        mtls.create_certificate(request(csr_for(&k, CLIENT_ID), 0, &[]))
+            .await
+            .unwrap();
+    }
+    for _ in 0..2 {
+        anon.create_certificate(request(csr_for(&k, CLIENT_ID), 0, &[]))
+            .await
+            .unwrap_err();
+    }
+    mtls.create_certificate(request("garbage".into(), 0, &[]))
+        .await
+        .unwrap_err();
+    mtls.create_certificate(request(
+        csr_for(&k, "spiffe://cluster.local/ns/x/sa/y"),
+        0,
+        &[],
+    ))
+    .await
+    .unwrap_err();
+    mtls.create_certificate(request(csr_for(&k, CLIENT_ID), i64::MAX, &[]))
+        .await
+        .unwrap_err();
+    assert_eq!(audit.records().len(), 8);
+
+    let (status, text) = testing::http_get(app.admin_addr, "/metrics").await;
+    assert_eq!(status, 200);
+    let root_end = X509Certificate::from_der(&der(&pki.ca.root_cert))
+        .unwrap()
+        .1
+        .validity()
+        .not_after
+        .timestamp();
+    for want in [
+        "citadel_server_csr_count 8".to_string(),
+        "citadel_server_success_cert_issuance_count 3".into(),
+        "citadel_server_authentication_failure_count 2".into(),
+        "citadel_server_csr_sign_err_count{error=\"CSR_ERROR\"} 2".into(),
+        "citadel_server_csr_sign_err_count{error=\"TTL_ERROR\"} 1".into(),
+        "citadel_server_csr_parsing_err_count 1".into(),
+        format!("citadel_server_root_cert_expiry_timestamp {root_end}"),
+        "meshca_decisions_total{decision=\"allow\",reason=\"issued\"} 3".into(),
+        "meshca_decisions_total{decision=\"deny\",reason=\"authn_no_credentials\"} 2".into(),
+        "meshca_decisions_total{decision=\"deny\",reason=\"csr_san_not_authorized\"} 1".into(),
+        "meshca_request_duration_seconds_count{decision=\"allow\"} 3".into(),
+    ] {
+        assert!(
+            text.lines().any(|l| l == want),
+            "missing {want:?} in\n{text}"
+        );
+    }
+    assert!(text.contains("citadel_server_cert_chain_expiry_seconds "));
+    assert_eq!(testing::http_get(app.admin_addr, "/healthz").await.0, 200);
+    assert_eq!(
+        testing::http_get(app.admin_addr, "/readyz").await,
+        (200, "ready\n".to_string())
+    );
     app.shutdown().await.unwrap();
 }

@@ -61,7 +61,7 @@ fn assert_denied(
     assert_eq!(s.code(), code, "{s:?}");
     let reason = srv.last_reason();
     assert!(
-        reasons.contains(&reason),
+        reasons.contains(&reason.as_str()),
         "reason {reason}, expected one of {reasons:?}"
     );
 }
@@ -93,7 +93,7 @@ async fn ztunnel_impersonates_only_workloads_on_its_node() {
         "issued for the impersonated identity"
     );
     let rec = srv.audit.records().last().cloned().unwrap();
-    assert!(rec.impersonated && rec.authn_method == Some("token-review"));
+    assert!(rec.impersonated && rec.authn_method.as_deref() == Some("token-review"));
     assert_eq!(rec.node.as_deref(), Some("node-a"));
     assert!(
         rec.evidence
@@ -457,5 +457,215 @@ async fn least_privilege_kubeconfig_cannot_do_more() {
     assert!(
         matches!(err, kube::Error::Api(ref s) if s.code == 403),
         "{err:?}"
+    );
+}
+
+/// Runs the real `meshca serve` binary at trace log level against the test
+/// cluster, drives token, impersonation and mTLS requests (good and bad),
+/// then scans every byte it wrote (stdout audit stream, stderr logs) for the
+/// bearer tokens, the kubeconfig credential and the CA private key.
+#[tokio::test]
+async fn no_secret_appears_in_any_log_line_or_audit_record() {
+    use tokio::io::{AsyncBufReadExt, BufReader};
+    let k = kte().await;
+    let zt_ns = k.namespace("zt").await;
+    k.service_account(&zt_ns, ZT_SA).await;
+    let zt_uid = k.pod(&zt_ns, "ztunnel-a", ZT_SA, "node-a").await;
+    let zt_token = k
+        .token(&zt_ns, ZT_SA, Some(("ztunnel-a", &zt_uid)), "istio-ca")
+        .await;
+    let ns = k.namespace("app").await;
+    k.service_account(&ns, "app").await;
+    let app_uid = workload(&k, &ns, "app", "app-0", "node-a").await;
+    let app_token = k
+        .token(&ns, "app", Some(("app-0", &app_uid)), "istio-ca")
+        .await;
+    let wrong_aud = k
+        .token(&ns, "app", Some(("app-0", &app_uid)), "not-istio")
+        .await;
+    let pki = TestPki::new(KeyType::EcdsaP256);
+
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_meshca"))
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--serving-names",
+            "localhost",
+        ])
+        .arg("--ca-dir")
+        .arg(pki.path())
+        .arg("--kubeconfig")
+        .arg(k.meshca_kubeconfig())
+        .args(["--trusted-node-accounts", &format!("{zt_ns}/{ZT_SA}")])
+        .env("RUST_LOG", "trace")
+        .env("LOG_FORMAT", "json")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let collected = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+    let (addr_tx, addr_rx) = tokio::sync::oneshot::channel::<String>();
+    let mut addr_tx = Some(addr_tx);
+    let mut stderr = BufReader::new(child.stderr.take().unwrap()).lines();
+    let c1 = collected.clone();
+    let err_task = tokio::spawn(async move {
+        while let Ok(Some(line)) = stderr.next_line().await {
+            if let Some(rest) = line.strip_prefix("listening on ") {
+                if let Some(tx) = addr_tx.take() {
+                    let _ = tx.send(rest.split(' ').next().unwrap_or_default().to_string());
+                }
+            }
+            c1.lock().unwrap().push_str(&line);
+            c1.lock().unwrap().push('\n');
+        }
+    });
+    let mut stdout = BufReader::new(child.stdout.take().unwrap()).lines();
+    let audit_lines = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let a1 = audit_lines.clone();
+    let out_task = tokio::spawn(async move {
+        while let Ok(Some(line)) = stdout.next_line().await {
+            a1.lock().unwrap().push(line);
+        }
+    });
+    let addr: std::net::SocketAddr =
+        tokio::time::timeout(std::time::Duration::from_secs(30), addr_rx)
+            .await
+            .unwrap()
+            .unwrap()
+            .parse()
+            .unwrap();
+
+    let call = |token: String, id: String, imp: Option<String>| {
+        let root = pki.ca.root_cert.clone();
+        async move {
+            let mut c = meshca::testing::client(addr, &root, None).await.unwrap();
+            let key = rcgen::KeyPair::generate().unwrap();
+            let meta: Vec<(&str, prost_types::Value)> = imp
+                .map(|i| ("ImpersonatedIdentity", meshca::testing::string_value(&i)))
+                .into_iter()
+                .collect();
+            let mut req = tonic::Request::new(meshca::testing::request(
+                meshca::testing::csr_for(&key, &id),
+                0,
+                &meta,
+            ));
+            req.metadata_mut()
+                .insert("authorization", format!("Bearer {token}").parse().unwrap());
+            req.metadata_mut()
+                .insert("clusterid", "Kubernetes".parse().unwrap());
+            c.create_certificate(req).await.map(|_| ())
+        }
+    };
+    let app_id = spiffe(&ns, "app");
+    // The index syncs asynchronously after start; retry the first allow briefly.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while call(zt_token.clone(), app_id.clone(), Some(app_id.clone()))
+        .await
+        .is_err()
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "impersonation never allowed"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    call(app_token.clone(), app_id.clone(), None).await.unwrap();
+    call(wrong_aud.clone(), app_id.clone(), None)
+        .await
+        .unwrap_err();
+    let far = spiffe(&ns, "far");
+    call(zt_token.clone(), far.clone(), Some(far))
+        .await
+        .unwrap_err();
+    call(app_token.clone(), spiffe(&ns, "other"), None)
+        .await
+        .unwrap_err();
+
+    // Clean shutdown writes the final checkpoint.
+    let pid = child.id().unwrap();
+    std::process::Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()
+        .unwrap();
+    tokio::time::timeout(std::time::Duration::from_secs(20), child.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(5), err_task).await;
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(5), out_task).await;
+
+    let logs = collected.lock().unwrap().clone();
+    let audit = audit_lines.lock().unwrap().join("\n");
+    assert!(
+        logs.len() > 10_000,
+        "trace logging produced output ({} bytes)",
+        logs.len()
+    );
+    assert!(
+        audit
+            .lines()
+            .filter(|l| l.contains("\"type\":\"audit\""))
+            .count()
+            >= 5,
+        "{audit}"
+    );
+    let kubeconfig = std::fs::read_to_string(k.meshca_kubeconfig()).unwrap();
+    let kube_token = kubeconfig
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("token: "))
+        .unwrap()
+        .trim()
+        .to_string();
+    let mut secrets: Vec<(String, String)> = vec![("kubeconfig token".into(), kube_token)];
+    for (name, t) in [
+        ("ztunnel token", &zt_token),
+        ("app token", &app_token),
+        ("wrong-audience token", &wrong_aud),
+    ] {
+        secrets.push((name.into(), t.clone()));
+        // The signature alone is the secret part of a JWT.
+        secrets.push((
+            format!("{name} signature"),
+            t.rsplit('.').next().unwrap().to_string(),
+        ));
+    }
+    for (i, line) in pki
+        .ca
+        .ca_key
+        .lines()
+        .filter(|l| !l.starts_with("-----"))
+        .enumerate()
+    {
+        secrets.push((format!("CA key line {i}"), line.to_string()));
+    }
+    for (name, secret) in &secrets {
+        assert!(secret.len() >= 16, "{name} is a meaningful needle");
+        assert!(
+            !logs.contains(secret.as_str()),
+            "{name} leaked into the logs"
+        );
+        assert!(
+            !audit.contains(secret.as_str()),
+            "{name} leaked into the audit stream"
+        );
+    }
+    // The stdout stream is a complete, verifiable chain ending in a checkpoint.
+    let lines: Vec<(String, String)> = audit
+        .lines()
+        .enumerate()
+        .map(|(i, l)| (format!("stdout:{}", i + 1), l.to_string()))
+        .collect();
+    let report = meshca::audit::verify::verify_lines(&lines, None).unwrap();
+    assert_eq!(report.unsigned_tail, 0, "shutdown checkpoint written");
+    assert_eq!(
+        report.records,
+        audit
+            .lines()
+            .filter(|l| l.contains("\"type\":\"audit\""))
+            .count() as u64
     );
 }

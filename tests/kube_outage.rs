@@ -79,11 +79,11 @@ async fn api_server_outage_and_recovery() {
         .call(&zt_token, &far, Some(&far), Some("Kubernetes"))
         .await;
     assert_eq!(r.unwrap_err().code(), Code::Unauthenticated);
-    assert_eq!(srv.last_reason(), "impersonation_no_pod_on_node");
+    assert_eq!(srv.last_reason().as_str(), "impersonation_no_pod_on_node");
     // A token nobody has reviewed cannot be checked: retryable, not allowed.
     let r = srv.call(&unseen_token, &app, None, None).await;
     assert_eq!(r.unwrap_err().code(), Code::Unavailable);
-    assert_eq!(srv.last_reason(), "authn_tokenreview_unavailable");
+    assert_eq!(srv.last_reason().as_str(), "authn_tokenreview_unavailable");
     assert_eq!(
         srv.readyz().await,
         200,
@@ -127,7 +127,7 @@ async fn api_server_outage_and_recovery() {
         .call(&zt_token, &app, Some(&app), Some("Kubernetes"))
         .await;
     assert_eq!(r.unwrap_err().code(), Code::Unauthenticated);
-    assert_eq!(srv.last_reason(), "impersonation_no_pod_on_node");
+    assert_eq!(srv.last_reason().as_str(), "impersonation_no_pod_on_node");
 
     // The cold replica syncs and becomes ready.
     let deadline = Instant::now() + Duration::from_secs(90);

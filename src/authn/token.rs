@@ -141,6 +141,7 @@ pub struct KubeTokenAuthenticator {
     index: Option<Arc<PodIndex>>,
     pub hits: AtomicU64,
     pub misses: AtomicU64,
+    metrics: Option<Arc<crate::metrics::Metrics>>,
 }
 
 impl std::fmt::Debug for KubeTokenAuthenticator {
@@ -164,7 +165,14 @@ impl KubeTokenAuthenticator {
             index,
             hits: AtomicU64::new(0),
             misses: AtomicU64::new(0),
+            metrics: None,
         }
+    }
+
+    /// Records TokenReview latency and errors.
+    pub fn with_metrics(mut self, metrics: Arc<crate::metrics::Metrics>) -> Self {
+        self.metrics = Some(metrics);
+        self
     }
 
     fn cached(&self, key: &[u8; 32]) -> Option<Caller> {
@@ -234,11 +242,19 @@ impl KubeTokenAuthenticator {
             },
             ..Default::default()
         };
+        let started = Instant::now();
         let result = tokio::time::timeout(
             self.settings.timeout,
             api.create(&PostParams::default(), &review),
         )
         .await;
+        if let Some(m) = &self.metrics {
+            m.tokenreview_duration
+                .observe(started.elapsed().as_secs_f64());
+            if !matches!(result, Ok(Ok(_))) {
+                m.tokenreview_errors.inc();
+            }
+        }
         let review = match result {
             Err(_) => {
                 return Err(AuthnError::Unavailable(format!(

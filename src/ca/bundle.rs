@@ -425,7 +425,7 @@ impl CaBundle {
         Ok(IssuedLeaf {
             pem: cert.pem(),
             der: cert.der().clone(),
-            serial_hex: hex::encode(serial),
+            serial_hex: super::serial_hex(&serial),
             not_before: validity.not_before,
             not_after: validity.not_after,
         })

@@ -94,7 +94,11 @@ impl CaStore {
 
     /// Follows the directory: file events (debounced) plus a periodic poll
     /// as a safety net for missed events. Runs until the task is dropped.
-    pub async fn watch(self: Arc<Self>, poll: Duration) {
+    pub async fn watch(
+        self: Arc<Self>,
+        poll: Duration,
+        metrics: Option<Arc<crate::metrics::Metrics>>,
+    ) {
         let Some(dir) = self.dir.clone() else { return };
         let (tx, mut rx) = tokio::sync::mpsc::channel::<()>(16);
         let watcher = notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
@@ -126,13 +130,23 @@ impl CaStore {
             let store = self.clone();
             // Reading files and probing the key is blocking work.
             let result = tokio::task::spawn_blocking(move || store.reload()).await;
-            match result {
-                Ok(Ok(ReloadOutcome::Swapped)) => {}
-                Ok(Ok(ReloadOutcome::Unchanged)) => {}
+            let outcome = match result {
+                Ok(Ok(ReloadOutcome::Swapped)) => Some("swapped"),
+                Ok(Ok(ReloadOutcome::Unchanged)) => None,
                 Ok(Err(e)) => {
-                    tracing::error!(reason = e.reason(), error = %e, "rejected new CA material; still serving the previous bundle")
+                    tracing::error!(reason = e.reason(), error = %e, "rejected new CA material; still serving the previous bundle");
+                    Some(e.reason())
                 }
-                Err(e) => tracing::error!(error = %e, "CA reload task failed"),
+                Err(e) => {
+                    tracing::error!(error = %e, "CA reload task failed");
+                    Some("task_failed")
+                }
+            };
+            if let (Some(result), Some(m)) = (outcome, &metrics) {
+                let labels = crate::metrics::ResultLabels {
+                    result: result.to_string(),
+                };
+                m.ca_reloads.get_or_create(&labels).inc();
             }
         }
     }

@@ -292,8 +292,29 @@ impl Server {
         }
     }
 
-    /// Calls CreateCertificate with a bearer token.
+    /// Calls CreateCertificate with a bearer token; every call must produce
+    /// exactly one audit record.
     pub async fn call(
+        &self,
+        token: &str,
+        csr_identity: &str,
+        impersonate: Option<&str>,
+        cluster: Option<&str>,
+    ) -> Result<Vec<String>, tonic::Status> {
+        let before = self.audit.records().len();
+        let result = self
+            .call_unchecked(token, csr_identity, impersonate, cluster)
+            .await;
+        let after = self.audit.records().len();
+        assert_eq!(
+            after,
+            before + 1,
+            "exactly one audit record per request: {result:?}"
+        );
+        result
+    }
+
+    async fn call_unchecked(
         &self,
         token: &str,
         csr_identity: &str,
@@ -323,8 +344,13 @@ impl Server {
             .map(|r| r.into_inner().cert_chain)
     }
 
-    pub fn last_reason(&self) -> &'static str {
-        self.audit.records().last().expect("an audit record").reason
+    pub fn last_reason(&self) -> String {
+        self.audit
+            .records()
+            .last()
+            .expect("an audit record")
+            .reason
+            .clone()
     }
 
     pub async fn readyz(&self) -> u16 {

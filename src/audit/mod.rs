@@ -1,15 +1,23 @@
-//! One audit record per CreateCertificate call, emitted by a guard on drop so
-//! that early returns and cancelled requests are recorded too.
+//! The audit log: exactly one record per CreateCertificate call, on every
+//! path. A guard collects the record during the request and hands it to the
+//! sink once; the chained sink ([`chain`]) hash-links records and signs
+//! periodic checkpoints so deletions, edits and reordering are detectable
+//! ([`verify`]).
+
+pub mod chain;
+pub mod verify;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
 
+use crate::metrics::{ErrorClass, Metrics};
+
 /// Allow or deny.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Decision {
     Allow,
@@ -18,13 +26,13 @@ pub enum Decision {
 
 /// What a security team reads about one request. Never holds a token, a key
 /// or a CSR (only its SHA-256).
-#[derive(Debug, Clone, Serialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct AuditRecord {
     #[serde(with = "time::serde::rfc3339")]
     pub time: OffsetDateTime,
     pub request_id: String,
     pub peer: Option<String>,
-    pub authn_method: Option<&'static str>,
+    pub authn_method: Option<String>,
     pub caller_identity: Option<String>,
     pub caller_pod: Option<String>,
     pub caller_pod_uid: Option<String>,
@@ -32,7 +40,7 @@ pub struct AuditRecord {
     pub requested_identity: Option<String>,
     pub impersonated: bool,
     pub decision: Decision,
-    pub reason: &'static str,
+    pub reason: String,
     pub detail: Option<String>,
     pub evidence: Option<String>,
     pub serial: Option<String>,
@@ -46,25 +54,17 @@ pub struct AuditRecord {
     pub latency_ms: f64,
 }
 
-/// Where records go.
+/// The audit sink could not persist a record.
+#[derive(Debug, thiserror::Error)]
+#[error("audit record not written: {0}")]
+pub struct AuditError(pub String);
+
+/// Where records go. `emit` must either persist the record or fail.
 pub trait AuditSink: Send + Sync + std::fmt::Debug {
-    fn emit(&self, record: &AuditRecord);
+    fn emit(&self, record: &AuditRecord) -> Result<(), AuditError>;
 }
 
-/// Writes each record as one JSON line through `tracing` target `audit`.
-#[derive(Debug, Default)]
-pub struct TracingSink;
-
-impl AuditSink for TracingSink {
-    fn emit(&self, record: &AuditRecord) {
-        match serde_json::to_string(record) {
-            Ok(line) => tracing::info!(target: "audit", record = %line, "certificate request"),
-            Err(e) => tracing::error!(target: "audit", error = %e, "audit record not serializable"),
-        }
-    }
-}
-
-/// Keeps records in memory (tests and the `certs` tooling).
+/// Keeps records in memory (tests).
 #[derive(Debug, Default)]
 pub struct MemorySink(pub std::sync::Mutex<Vec<AuditRecord>>);
 
@@ -75,24 +75,35 @@ impl MemorySink {
 }
 
 impl AuditSink for MemorySink {
-    fn emit(&self, record: &AuditRecord) {
-        if let Ok(mut v) = self.0.lock() {
-            v.push(record.clone());
-        }
+    fn emit(&self, record: &AuditRecord) -> Result<(), AuditError> {
+        self.0
+            .lock()
+            .map_err(|_| AuditError("poisoned".into()))?
+            .push(record.clone());
+        Ok(())
     }
 }
 
-/// Collects a record during a request and emits it exactly once when dropped.
+/// Collects a record during a request and emits it exactly once: through
+/// [`AuditGuard::finish`], or on drop for early returns and cancellation.
 /// Until a decision is recorded the outcome is a deny (`request_abandoned`).
 #[derive(Debug)]
 pub struct AuditGuard {
     record: AuditRecord,
+    reason: &'static str,
+    class: Option<ErrorClass>,
     started: Instant,
     sink: Arc<dyn AuditSink>,
+    metrics: Option<Arc<Metrics>>,
+    done: bool,
 }
 
 impl AuditGuard {
-    pub fn new(sink: Arc<dyn AuditSink>, peer: Option<SocketAddr>) -> Self {
+    pub fn new(
+        sink: Arc<dyn AuditSink>,
+        metrics: Option<Arc<Metrics>>,
+        peer: Option<SocketAddr>,
+    ) -> Self {
         let mut id = [0u8; 8];
         let _ = aws_lc_rs::rand::fill(&mut id);
         Self {
@@ -108,7 +119,7 @@ impl AuditGuard {
                 requested_identity: None,
                 impersonated: false,
                 decision: Decision::Deny,
-                reason: "request_abandoned",
+                reason: "request_abandoned".into(),
                 detail: None,
                 evidence: None,
                 serial: None,
@@ -119,8 +130,12 @@ impl AuditGuard {
                 issuer_key_id: None,
                 latency_ms: 0.0,
             },
+            reason: "request_abandoned",
+            class: None,
             started: Instant::now(),
             sink,
+            metrics,
+            done: false,
         }
     }
 
@@ -132,22 +147,48 @@ impl AuditGuard {
         &self.record.request_id
     }
 
-    pub fn deny(&mut self, reason: &'static str, detail: String) {
+    pub fn deny(&mut self, reason: &'static str, class: Option<ErrorClass>, detail: String) {
         self.record.decision = Decision::Deny;
-        self.record.reason = reason;
+        self.record.reason = reason.into();
         self.record.detail = Some(detail);
+        self.reason = reason;
+        self.class = class;
     }
 
     pub fn allow(&mut self) {
         self.record.decision = Decision::Allow;
-        self.record.reason = "issued";
+        self.record.reason = "issued".into();
         self.record.detail = None;
+        self.reason = "issued";
+        self.class = None;
+    }
+
+    /// Emits the record now; an error means the record was not persisted.
+    pub fn finish(mut self) -> Result<(), AuditError> {
+        self.emit()
+    }
+
+    fn emit(&mut self) -> Result<(), AuditError> {
+        if self.done {
+            return Ok(());
+        }
+        self.done = true;
+        let elapsed = self.started.elapsed().as_secs_f64();
+        self.record.latency_ms = elapsed * 1000.0;
+        if let Some(m) = &self.metrics {
+            m.record(self.record.decision, self.reason, self.class, elapsed);
+        }
+        let result = self.sink.emit(&self.record);
+        if let (Err(e), Some(m)) = (&result, &self.metrics) {
+            m.audit_write_errors.inc();
+            tracing::error!(error = %e, request_id = %self.record.request_id, "audit record lost");
+        }
+        result
     }
 }
 
 impl Drop for AuditGuard {
     fn drop(&mut self) {
-        self.record.latency_ms = self.started.elapsed().as_secs_f64() * 1000.0;
-        self.sink.emit(&self.record);
+        let _ = self.emit();
     }
 }

@@ -1,0 +1,361 @@
+//! Metrics: istiod's `citadel_server_*` names exactly as istiod exports them,
+//! plus meshca's own. istiod's exporter drops the `_total` suffix from
+//! counters; prometheus-client always appends it (OpenMetrics), so the
+//! citadel block is written by hand in the Prometheus text format and
+//! meshca's own families (which follow the `_total` convention) come from
+//! the prometheus-client registry.
+
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+use crate::audit::Decision;
+
+/// How a failed request counts in istiod's metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorClass {
+    /// `citadel_server_authentication_failure_count`.
+    Authentication,
+    /// `citadel_server_csr_sign_err_count{error="CSR_ERROR"}` (parsing errors also count in csr_parsing_err_count).
+    Csr { parsing: bool },
+    /// `error="TTL_ERROR"`.
+    Ttl,
+    /// `error="CERT_GEN_ERROR"`.
+    CertGen,
+    /// `error="CA_NOT_READY"`.
+    CaNotReady,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DecisionLabels {
+    /// `allow` or `deny`.
+    pub decision: &'static str,
+    pub reason: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct LatencyLabels {
+    pub decision: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResultLabels {
+    pub result: String,
+}
+
+/// istiod-compatible counters.
+#[derive(Debug, Default)]
+pub struct Citadel {
+    pub csr_count: AtomicU64,
+    pub authentication_failure_count: AtomicU64,
+    pub sign_err_csr: AtomicU64,
+    pub sign_err_ttl: AtomicU64,
+    pub sign_err_cert_gen: AtomicU64,
+    pub sign_err_ca_not_ready: AtomicU64,
+    pub success_cert_issuance_count: AtomicU64,
+    pub csr_parsing_err_count: AtomicU64,
+    pub id_extraction_err_count: AtomicU64,
+}
+
+/// Everything meshca counts. Cheap to clone via `Arc`.
+#[derive(Debug)]
+pub struct Metrics {
+    pub citadel: Citadel,
+    pub decisions: Family<DecisionLabels, Counter>,
+    pub request_duration: Family<LatencyLabels, Histogram>,
+    pub tokenreview_duration: Histogram,
+    pub tokenreview_errors: Counter,
+    pub ca_reloads: Family<ResultLabels, Counter>,
+    pub audit_write_errors: Counter,
+    registry: Registry,
+}
+
+/// Values read at scrape time from live state (never a lock on the signing path).
+#[derive(Debug, Clone, Default)]
+pub struct Snapshot {
+    pub root_not_after: Option<i64>,
+    pub chain_not_after: Option<i64>,
+    pub signing_not_after: Option<i64>,
+    pub pod_index: Option<(u64, bool, u64)>,
+    pub token_cache: Option<(u64, u64)>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let mut registry = Registry::default();
+        let decisions = Family::<DecisionLabels, Counter>::default();
+        registry.register(
+            "meshca_decisions",
+            "CreateCertificate decisions by reason",
+            decisions.clone(),
+        );
+        let request_duration = Family::<LatencyLabels, Histogram>::new_with_constructor(|| {
+            Histogram::new(exponential_buckets(0.0001, 2.0, 16))
+        });
+        registry.register(
+            "meshca_request_duration_seconds",
+            "CreateCertificate latency",
+            request_duration.clone(),
+        );
+        let tokenreview_duration = Histogram::new(exponential_buckets(0.0005, 2.0, 14));
+        registry.register(
+            "meshca_tokenreview_duration_seconds",
+            "TokenReview round trip to the API server",
+            tokenreview_duration.clone(),
+        );
+        let tokenreview_errors = Counter::default();
+        registry.register(
+            "meshca_tokenreview_errors",
+            "TokenReviews that could not be made (timeout, API error)",
+            tokenreview_errors.clone(),
+        );
+        let ca_reloads = Family::<ResultLabels, Counter>::default();
+        registry.register(
+            "meshca_ca_reloads",
+            "CA material reload attempts that found a change",
+            ca_reloads.clone(),
+        );
+        let audit_write_errors = Counter::default();
+        registry.register(
+            "meshca_audit_write_errors",
+            "Audit records that could not be written",
+            audit_write_errors.clone(),
+        );
+        Self {
+            citadel: Citadel::default(),
+            decisions,
+            request_duration,
+            tokenreview_duration,
+            tokenreview_errors,
+            ca_reloads,
+            audit_write_errors,
+            registry,
+        }
+    }
+
+    /// Records one finished request (called exactly once per request, by the audit guard).
+    pub fn record(
+        &self,
+        decision: Decision,
+        reason: &'static str,
+        class: Option<ErrorClass>,
+        seconds: f64,
+    ) {
+        let c = &self.citadel;
+        c.csr_count.fetch_add(1, Ordering::Relaxed);
+        match class {
+            None => {}
+            Some(ErrorClass::Authentication) => {
+                c.authentication_failure_count
+                    .fetch_add(1, Ordering::Relaxed);
+            }
+            Some(ErrorClass::Csr { parsing }) => {
+                c.sign_err_csr.fetch_add(1, Ordering::Relaxed);
+                if parsing {
+                    c.csr_parsing_err_count.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            Some(ErrorClass::Ttl) => {
+                c.sign_err_ttl.fetch_add(1, Ordering::Relaxed);
+            }
+            Some(ErrorClass::CertGen) => {
+                c.sign_err_cert_gen.fetch_add(1, Ordering::Relaxed);
+            }
+            Some(ErrorClass::CaNotReady) => {
+                c.sign_err_ca_not_ready.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        let label = match decision {
+            Decision::Allow => {
+                c.success_cert_issuance_count
+                    .fetch_add(1, Ordering::Relaxed);
+                "allow"
+            }
+            Decision::Deny => "deny",
+        };
+        self.decisions
+            .get_or_create(&DecisionLabels {
+                decision: label,
+                reason: reason.to_string(),
+            })
+            .inc();
+        self.request_duration
+            .get_or_create(&LatencyLabels { decision: label })
+            .observe(seconds);
+    }
+
+    /// Renders the Prometheus text exposition.
+    pub fn render(&self, snap: &Snapshot, now_unix: i64) -> String {
+        let mut out = String::new();
+        let c = &self.citadel;
+        let counter = |out: &mut String, name: &str, help: &str, v: &AtomicU64| {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}",
+                v.load(Ordering::Relaxed)
+            );
+        };
+        counter(
+            &mut out,
+            "citadel_server_csr_count",
+            "The number of CSRs received by Citadel server.",
+            &c.csr_count,
+        );
+        counter(
+            &mut out,
+            "citadel_server_authentication_failure_count",
+            "The number of authentication failures.",
+            &c.authentication_failure_count,
+        );
+        let _ = writeln!(out, "# HELP citadel_server_csr_sign_err_count The number of errors occurred when signing the CSR.\n# TYPE citadel_server_csr_sign_err_count counter");
+        for (label, v) in [
+            ("CA_NOT_READY", &c.sign_err_ca_not_ready),
+            ("CSR_ERROR", &c.sign_err_csr),
+            ("TTL_ERROR", &c.sign_err_ttl),
+            ("CERT_GEN_ERROR", &c.sign_err_cert_gen),
+        ] {
+            let _ = writeln!(
+                out,
+                "citadel_server_csr_sign_err_count{{error=\"{label}\"}} {}",
+                v.load(Ordering::Relaxed)
+            );
+        }
+        counter(
+            &mut out,
+            "citadel_server_success_cert_issuance_count",
+            "The number of certificates issuances that have succeeded.",
+            &c.success_cert_issuance_count,
+        );
+        counter(
+            &mut out,
+            "citadel_server_csr_parsing_err_count",
+            "The number of errors occurred when parsing the CSR.",
+            &c.csr_parsing_err_count,
+        );
+        counter(
+            &mut out,
+            "citadel_server_id_extraction_err_count",
+            "The number of errors occurred when extracting the ID from CSR.",
+            &c.id_extraction_err_count,
+        );
+        let gauge = |out: &mut String, name: &str, help: &str, v: i64| {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
+        };
+        if let Some(t) = snap.root_not_after {
+            gauge(&mut out, "citadel_server_root_cert_expiry_timestamp", "The unix timestamp, in seconds, when Citadel root cert will expire. A negative time indicates the cert is expired.", t);
+            gauge(&mut out, "citadel_server_root_cert_expiry_seconds", "The time remaining, in seconds, before the root cert will expire. A negative value indicates the cert is expired.", t - now_unix);
+        }
+        if let Some(t) = snap.chain_not_after {
+            gauge(&mut out, "citadel_server_cert_chain_expiry_timestamp", "The unix timestamp, in seconds, when Citadel cert chain will expire. A negative time indicates the cert is expired.", t);
+            gauge(&mut out, "citadel_server_cert_chain_expiry_seconds", "The time remaining, in seconds, before the cert chain will expire. A negative value indicates the cert is expired.", t - now_unix);
+        }
+        if let Some(t) = snap.signing_not_after {
+            gauge(
+                &mut out,
+                "meshca_signing_cert_expiry_timestamp_seconds",
+                "NotAfter of the intermediate that signs leaves.",
+                t,
+            );
+        }
+        if let Some((pods, synced, events)) = snap.pod_index {
+            gauge(
+                &mut out,
+                "meshca_pod_index_pods",
+                "Pods in the node-authorization index.",
+                pods as i64,
+            );
+            gauge(
+                &mut out,
+                "meshca_pod_index_synced",
+                "1 once the pod index completed its first list.",
+                i64::from(synced),
+            );
+            let _ = writeln!(out, "# HELP meshca_pod_index_events_total Watch events applied to the pod index.\n# TYPE meshca_pod_index_events_total counter\nmeshca_pod_index_events_total {events}");
+        }
+        if let Some((hits, misses)) = snap.token_cache {
+            let _ = writeln!(out, "# HELP meshca_token_cache_requests_total TokenReview cache lookups.\n# TYPE meshca_token_cache_requests_total counter\nmeshca_token_cache_requests_total{{result=\"hit\"}} {hits}\nmeshca_token_cache_requests_total{{result=\"miss\"}} {misses}");
+            let ratio = if hits + misses == 0 {
+                0.0
+            } else {
+                hits as f64 / (hits + misses) as f64
+            };
+            let _ = writeln!(out, "# HELP meshca_token_cache_hit_ratio Share of token lookups served from the cache.\n# TYPE meshca_token_cache_hit_ratio gauge\nmeshca_token_cache_hit_ratio {ratio}");
+        }
+        let mut registry_text = String::new();
+        if prometheus_client::encoding::text::encode(&mut registry_text, &self.registry).is_ok() {
+            // OpenMetrics' terminator is not part of the 0.0.4 text format.
+            out.push_str(
+                registry_text
+                    .trim_end()
+                    .trim_end_matches("# EOF")
+                    .trim_end(),
+            );
+            out.push('\n');
+        }
+        out
+    }
+}
+
+/// A shared handle.
+pub type SharedMetrics = Arc<Metrics>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn citadel_names_have_no_total_suffix_and_count() {
+        let m = Metrics::new();
+        m.record(Decision::Allow, "issued", None, 0.001);
+        m.record(
+            Decision::Deny,
+            "authn_no_credentials",
+            Some(ErrorClass::Authentication),
+            0.001,
+        );
+        m.record(
+            Decision::Deny,
+            "csr_malformed",
+            Some(ErrorClass::Csr { parsing: true }),
+            0.001,
+        );
+        m.record(Decision::Deny, "ttl_too_long", Some(ErrorClass::Ttl), 0.001);
+        let text = m.render(
+            &Snapshot {
+                root_not_after: Some(2000),
+                ..Default::default()
+            },
+            1000,
+        );
+        for line in [
+            "citadel_server_csr_count 4",
+            "citadel_server_authentication_failure_count 1",
+            "citadel_server_csr_sign_err_count{error=\"CSR_ERROR\"} 1",
+            "citadel_server_csr_sign_err_count{error=\"TTL_ERROR\"} 1",
+            "citadel_server_success_cert_issuance_count 1",
+            "citadel_server_csr_parsing_err_count 1",
+            "citadel_server_root_cert_expiry_timestamp 2000",
+            "citadel_server_root_cert_expiry_seconds 1000",
+            "meshca_decisions_total{decision=\"deny\",reason=\"ttl_too_long\"} 1",
+        ] {
+            assert!(
+                text.lines().any(|l| l == line),
+                "missing {line:?} in\n{text}"
+            );
+        }
+        assert!(!text.contains("citadel_server_csr_count_total"));
+        assert!(!text.contains("# EOF"));
+    }
+}
