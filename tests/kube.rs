@@ -669,3 +669,74 @@ async fn no_secret_appears_in_any_log_line_or_audit_record() {
             .count() as u64
     );
 }
+
+#[tokio::test]
+async fn mtls_node_proxy_impersonates_by_source_ip_only_when_enabled() {
+    use meshca::ca::CaBundle;
+    let k = kte().await;
+    let zt_ns = k.namespace("zt").await;
+    k.service_account(&zt_ns, ZT_SA).await;
+    k.pod(&zt_ns, "ztunnel-a", ZT_SA, "node-a").await;
+    // No kubelet runs, so give the ztunnel pod the address the test client
+    // connects from, as the kubelet would report its pod IP.
+    k.set_pod_ip(&zt_ns, "ztunnel-a", "127.0.0.1").await;
+    let ns = k.namespace("app").await;
+    k.service_account(&ns, "app").await;
+    k.service_account(&ns, "far").await;
+    workload(&k, &ns, "app", "app-0", "node-a").await;
+    workload(&k, &ns, "far", "far-0", "node-b").await;
+    let app = spiffe(&ns, "app");
+    let far = spiffe(&ns, "far");
+    let zt_id = spiffe(&zt_ns, ZT_SA);
+
+    for enabled in [false, true] {
+        let pki = TestPki::new(KeyType::EcdsaP256);
+        let bundle = CaBundle::load_dir(pki.path(), time::OffsetDateTime::now_utc()).unwrap();
+        let (cert, key) = meshca::testing::client_identity(
+            &bundle,
+            &zt_id,
+            &meshca::testing::validity_hours(-1, 1),
+        );
+        let mut cfg =
+            common::kube_config(&pki, k.meshca_kubeconfig(), &[format!("{zt_ns}/{ZT_SA}")]);
+        cfg.mtls_impersonation = enabled;
+        let srv = start(cfg, pki).await;
+        let (zn, n) = (zt_ns.clone(), ns.clone());
+        srv.wait_index("pods with IPs", move |s| {
+            s.get(&zn, "ztunnel-a")
+                .is_some_and(|p| !p.pod_ips.is_empty())
+                && s.get(&n, "far-0").is_some()
+        })
+        .await;
+        let mut c =
+            meshca::testing::client(srv.app.addr, &srv.pki.ca.root_cert, Some((&cert, &key)))
+                .await
+                .unwrap();
+        let ask = |id: &str| {
+            let key = rcgen::KeyPair::generate().unwrap();
+            let meta = [("ImpersonatedIdentity", meshca::testing::string_value(id))];
+            let mut req = tonic::Request::new(meshca::testing::request(
+                meshca::testing::csr_for(&key, id),
+                0,
+                &meta,
+            ));
+            req.metadata_mut()
+                .insert("clusterid", "Kubernetes".parse().unwrap());
+            req
+        };
+        let r = c.create_certificate(ask(&app)).await;
+        if enabled {
+            let chain = r.unwrap().into_inner().cert_chain;
+            assert_eq!(leaf_uri(&chain[0]), app);
+            let rec = srv.audit.records().last().cloned().unwrap();
+            assert_eq!(rec.authn_method.as_deref(), Some("mtls"));
+            assert_eq!(rec.node.as_deref(), Some("node-a"));
+            let r = c.create_certificate(ask(&far)).await;
+            assert_eq!(r.unwrap_err().code(), Code::Unauthenticated);
+            assert_eq!(srv.last_reason(), "impersonation_no_pod_on_node");
+        } else {
+            assert_eq!(r.unwrap_err().code(), Code::Unauthenticated);
+            assert_eq!(srv.last_reason(), "impersonation_no_pod_binding");
+        }
+    }
+}

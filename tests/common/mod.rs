@@ -120,6 +120,15 @@ impl Kte {
             .unwrap();
     }
 
+    /// Reports `ip` as the pod's IP (what the kubelet would do).
+    pub async fn set_pod_ip(&self, ns: &str, name: &str, ip: &str) {
+        let patch = json!({"status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]}});
+        Api::<Pod>::namespaced(self.admin.clone(), ns)
+            .patch_status(name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .unwrap();
+    }
+
     /// Mints a pod-bound ServiceAccount token with the TokenRequest API.
     pub async fn token(
         &self,
