@@ -64,22 +64,22 @@ impl From<IssueError> for Status {
 /// istio-agent always sends `CertSigner: ""`); a non-string value is refused
 /// rather than silently ignored.
 pub fn decode_request(msg: IstioCertificateRequest) -> Result<IssueRequest, RequestError> {
-    let mut impersonate = None;
-    if let Some(meta) = &msg.metadata {
-        for (key, name) in [
-            (IMPERSONATED_IDENTITY, IMPERSONATED_IDENTITY),
-            (CERT_SIGNER, CERT_SIGNER),
-        ] {
-            match meta.fields.get(key).and_then(|v| v.kind.as_ref()) {
-                None | Some(Kind::NullValue(_)) => {}
-                Some(Kind::StringValue(s)) if key == IMPERSONATED_IDENTITY && !s.is_empty() => {
-                    impersonate = Some(s.clone())
-                }
-                Some(Kind::StringValue(_)) => {}
-                Some(_) => return Err(RequestError::MetadataWrongType(name)),
-            }
+    // Returns the non-empty string value of `key`, refusing other types.
+    let string = |key: &'static str| -> Result<Option<String>, RequestError> {
+        let value = msg
+            .metadata
+            .as_ref()
+            .and_then(|m| m.fields.get(key))
+            .and_then(|v| v.kind.as_ref());
+        match value {
+            None | Some(Kind::NullValue(_)) => Ok(None),
+            Some(Kind::StringValue(s)) => Ok(Some(s.clone()).filter(|s| !s.is_empty())),
+            Some(_) => Err(RequestError::MetadataWrongType(key)),
         }
-    }
+    };
+    let impersonate = string(IMPERSONATED_IDENTITY)?;
+    // Read only to validate its type: the built-in signer is the only one.
+    string(CERT_SIGNER)?;
     Ok(IssueRequest {
         csr: msg.csr,
         validity_secs: msg.validity_duration,

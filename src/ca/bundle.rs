@@ -170,7 +170,8 @@ impl BundleFiles {
         })
     }
 
-    fn fingerprint(&self) -> [u8; 32] {
+    /// SHA-256 over all four texts: equal files give equal fingerprints.
+    pub fn fingerprint(&self) -> [u8; 32] {
         let mut all = Vec::new();
         for part in [
             &self.signing_cert,

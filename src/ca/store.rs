@@ -76,10 +76,11 @@ impl CaStore {
         };
         let files = super::bundle::BundleFiles::read_dir(dir)?;
         let old = self.snapshot();
-        let new = CaBundle::from_files(files, OffsetDateTime::now_utc())?;
-        if new.fingerprint() == old.fingerprint() {
+        // Unchanged files are not verified again (polling runs every few seconds).
+        if files.fingerprint() == old.fingerprint() {
             return Ok(ReloadOutcome::Unchanged);
         }
+        let new = CaBundle::from_files(files, OffsetDateTime::now_utc())?;
         check_root_change(&old, &new, self.allow_root_change)?;
         self.swap(new);
         Ok(ReloadOutcome::Swapped)
