@@ -11,10 +11,9 @@ use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer, UnixTime};
 use time::OffsetDateTime;
 use x509_parser::prelude::{FromDer, X509Certificate};
-use x509_parser::public_key::PublicKey;
 
 use super::chain::split_elements;
-use super::csr::sha256;
+use super::csr::{sha256, KeyKind};
 use super::ttl::Validity;
 use crate::identity::SpiffeId;
 
@@ -509,35 +508,17 @@ fn certs_allow_empty(file: &str, pem: &str) -> Result<Vec<CertificateDer<'static
 fn signing_algorithm(
     spki: &x509_parser::x509::SubjectPublicKeyInfo<'_>,
 ) -> Result<(&'static SignatureAlgorithm, &'static str), MaterialError> {
-    match spki.algorithm.algorithm.to_id_string().as_str() {
-        "1.2.840.10045.2.1" => {
-            let curve = spki
-                .algorithm
-                .parameters
-                .as_ref()
-                .and_then(|p| p.as_oid().ok())
-                .map(|o| o.to_id_string())
-                .unwrap_or_default();
-            match curve.as_str() {
-                "1.2.840.10045.3.1.7" => Ok((&rcgen::PKCS_ECDSA_P256_SHA256, "ecdsa-p256")),
-                "1.3.132.0.34" => Ok((&rcgen::PKCS_ECDSA_P384_SHA384, "ecdsa-p384")),
-                other => Err(MaterialError::BadKey(format!(
-                    "unsupported EC curve {other}"
-                ))),
-            }
-        }
-        "1.2.840.113549.1.1.1" => match spki.parsed() {
-            Ok(PublicKey::RSA(rsa)) if rsa.key_size() >= 2048 => {
-                Ok((&rcgen::PKCS_RSA_SHA256, "rsa"))
-            }
-            Ok(PublicKey::RSA(rsa)) => Err(MaterialError::BadKey(format!(
-                "RSA signing key of {} bits is below 2048",
-                rsa.key_size()
-            ))),
-            _ => Err(MaterialError::BadKey("malformed RSA public key".into())),
-        },
-        other => Err(MaterialError::BadKey(format!(
-            "unsupported signing key algorithm {other}"
+    match super::csr::spki_kind(spki)
+        .map_err(|e| MaterialError::BadKey(format!("unsupported signing key: {e}")))?
+    {
+        KeyKind::EcdsaP256 => Ok((&rcgen::PKCS_ECDSA_P256_SHA256, "ecdsa-p256")),
+        KeyKind::EcdsaP384 => Ok((&rcgen::PKCS_ECDSA_P384_SHA384, "ecdsa-p384")),
+        KeyKind::Rsa(bits) if bits >= 2048 => Ok((&rcgen::PKCS_RSA_SHA256, "rsa")),
+        KeyKind::Rsa(bits) => Err(MaterialError::BadKey(format!(
+            "RSA signing key of {bits} bits is below 2048"
         ))),
+        KeyKind::Ed25519 => Err(MaterialError::BadKey(
+            "Ed25519 signing keys are not supported (use ECDSA P-256/P-384 or RSA)".into(),
+        )),
     }
 }

@@ -191,9 +191,11 @@ pub(crate) fn sha256(data: &[u8]) -> [u8; 32] {
     out
 }
 
-fn key_kind(spki: &x509_parser::x509::SubjectPublicKeyInfo<'_>) -> Result<KeyKind, CsrError> {
-    let alg = spki.algorithm.algorithm.to_id_string();
-    match alg.as_str() {
+/// The kind of a public key; `Err` describes an unsupported or malformed one.
+pub(crate) fn spki_kind(
+    spki: &x509_parser::x509::SubjectPublicKeyInfo<'_>,
+) -> Result<KeyKind, String> {
+    match spki.algorithm.algorithm.to_id_string().as_str() {
         "1.2.840.10045.2.1" => {
             let curve = spki
                 .algorithm
@@ -205,22 +207,24 @@ fn key_kind(spki: &x509_parser::x509::SubjectPublicKeyInfo<'_>) -> Result<KeyKin
             match curve.as_str() {
                 "1.2.840.10045.3.1.7" => Ok(KeyKind::EcdsaP256),
                 "1.3.132.0.34" => Ok(KeyKind::EcdsaP384),
-                other => Err(CsrError::UnsupportedKeyType(format!("ec curve {other}"))),
+                other => Err(format!("ec curve {other}")),
             }
         }
         "1.2.840.113549.1.1.1" => match spki.parsed() {
-            Ok(PublicKey::RSA(rsa)) => {
-                let bits = rsa.key_size();
-                if (MIN_RSA_BITS..=MAX_RSA_BITS).contains(&bits) {
-                    Ok(KeyKind::Rsa(bits))
-                } else {
-                    Err(CsrError::RsaKeySize(bits))
-                }
-            }
-            _ => Err(CsrError::Malformed),
+            Ok(PublicKey::RSA(rsa)) => Ok(KeyKind::Rsa(rsa.key_size())),
+            _ => Err("malformed RSA public key".into()),
         },
         "1.3.101.112" => Ok(KeyKind::Ed25519),
-        other => Err(CsrError::UnsupportedKeyType(other.to_string())),
+        other => Err(other.to_string()),
+    }
+}
+
+fn key_kind(spki: &x509_parser::x509::SubjectPublicKeyInfo<'_>) -> Result<KeyKind, CsrError> {
+    match spki_kind(spki).map_err(CsrError::UnsupportedKeyType)? {
+        KeyKind::Rsa(bits) if !(MIN_RSA_BITS..=MAX_RSA_BITS).contains(&bits) => {
+            Err(CsrError::RsaKeySize(bits))
+        }
+        kind => Ok(kind),
     }
 }
 
