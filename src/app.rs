@@ -98,6 +98,28 @@ impl App {
         let mut token_reviewer = None;
         if let Some(kube) = &cfg.kube {
             let client = kube_client(kube).await?;
+            if let Some(settings) = cfg.root_publisher.clone() {
+                // Feed the publisher the raw root bundle (what istiod publishes), on every CA swap.
+                let (tx, rx) = tokio::sync::watch::channel(ca.snapshot().root_bundle().to_string());
+                let (mut generation, store) = (ca.subscribe(), ca.clone());
+                background.push(tokio::spawn(async move {
+                    while generation.changed().await.is_ok() {
+                        let root = store.snapshot().root_bundle().to_string();
+                        tx.send_if_modified(|cur| {
+                            let changed = *cur != root;
+                            if changed {
+                                *cur = root;
+                            }
+                            changed
+                        });
+                    }
+                }));
+                background.push(tokio::spawn(crate::rootpub::run(
+                    client.clone(),
+                    settings,
+                    rx,
+                )));
+            }
             if !cfg.trusted_node_accounts.is_empty() {
                 let index = Arc::new(PodIndex::new());
                 background.push(tokio::spawn(crate::podindex::watch::run(

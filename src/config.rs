@@ -146,6 +146,27 @@ pub struct ServeArgs {
     /// Also write a checkpoint this often when records are pending.
     #[arg(long, env = "MESHCA_AUDIT_CHECKPOINT_INTERVAL", default_value = "60s")]
     pub audit_checkpoint_interval: String,
+    /// Publish the root bundle as a ConfigMap into namespaces (as istiod and
+    /// istio-csr do) so workloads can verify meshca's serving certificate.
+    #[arg(long, env = "MESHCA_PUBLISH_ROOT", default_value_t = false, action = clap::ArgAction::Set)]
+    pub publish_root: bool,
+    /// Label selector over namespaces for --publish-root (empty: all).
+    #[arg(
+        long,
+        env = "MESHCA_PUBLISH_ROOT_NAMESPACE_SELECTOR",
+        default_value = ""
+    )]
+    pub publish_root_namespace_selector: String,
+    /// Name of the published ConfigMap (data key `root-cert.pem`).
+    #[arg(
+        long,
+        env = "PILOT_CA_CERT_CONFIGMAP",
+        default_value = "istio-ca-root-cert"
+    )]
+    pub root_configmap: String,
+    /// Full re-check period of the root publisher.
+    #[arg(long, env = "MESHCA_PUBLISH_ROOT_RESYNC", default_value = "10m")]
+    pub publish_root_resync: String,
 }
 
 /// Where audit records go.
@@ -202,6 +223,8 @@ pub struct Config {
     pub kube: Option<KubeSettings>,
     pub mtls_impersonation: bool,
     pub audit: AuditSettings,
+    /// Present when root publishing is on (requires Kubernetes).
+    pub root_publisher: Option<crate::rootpub::RootPublisherSettings>,
 }
 
 impl Config {
@@ -303,7 +326,37 @@ impl Config {
             checkpoint_every: a.audit_checkpoint_every,
             checkpoint_interval,
         };
+        let root_publisher = if a.publish_root {
+            if kube.is_none() {
+                return Err(err(
+                    "MESHCA_PUBLISH_ROOT",
+                    "true",
+                    "root publishing needs Kubernetes (a kubeconfig or in-cluster config)",
+                ));
+            }
+            let selector = a.publish_root_namespace_selector.trim();
+            if !selector.is_empty() {
+                crate::rootpub::parse_selector(selector).map_err(|e| {
+                    err(
+                        "MESHCA_PUBLISH_ROOT_NAMESPACE_SELECTOR",
+                        selector,
+                        e.to_string(),
+                    )
+                })?;
+            }
+            if a.root_configmap.is_empty() {
+                return Err(err("PILOT_CA_CERT_CONFIGMAP", "", "must not be empty"));
+            }
+            Some(crate::rootpub::RootPublisherSettings {
+                configmap_name: a.root_configmap.clone(),
+                namespace_selector: Some(selector.to_string()).filter(|s| !s.is_empty()),
+                resync: duration("MESHCA_PUBLISH_ROOT_RESYNC", &a.publish_root_resync)?,
+            })
+        } else {
+            None
+        };
         Ok(Self {
+            root_publisher,
             audit,
             admin_listen,
             kube,
@@ -419,6 +472,8 @@ mod tests {
     #[test_case(&["--max-ttl", "0s"], "MAX_WORKLOAD_CERT_TTL" ; "zero max")]
     #[test_case(&["--trust-domain", "a b"], "TRUST_DOMAIN" ; "bad trust domain")]
     #[test_case(&["--token-audiences", ","], "TOKEN_AUDIENCES" ; "no audience")]
+    #[test_case(&["--publish-root", "true"], "MESHCA_PUBLISH_ROOT" ; "publishing without kubernetes")]
+    #[test_case(&["--publish-root", "true", "--kubernetes", "on", "--publish-root-namespace-selector", "a in (b"], "MESHCA_PUBLISH_ROOT_NAMESPACE_SELECTOR" ; "bad selector")]
     fn rejects_with_variable_name(args: &[&str], name: &str) {
         assert_eq!(parse(args).unwrap_err().name, name);
     }

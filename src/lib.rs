@@ -19,6 +19,7 @@ pub mod issue;
 pub mod metrics;
 pub mod podindex;
 pub mod proto;
+pub mod rootpub;
 pub mod tls;
 
 #[cfg(any(test, feature = "testing"))]

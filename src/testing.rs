@@ -207,6 +207,7 @@ pub fn test_config(ca_dir: PathBuf) -> crate::config::Config {
             checkpoint_every: 1000,
             checkpoint_interval: std::time::Duration::from_secs(60),
         },
+        root_publisher: None,
     }
 }
 

@@ -1,0 +1,25 @@
+# syntax=docker/dockerfile:1
+# meshca container image: `docker build -t meshca .`
+# Build stage: the release binary from the locked dependency graph. protox compiles the proto in
+# build.rs (no protoc needed); cmake is only insurance for aws-lc-sys on unusual targets.
+FROM rust:1-bookworm AS build
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends cmake \
+ && rm -rf /var/lib/apt/lists/*
+WORKDIR /src
+COPY . .
+# Cache mounts keep the registry and target dir between builds; the binary is copied out of the
+# cached target dir in the same step.
+RUN --mount=type=cache,target=/usr/local/cargo/registry \
+    --mount=type=cache,target=/src/target \
+    cargo build --release --locked --bin meshca \
+ && install -m 0755 target/release/meshca /meshca
+
+# Runtime: glibc + libgcc + CA certificates and nothing else, running as uid/gid 65532.
+FROM gcr.io/distroless/cc-debian12:nonroot
+COPY --from=build /meshca /usr/local/bin/meshca
+USER 65532:65532
+# 15012: IstioCertificateService (gRPC over TLS); 15014: /healthz, /readyz, metrics.
+EXPOSE 15012 15014
+ENTRYPOINT ["/usr/local/bin/meshca"]
+CMD ["serve"]

@@ -1,0 +1,320 @@
+//! The Helm chart as rendered by the real helm binary (built from Go modules
+//! by scripts/chart-test into $MESHCA_CACHE/bin/helm): its RBAC is exactly the
+//! RBAC the Kubernetes integration tests run with, ci-values.yaml sets every
+//! value, and the pod runs with the restricted security settings.
+#![allow(clippy::unwrap_used)]
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use serde::Deserialize;
+use serde_yaml_ng::Value;
+
+fn repo() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// helm from $MESHCA_HELM, else the cache scripts/chart-test builds into.
+fn helm() -> PathBuf {
+    let path = std::env::var_os("MESHCA_HELM")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            let cache = std::env::var_os("MESHCA_CACHE")
+                .map(PathBuf::from)
+                .unwrap_or_else(|| {
+                    PathBuf::from(std::env::var_os("HOME").expect("HOME")).join(".cache/meshca")
+                });
+            cache.join("bin/helm")
+        });
+    assert!(
+        path.is_file(),
+        "{} not found: these tests need helm. Run ./scripts/test, or scripts/chart-test KTE_DIR (builds it), or set MESHCA_HELM",
+        path.display()
+    );
+    path
+}
+
+/// `helm template` of one template with extra flags; the YAML documents.
+fn render(template: &str, release: &str, namespace: &str, flags: &[&str]) -> Vec<Value> {
+    let out = Command::new(helm())
+        .args(["template", release])
+        .arg(repo().join("charts/meshca"))
+        .args(["--namespace", namespace, "--show-only", template])
+        .args(flags)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "helm template {template} {flags:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    docs(&String::from_utf8(out.stdout).unwrap())
+}
+
+fn docs(yaml: &str) -> Vec<Value> {
+    serde_yaml_ng::Deserializer::from_str(yaml)
+        .map(|d| Value::deserialize(d).unwrap())
+        .filter(|v| !v.is_null())
+        .collect()
+}
+
+/// A policy rule with its lists as sets, so order inside a rule does not matter.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+struct Rule {
+    api_groups: BTreeSet<String>,
+    resources: BTreeSet<String>,
+    resource_names: BTreeSet<String>,
+    verbs: BTreeSet<String>,
+}
+
+fn set(v: &Value, key: &str) -> BTreeSet<String> {
+    v.get(key)
+        .and_then(Value::as_sequence)
+        .map(|s| s.iter().map(|x| x.as_str().unwrap().to_string()).collect())
+        .unwrap_or_default()
+}
+
+/// The rules of every ClusterRole in `docs`, sorted (a multiset).
+fn rules(docs: &[Value]) -> Vec<Rule> {
+    let mut out: Vec<Rule> = docs
+        .iter()
+        .filter(|d| d["kind"].as_str() == Some("ClusterRole"))
+        .flat_map(|d| d["rules"].as_sequence().cloned().unwrap_or_default())
+        .map(|r| Rule {
+            api_groups: set(&r, "apiGroups"),
+            resources: set(&r, "resources"),
+            resource_names: set(&r, "resourceNames"),
+            verbs: set(&r, "verbs"),
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+fn fixture_rules(rel: &str) -> Vec<Rule> {
+    rules(&docs(&std::fs::read_to_string(repo().join(rel)).unwrap()))
+}
+
+fn chart_rules(flags: &[&str]) -> Vec<Rule> {
+    let r = rules(&render(
+        "templates/clusterrole.yaml",
+        "meshca",
+        "istio-system",
+        flags,
+    ));
+    assert!(!r.is_empty(), "no ClusterRole rendered for {flags:?}");
+    r
+}
+
+const TESTENV_RBAC: &str = "scripts/kube-testenv.d/meshca-rbac.yaml";
+const PUBLISHER_RBAC: &str = "tests/fixtures/rbac-root-publisher.yaml";
+
+#[test]
+fn default_cluster_role_is_exactly_the_test_cluster_rbac() {
+    // Root publishing is off by default; trusted node accounts are set (istio-system/ztunnel).
+    let expected = fixture_rules(TESTENV_RBAC);
+    assert_eq!(expected.len(), 2, "fixture changed shape: {expected:?}");
+    assert_eq!(chart_rules(&[]), expected);
+}
+
+#[test]
+fn root_publishing_adds_exactly_the_publisher_rules() {
+    let mut expected = fixture_rules(TESTENV_RBAC);
+    let publisher = fixture_rules(PUBLISHER_RBAC);
+    assert!(
+        publisher
+            .iter()
+            .any(|r| r.resources.contains("configmaps") && !r.resource_names.is_empty()),
+        "publisher fixture lost its resourceNames restriction"
+    );
+    expected.extend(publisher);
+    expected.sort();
+    assert_eq!(
+        chart_rules(&["--set", "rootPublisher.enabled=true"]),
+        expected
+    );
+}
+
+#[test]
+fn publisher_rules_follow_the_configmap_name() {
+    let got = chart_rules(&[
+        "--set",
+        "rootPublisher.enabled=true",
+        "--set",
+        "rootPublisher.configMapName=mesh-roots",
+    ]);
+    let named: Vec<&Rule> = got
+        .iter()
+        .filter(|r| !r.resource_names.is_empty())
+        .collect();
+    assert_eq!(named.len(), 1, "{got:?}");
+    assert_eq!(
+        named[0].resource_names,
+        BTreeSet::from(["mesh-roots".to_string()])
+    );
+    // ConfigMaps are never readable without the name restriction.
+    assert!(got.iter().all(|r| !r.resources.contains("configmaps")
+        || !r.resource_names.is_empty()
+        || r.verbs == BTreeSet::from(["create".to_string()])));
+}
+
+#[test]
+fn no_trusted_node_accounts_means_no_pod_access() {
+    let got = chart_rules(&["--set-json", "trustedNodeAccounts=[]"]);
+    let expected: Vec<Rule> = fixture_rules(TESTENV_RBAC)
+        .into_iter()
+        .filter(|r| !r.resources.contains("pods"))
+        .collect();
+    assert_eq!(got, expected);
+}
+
+/// Leaf paths of a values tree; lists and empty maps are leaves.
+fn leaf_paths(v: &Value, prefix: &str, out: &mut BTreeSet<String>) {
+    match v.as_mapping() {
+        Some(m) if !m.is_empty() => {
+            for (k, child) in m {
+                let key = k.as_str().unwrap();
+                let path = if prefix.is_empty() {
+                    key.to_string()
+                } else {
+                    format!("{prefix}.{key}")
+                };
+                leaf_paths(child, &path, out);
+            }
+        }
+        _ => {
+            out.insert(prefix.to_string());
+        }
+    }
+}
+
+#[test]
+fn ci_values_set_every_value() {
+    let load = |f: &str| -> Value {
+        serde_yaml_ng::from_str(
+            &std::fs::read_to_string(repo().join("charts/meshca").join(f)).unwrap(),
+        )
+        .unwrap()
+    };
+    let (mut defaults, mut ci) = (BTreeSet::new(), BTreeSet::new());
+    leaf_paths(&load("values.yaml"), "", &mut defaults);
+    leaf_paths(&load("ci-values.yaml"), "", &mut ci);
+    assert!(defaults.len() > 40, "{defaults:?}");
+    // Kubernetes objects passed through as-is: compare their presence, not their shape.
+    let free_form = |s: BTreeSet<String>| -> BTreeSet<String> {
+        s.into_iter()
+            .map(|p| match p.split_once('.') {
+                Some((top @ ("resources" | "affinity"), _)) => top.to_string(),
+                _ => p,
+            })
+            .collect()
+    };
+    let (defaults, ci) = (free_form(defaults), free_form(ci));
+    // A default that is an empty map or a list is free-form too: any content under it counts.
+    let covers =
+        |leaf: &String, path: &String| path == leaf || path.starts_with(&format!("{leaf}."));
+    let missing: Vec<_> = defaults
+        .iter()
+        .filter(|d| !ci.iter().any(|c| covers(d, c)))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "ci-values.yaml does not set {missing:?}"
+    );
+    let unknown: Vec<_> = ci
+        .iter()
+        .filter(|c| !defaults.iter().any(|d| covers(d, c)))
+        .collect();
+    assert!(
+        unknown.is_empty(),
+        "ci-values.yaml sets keys values.yaml lacks: {unknown:?}"
+    );
+}
+
+fn env_of(deployment: &Value) -> Vec<(String, String)> {
+    deployment["spec"]["template"]["spec"]["containers"][0]["env"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .filter_map(|e| Some((e["name"].as_str()?.into(), e["value"].as_str()?.into())))
+        .collect()
+}
+
+#[test]
+fn default_serving_names_are_the_service_dns_names() {
+    let d = render("templates/deployment.yaml", "mesh", "ca-system", &[]);
+    let env = env_of(&d[0]);
+    let names = env
+        .iter()
+        .find(|(k, _)| k == "MESHCA_SERVING_NAMES")
+        .map(|(_, v)| v.as_str())
+        .unwrap();
+    assert_eq!(
+        names,
+        "mesh-meshca.ca-system.svc,mesh-meshca.ca-system.svc.cluster.local"
+    );
+    let svc = render("templates/service.yaml", "mesh", "ca-system", &[]);
+    assert_eq!(svc[0]["metadata"]["name"].as_str(), Some("mesh-meshca"));
+}
+
+#[test]
+fn pod_is_restricted_and_mounts_cacerts_for_hot_reload() {
+    let d = render("templates/deployment.yaml", "meshca", "istio-system", &[]);
+    let pod = &d[0]["spec"]["template"]["spec"];
+    let c = &pod["containers"][0];
+    let sc = &c["securityContext"];
+    assert_eq!(sc["runAsNonRoot"].as_bool(), Some(true));
+    assert_eq!(sc["readOnlyRootFilesystem"].as_bool(), Some(true));
+    assert_eq!(sc["allowPrivilegeEscalation"].as_bool(), Some(false));
+    assert_eq!(sc["capabilities"]["drop"][0].as_str(), Some("ALL"));
+    assert_eq!(
+        sc["seccompProfile"]["type"].as_str(),
+        Some("RuntimeDefault")
+    );
+    assert_eq!(pod["securityContext"]["runAsNonRoot"].as_bool(), Some(true));
+    assert_eq!(c["command"][0].as_str(), Some("/usr/local/bin/meshca"));
+    assert_eq!(c["args"][0].as_str(), Some("serve"));
+    assert_eq!(
+        c["livenessProbe"]["httpGet"]["path"].as_str(),
+        Some("/healthz")
+    );
+    assert_eq!(
+        c["readinessProbe"]["httpGet"]["path"].as_str(),
+        Some("/readyz")
+    );
+    let mount = c["volumeMounts"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .find(|m| m["mountPath"].as_str() == Some("/etc/cacerts"))
+        .expect("cacerts mount");
+    // A subPath mount would never see the kubelet's Secret updates.
+    assert!(mount.get("subPath").is_none() && mount.get("subPathExpr").is_none());
+    let env = env_of(&d[0]);
+    assert!(env.contains(&("ROOT_CA_DIR".into(), "/etc/cacerts".into())));
+    let labels = &d[0]["spec"]["template"]["metadata"]["labels"];
+    assert_eq!(labels["sidecar.istio.io/inject"].as_str(), Some("false"));
+    assert_eq!(labels["istio.io/dataplane-mode"].as_str(), Some("none"));
+    // Audit file sink: a writable volume appears, one directory per pod on a shared claim.
+    let d = render(
+        "templates/deployment.yaml",
+        "meshca",
+        "istio-system",
+        &[
+            "--set",
+            "audit.sink=file",
+            "--set",
+            "audit.file.existingClaim=audit",
+        ],
+    );
+    let c = &d[0]["spec"]["template"]["spec"]["containers"][0];
+    let audit = c["volumeMounts"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .find(|m| m["name"].as_str() == Some("audit"))
+        .expect("audit mount");
+    assert_eq!(audit["mountPath"].as_str(), Some("/var/log/meshca"));
+    assert_eq!(audit["subPathExpr"].as_str(), Some("$(POD_NAME)"));
+}
