@@ -740,3 +740,50 @@ async fn mtls_node_proxy_impersonates_by_source_ip_only_when_enabled() {
         }
     }
 }
+
+#[tokio::test]
+async fn serve_with_root_publishing_writes_the_root_configmap() {
+    use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
+    let k = kte().await;
+    let label = common::unique("pub");
+    let selected = k.namespace("sel").await;
+    let other = k.namespace("unsel").await;
+    let patch = serde_json::json!({"metadata": {"labels": {"meshca-test": label}}});
+    kube::Api::<Namespace>::all(k.admin.clone())
+        .patch(
+            &selected,
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(&patch),
+        )
+        .await
+        .unwrap();
+    let pki = TestPki::new(KeyType::EcdsaP256);
+    // The admin identity stands in for the chart's publisher RBAC (tests/rootpub.rs
+    // runs the publisher with exactly those rules).
+    let mut cfg = common::kube_config(&pki, k.dir.join("admin.kubeconfig"), &[]);
+    cfg.root_publisher = Some(meshca::rootpub::RootPublisherSettings {
+        configmap_name: "istio-ca-root-cert".into(),
+        namespace_selector: Some(format!("meshca-test={label}")),
+        resync: std::time::Duration::from_secs(600),
+    });
+    let srv = start(cfg, pki).await;
+    let cms = kube::Api::<ConfigMap>::namespaced(k.admin.clone(), &selected);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let cm = loop {
+        if let Some(cm) = cms.get_opt("istio-ca-root-cert").await.unwrap() {
+            break cm;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "ConfigMap never published"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    };
+    assert_eq!(cm.data.unwrap()["root-cert.pem"], srv.pki.ca.root_cert);
+    let unselected = kube::Api::<ConfigMap>::namespaced(k.admin.clone(), &other);
+    assert!(unselected
+        .get_opt("istio-ca-root-cert")
+        .await
+        .unwrap()
+        .is_none());
+}
