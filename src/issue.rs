@@ -276,4 +276,46 @@ mod tests {
         }
         assert_eq!(reasons.len(), every_denial().len(), "reasons are distinct");
     }
+
+    #[derive(Debug)]
+    struct FullDisk;
+
+    impl AuditSink for FullDisk {
+        fn emit(&self, _: &crate::audit::AuditRecord) -> Result<(), crate::audit::AuditError> {
+            Err(crate::audit::AuditError("no space left on device".into()))
+        }
+    }
+
+    #[tokio::test]
+    async fn no_certificate_without_its_audit_record() {
+        let pki = TestPki::new(KeyType::EcdsaP256);
+        let ca = Arc::new(crate::ca::CaStore::from_dir(pki.path(), false).unwrap());
+        let id = "spiffe://cluster.local/ns/app/sa/app";
+        let (chain, _) = client_identity(&ca.snapshot(), id, &validity_hours(-1, 1));
+        let peer_chain: Vec<CertificateDer<'static>> =
+            CertificateDer::pem_slice_iter(chain.as_bytes())
+                .collect::<Result<_, _>>()
+                .unwrap();
+        let creds = Credentials {
+            peer_chain: Some(peer_chain.into()),
+            ..Default::default()
+        };
+        let issuer = CertificateIssuer {
+            ca,
+            ttl: TtlPolicy::default(),
+            csr_policy: CsrPolicy::Strict,
+            tokens: None,
+            node_authz: None,
+            audit: Arc::new(FullDisk),
+            metrics: None,
+        };
+        let req = IssueRequest {
+            csr: csr_for(&rcgen::KeyPair::generate().unwrap(), id),
+            validity_secs: 0,
+            impersonate: None,
+        };
+        let err = issuer.issue(&creds, Ok(req)).await.unwrap_err();
+        assert_eq!(err.reason(), "audit_write_failed");
+        assert_eq!(tonic::Status::from(err).code(), tonic::Code::Internal);
+    }
 }

@@ -192,3 +192,57 @@ impl Drop for AuditGuard {
         let _ = self.emit();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_dropped_request_is_recorded_once_as_abandoned() {
+        let sink = Arc::new(MemorySink::default());
+        let metrics = Arc::new(Metrics::new());
+        {
+            let mut g = AuditGuard::new(sink.clone(), Some(metrics.clone()), None);
+            g.record().caller_identity = Some("spiffe://cluster.local/ns/a/sa/b".into());
+            // Cancelled before any decision: the guard goes out of scope.
+        }
+        let records = sink.records();
+        assert_eq!(records.len(), 1);
+        assert_eq!(records[0].decision, Decision::Deny);
+        assert_eq!(records[0].reason, "request_abandoned");
+        assert_eq!(
+            metrics
+                .citadel
+                .csr_count
+                .load(std::sync::atomic::Ordering::Relaxed),
+            1
+        );
+    }
+
+    #[test]
+    fn finish_then_drop_emits_once() {
+        let sink = Arc::new(MemorySink::default());
+        let mut g = AuditGuard::new(sink.clone(), None, None);
+        g.allow();
+        g.finish().unwrap();
+        assert_eq!(sink.records().len(), 1);
+        assert_eq!(sink.records()[0].reason, "issued");
+    }
+
+    #[derive(Debug)]
+    struct Broken;
+    impl AuditSink for Broken {
+        fn emit(&self, _: &AuditRecord) -> Result<(), AuditError> {
+            Err(AuditError("disk full".into()))
+        }
+    }
+
+    #[test]
+    fn a_lost_record_is_reported_to_the_caller() {
+        let metrics = Arc::new(Metrics::new());
+        let mut g = AuditGuard::new(Arc::new(Broken), Some(metrics.clone()), None);
+        g.allow();
+        assert!(g.finish().is_err(), "issuance must fail closed");
+        assert_eq!(metrics.audit_write_errors.get(), 1);
+    }
+}
