@@ -103,7 +103,9 @@ impl CaStore {
         let Some(dir) = self.dir.clone() else { return };
         let (tx, mut rx) = tokio::sync::mpsc::channel::<()>(16);
         let watcher = notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
-            if res.is_ok() {
+            // Opening or reading the files (as reload itself does) is no change;
+            // reacting to it would reload after every debounce forever.
+            if res.is_ok_and(|e| !matches!(e.kind, notify::EventKind::Access(_))) {
                 let _ = tx.try_send(());
             }
         })
