@@ -209,7 +209,7 @@ fn caller_node_from_ip(
                 && *p.namespace == *sa.namespace
                 && *p.service_account == *sa.name
         })
-        .filter_map(|p| p.node.as_deref())
+        .filter_map(|p| p.node)
         .collect();
     match nodes.into_iter().collect::<Vec<_>>().as_slice() {
         [node] => Ok(node.to_string()),

@@ -9,6 +9,7 @@ pub mod app;
 pub mod audit;
 pub mod authn;
 pub mod authz;
+pub mod bench;
 pub mod ca;
 pub mod certs;
 pub mod config;

@@ -31,6 +31,9 @@ struct Cli {
 enum Command {
     /// Serve IstioCertificateService over TLS.
     Serve(Box<ServeArgs>),
+    /// Load a running CA (meshca or istiod) with CreateCertificate requests and
+    /// measure this machine's crypto ceiling.
+    Bench(Box<meshca::bench::BenchArgs>),
     /// Generate a root and an intermediate in Istio's cacerts layout.
     Init {
         /// Output directory.
@@ -140,9 +143,12 @@ struct CertsArgs {
 fn init_tracing(format: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    // Colour codes only for a terminal, never in files or collected logs.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_writer(std::io::stderr)
+        .with_ansi(ansi);
     if format == "json" {
         builder.json().init();
     } else {
@@ -156,6 +162,7 @@ async fn main() -> anyhow::Result<()> {
     init_tracing(&cli.log_format);
     match cli.command {
         Command::Serve(args) => serve(*args).await,
+        Command::Bench(args) => meshca::bench::run(*args).await,
         Command::Audit(cmd) => audit(cmd),
         Command::Certs(args) => certs(args).await,
         Command::Init {

@@ -1,12 +1,23 @@
 //! A lean, Kubernetes-backed index of pods: only what node authorization
-//! needs, keyed by (node, namespace, service account), by (namespace, name)
+//! needs, looked up by (node, namespace, service account), by (namespace, name)
 //! and by pod IP. The update function is pure and table-tested; the watcher
 //! feeding it lives in [`watch`].
+//!
+//! Memory layout (about 120 bytes per pod, see docs/BENCHMARKS.md): pods live
+//! in a slab of fixed 40-byte records; namespaces, nodes and service accounts
+//! are refcounted and interned to `u32` ids; pod names are packed into one
+//! string arena; UIDs are kept as 16 bytes when they are canonical UUIDs (as
+//! the API server makes them). The name index stores only a keyed 64-bit hash
+//! and a slot number, the node index `(namespace, service account, slot)`
+//! triples per node, and the IP index one slot per address. Anything unusual
+//! (a non-UUID UID, more than one IPv4 address, IPv6) goes to a side table.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::hash_map::{Entry, RandomState};
+use std::collections::HashMap;
+use std::hash::{BuildHasher, BuildHasherDefault, Hasher};
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 
 pub mod watch;
 
@@ -37,7 +48,7 @@ impl Phase {
     }
 }
 
-/// The fields of a pod the index keeps (everything else is dropped at decode).
+/// A pod as decoded from a watch event (everything else is dropped at decode).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LeanPod {
     pub namespace: Arc<str>,
@@ -57,8 +68,6 @@ impl LeanPod {
 
 /// `(namespace, name)`.
 pub type PodKey = (Arc<str>, Box<str>);
-/// `(node, namespace, service account)`.
-pub type NodeSaKey = (Arc<str>, Arc<str>, Arc<str>);
 
 /// One watch event, in kube-runtime's vocabulary, over lean pods.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -72,16 +81,291 @@ pub enum IndexEvent {
     Delete(LeanPod),
 }
 
+/// A pod UID as stored: 16 bytes for a canonical (lower-case, hyphenated)
+/// UUID, rendered back to exactly the same text.
+#[derive(Clone, Copy)]
+pub struct Uid<'a>(UidRepr<'a>);
+
+#[derive(Clone, Copy)]
+enum UidRepr<'a> {
+    Uuid([u8; 36]),
+    Text(&'a str),
+}
+
+impl std::ops::Deref for Uid<'_> {
+    type Target = str;
+    fn deref(&self) -> &str {
+        match &self.0 {
+            // Only ASCII hex digits and hyphens are ever written into the buffer.
+            UidRepr::Uuid(b) => std::str::from_utf8(b).unwrap_or(""),
+            UidRepr::Text(s) => s,
+        }
+    }
+}
+
+impl std::fmt::Display for Uid<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self)
+    }
+}
+
+impl std::fmt::Debug for Uid<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Debug::fmt(&**self, f)
+    }
+}
+
+impl PartialEq<str> for Uid<'_> {
+    fn eq(&self, other: &str) -> bool {
+        **self == *other
+    }
+}
+
+const UUID_DASHES: [usize; 4] = [8, 13, 18, 23];
+
+fn parse_uuid(s: &str) -> Option<[u8; 16]> {
+    let b = s.as_bytes();
+    if b.len() != 36 {
+        return None;
+    }
+    let mut out = [0u8; 16];
+    let mut nibbles = 0usize;
+    for (i, &c) in b.iter().enumerate() {
+        if UUID_DASHES.contains(&i) {
+            if c != b'-' {
+                return None;
+            }
+            continue;
+        }
+        let v = match c {
+            b'0'..=b'9' => c - b'0',
+            b'a'..=b'f' => c - b'a' + 10,
+            _ => return None, // upper case would not round-trip
+        };
+        out[nibbles / 2] |= if nibbles.is_multiple_of(2) { v << 4 } else { v };
+        nibbles += 1;
+    }
+    Some(out)
+}
+
+fn render_uuid(u: &[u8; 16]) -> [u8; 36] {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut out = [b'-'; 36];
+    let mut pos = 0;
+    for byte in u {
+        while UUID_DASHES.contains(&pos) {
+            pos += 1;
+        }
+        out[pos] = HEX[(byte >> 4) as usize];
+        out[pos + 1] = HEX[(byte & 15) as usize];
+        pos += 2;
+    }
+    out
+}
+
+/// A read-only view of one indexed pod.
+#[derive(Debug, Clone, Copy)]
+pub struct PodRef<'a> {
+    pub namespace: &'a str,
+    pub name: &'a str,
+    pub uid: Uid<'a>,
+    pub node: Option<&'a str>,
+    pub service_account: &'a str,
+    pub phase: Phase,
+    /// The pod's IPs (as decoded, duplicates removed).
+    pub pod_ips: PodIps<'a>,
+}
+
+/// The IPs of an indexed pod: the first IPv4 address inline, any others in
+/// the side table.
+#[derive(Debug, Clone, Copy)]
+pub struct PodIps<'a> {
+    ip4: Option<[u8; 4]>,
+    others: &'a [IpAddr],
+}
+
+impl<'a> PodIps<'a> {
+    pub fn iter(&self) -> impl Iterator<Item = IpAddr> + 'a {
+        self.ip4
+            .map(IpAddr::from)
+            .into_iter()
+            .chain(self.others.iter().copied())
+    }
+    pub fn len(&self) -> usize {
+        usize::from(self.ip4.is_some()) + self.others.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    pub fn contains(&self, ip: &IpAddr) -> bool {
+        self.iter().any(|i| i == *ip)
+    }
+}
+
+impl PodRef<'_> {
+    /// The pod's IPs (as decoded, duplicates removed).
+    pub fn pod_ips(&self) -> impl Iterator<Item = IpAddr> + '_ {
+        self.pod_ips.iter()
+    }
+
+    /// Back to the event form.
+    pub fn to_lean(&self) -> LeanPod {
+        LeanPod {
+            namespace: Arc::from(self.namespace),
+            name: Box::from(self.name),
+            uid: Box::from(&*self.uid),
+            node: self.node.map(Arc::from),
+            service_account: Arc::from(self.service_account),
+            phase: self.phase,
+            pod_ips: self.pod_ips().collect(),
+        }
+    }
+}
+
+const NONE: u32 = u32::MAX;
+const F_LIVE: u8 = 1;
+const F_IP4: u8 = 2;
+const F_EXTRA: u8 = 4;
+
+/// One slab slot: 40 bytes.
+#[derive(Debug, Clone, Copy)]
+struct PodRecord {
+    name_off: u32,
+    ns: u32,
+    sa: u32,
+    node: u32,
+    uid: [u8; 16],
+    ip4: [u8; 4],
+    name_len: u8,
+    phase: Phase,
+    flags: u8,
+}
+
+const EMPTY: PodRecord = PodRecord {
+    name_off: 0,
+    ns: NONE,
+    sa: NONE,
+    node: NONE,
+    uid: [0; 16],
+    ip4: [0; 4],
+    name_len: 0,
+    phase: Phase::Pending,
+    flags: 0,
+};
+
+/// What does not fit a record: rare in real clusters.
+#[derive(Debug, Clone, Default)]
+struct Extra {
+    uid: Option<Box<str>>,
+    name: Option<Box<str>>,
+    ips: Box<[IpAddr]>,
+}
+
+/// `(namespace, service account, slot)` of a pod on a node.
+#[derive(Debug, Clone, Copy)]
+struct NodeEntry {
+    ns: u32,
+    sa: u32,
+    slot: u32,
+}
+
+/// Refcounted string interning to `u32` ids.
+#[derive(Debug, Clone, Default)]
+struct Interner {
+    ids: HashMap<Arc<str>, u32>,
+    strs: Vec<(Option<Arc<str>>, u32)>,
+    free: Vec<u32>,
+}
+
+impl Interner {
+    fn lookup(&self, s: &str) -> Option<u32> {
+        self.ids.get(s).copied()
+    }
+
+    fn acquire(&mut self, s: &str) -> u32 {
+        if let Some(&id) = self.ids.get(s) {
+            self.strs[id as usize].1 += 1;
+            return id;
+        }
+        let arc: Arc<str> = Arc::from(s);
+        let id = match self.free.pop() {
+            Some(id) => {
+                self.strs[id as usize] = (Some(arc.clone()), 1);
+                id
+            }
+            None => {
+                self.strs.push((Some(arc.clone()), 1));
+                (self.strs.len() - 1) as u32
+            }
+        };
+        self.ids.insert(arc, id);
+        id
+    }
+
+    fn release(&mut self, id: u32) {
+        let Some(slot) = self.strs.get_mut(id as usize) else {
+            return;
+        };
+        slot.1 = slot.1.saturating_sub(1);
+        if slot.1 == 0 {
+            if let Some(s) = slot.0.take() {
+                self.ids.remove(&s);
+                self.free.push(id);
+            }
+        }
+    }
+
+    fn get(&self, id: u32) -> &str {
+        self.strs
+            .get(id as usize)
+            .and_then(|s| s.0.as_deref())
+            .unwrap_or("")
+    }
+}
+
+/// Identity hasher for keys that already are keyed hashes.
+#[derive(Debug, Clone, Copy, Default)]
+struct PreHashed(u64);
+
+impl Hasher for PreHashed {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(b);
+        }
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n;
+    }
+}
+
+type ByHash = HashMap<u64, u32, BuildHasherDefault<PreHashed>>;
+
 /// The index contents. Plain data; [`IndexState::apply`] is the only mutator.
-#[derive(Debug, Default, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct IndexState {
-    by_name: HashMap<PodKey, LeanPod>,
-    by_node_sa: HashMap<NodeSaKey, HashSet<PodKey>>,
-    by_ip: HashMap<IpAddr, HashSet<PodKey>>,
+    pods: Vec<PodRecord>,
+    free: Vec<u32>,
+    len: usize,
+    /// Every live pod's name, packed; `garbage` bytes belong to deleted pods.
+    names: String,
+    garbage: usize,
+    strings: Interner,
+    hasher: RandomState,
+    /// Keyed hash of (namespace id, name) -> slot.
+    by_name: ByHash,
+    /// Pods whose hash collides with another pod's (practically never used).
+    name_collisions: HashMap<(u32, Box<str>), u32>,
+    by_node: HashMap<u32, Vec<NodeEntry>>,
+    by_ip4: HashMap<[u8; 4], u32>,
+    by_ip6: HashMap<[u8; 16], u32>,
+    /// Addresses owned by more than one pod (host-network pods).
+    ip_shared: HashMap<IpAddr, Vec<u32>>,
+    extra: HashMap<u32, Extra>,
     relist: Option<Vec<LeanPod>>,
     synced: bool,
-    /// Interned node/namespace/service-account strings.
-    interned: HashSet<Arc<str>>,
 }
 
 impl IndexState {
@@ -96,82 +380,377 @@ impl IndexState {
             },
             IndexEvent::InitDone => {
                 let pods = self.relist.take().unwrap_or_default();
-                self.by_name.clear();
-                self.by_node_sa.clear();
-                self.by_ip.clear();
-                for pod in pods {
-                    self.upsert(pod);
-                }
-                self.synced = true;
+                *self = Self::from_list(pods);
             }
             IndexEvent::Apply(pod) => self.upsert(pod),
             IndexEvent::Delete(pod) => {
-                self.remove(&pod.key());
+                if let Some(ns) = self.strings.lookup(&pod.namespace) {
+                    if let Some(slot) = self.find(ns, &pod.name) {
+                        self.remove_slot(slot);
+                    }
+                }
             }
         }
     }
 
-    fn intern(&mut self, s: &Arc<str>) -> Arc<str> {
-        if let Some(existing) = self.interned.get(s) {
-            return existing.clone();
+    /// A synced index holding exactly `pods` (a completed list).
+    pub fn from_list(pods: Vec<LeanPod>) -> Self {
+        let mut s = Self::default();
+        s.pods.reserve_exact(pods.len());
+        s.by_name.reserve(pods.len());
+        let name_bytes: usize = pods.iter().map(|p| p.name.len()).sum();
+        s.names.reserve_exact(name_bytes);
+        for pod in pods {
+            s.upsert(pod);
         }
-        self.interned.insert(s.clone());
-        s.clone()
+        s.synced = true;
+        s
     }
 
-    fn upsert(&mut self, mut pod: LeanPod) {
-        let key = pod.key();
-        self.remove(&key);
+    fn name_hash(&self, ns: u32, name: &str) -> u64 {
+        #[cfg(test)]
+        if tests::COLLIDE.with(|c| c.get()) {
+            return 42;
+        }
+        self.hasher.hash_one((ns, name))
+    }
+
+    fn name_of(&self, slot: u32) -> &str {
+        let r = &self.pods[slot as usize];
+        if r.flags & F_EXTRA != 0 {
+            if let Some(n) = self.extra.get(&slot).and_then(|e| e.name.as_deref()) {
+                return n;
+            }
+        }
+        let start = r.name_off as usize;
+        self.names
+            .get(start..start + r.name_len as usize)
+            .unwrap_or("")
+    }
+
+    fn find(&self, ns: u32, name: &str) -> Option<u32> {
+        let slot = *self.by_name.get(&self.name_hash(ns, name))?;
+        let r = &self.pods[slot as usize];
+        if r.ns == ns && self.name_of(slot) == name {
+            return Some(slot);
+        }
+        self.name_collisions.get(&(ns, Box::from(name))).copied()
+    }
+
+    fn upsert(&mut self, pod: LeanPod) {
+        let existing = self
+            .strings
+            .lookup(&pod.namespace)
+            .and_then(|ns| self.find(ns, &pod.name));
         // A pod that turned Failed leaves the index (istiod's field selector).
         if pod.phase == Phase::Failed {
+            if let Some(slot) = existing {
+                self.remove_slot(slot);
+            }
             return;
         }
-        pod.namespace = self.intern(&pod.namespace);
-        pod.service_account = self.intern(&pod.service_account);
-        pod.node = pod.node.as_ref().map(|n| self.intern(n));
-        let key = pod.key();
-        if let Some(node) = &pod.node {
-            if !pod.service_account.is_empty() {
-                self.by_node_sa
-                    .entry((
-                        node.clone(),
-                        pod.namespace.clone(),
-                        pod.service_account.clone(),
-                    ))
-                    .or_default()
-                    .insert(key.clone());
+        match existing {
+            // Same (namespace, name): reuse the slot, its name and its name-index entry.
+            Some(slot) => {
+                if !self.update_in_place(slot, &pod) {
+                    self.unlink(slot);
+                    self.fill(slot, &pod);
+                }
+            }
+            None => {
+                let slot = match self.free.pop() {
+                    Some(s) => s,
+                    None => {
+                        self.pods.push(EMPTY);
+                        (self.pods.len() - 1) as u32
+                    }
+                };
+                let ns = self.strings.acquire(&pod.namespace);
+                let mut rec = EMPTY;
+                rec.ns = ns;
+                if pod.name.len() <= u8::MAX as usize {
+                    rec.name_off = self.names.len() as u32;
+                    rec.name_len = pod.name.len() as u8;
+                    self.names.push_str(&pod.name);
+                } else {
+                    rec.flags |= F_EXTRA;
+                    self.extra.entry(slot).or_default().name = Some(pod.name.clone());
+                }
+                self.pods[slot as usize] = rec;
+                let h = self.name_hash(ns, &pod.name);
+                match self.by_name.entry(h) {
+                    Entry::Vacant(v) => {
+                        v.insert(slot);
+                    }
+                    Entry::Occupied(_) => {
+                        self.name_collisions.insert((ns, pod.name.clone()), slot);
+                    }
+                }
+                self.len += 1;
+                self.fill(slot, &pod);
             }
         }
-        for ip in &pod.pod_ips {
-            self.by_ip.entry(*ip).or_default().insert(key.clone());
-        }
-        self.by_name.insert(key, pod);
     }
 
-    fn remove(&mut self, key: &PodKey) -> Option<LeanPod> {
-        let old = self.by_name.remove(key)?;
-        if let Some(node) = &old.node {
-            let k = (
-                node.clone(),
-                old.namespace.clone(),
-                old.service_account.clone(),
-            );
-            if let Some(set) = self.by_node_sa.get_mut(&k) {
-                set.remove(key);
-                if set.is_empty() {
-                    self.by_node_sa.remove(&k);
+    /// The common watch event: a status change of a pod whose node, service
+    /// account, IPs and UID representation are unchanged. Updates the record
+    /// without touching the indexes; false when the slow path is needed.
+    fn update_in_place(&mut self, slot: u32, pod: &LeanPod) -> bool {
+        let r = self.pods[slot as usize];
+        if r.flags & F_EXTRA != 0 || pod.pod_ips.len() > 1 {
+            return false;
+        }
+        let Some(uid) = parse_uuid(&pod.uid) else {
+            return false;
+        };
+        let ip4 = match pod.pod_ips.first() {
+            None => None,
+            Some(IpAddr::V4(a)) => Some(a.octets()),
+            Some(IpAddr::V6(_)) => return false,
+        };
+        let stored_ip4 = (r.flags & F_IP4 != 0).then_some(r.ip4);
+        let node = match pod.node.as_deref() {
+            None => NONE,
+            Some(n) => match self.strings.lookup(n) {
+                Some(id) => id,
+                None => return false,
+            },
+        };
+        let same = ip4 == stored_ip4
+            && node == r.node
+            && self.strings.lookup(&pod.service_account) == Some(r.sa);
+        if same {
+            let rec = &mut self.pods[slot as usize];
+            rec.uid = uid;
+            rec.phase = pod.phase;
+        }
+        same
+    }
+
+    /// Writes everything but namespace and name into `slot` and links it into
+    /// the node and IP indexes.
+    fn fill(&mut self, slot: u32, pod: &LeanPod) {
+        let sa = self.strings.acquire(&pod.service_account);
+        let node = pod
+            .node
+            .as_deref()
+            .map_or(NONE, |n| self.strings.acquire(n));
+        let mut ips = pod.pod_ips.clone();
+        ips.sort_unstable();
+        ips.dedup();
+        let ip4 = ips.iter().position(|ip| ip.is_ipv4());
+        let r = &mut self.pods[slot as usize];
+        r.sa = sa;
+        r.node = node;
+        r.phase = pod.phase;
+        r.flags = (r.flags & F_EXTRA) | F_LIVE;
+        let ns = r.ns;
+        let uuid = parse_uuid(&pod.uid);
+        r.uid = uuid.unwrap_or([0; 16]);
+        if let Some(IpAddr::V4(v4)) = ip4.map(|i| ips[i]) {
+            r.ip4 = v4.octets();
+            r.flags |= F_IP4;
+        }
+        let extra_ips: Box<[IpAddr]> = ips
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| Some(*i) != ip4)
+            .map(|(_, ip)| *ip)
+            .collect();
+        let needs_extra = uuid.is_none() || !extra_ips.is_empty();
+        let long_name = self.extra.get(&slot).is_some_and(|e| e.name.is_some());
+        if needs_extra || long_name {
+            let e = self.extra.entry(slot).or_default();
+            e.uid = uuid.is_none().then(|| pod.uid.clone());
+            e.ips = extra_ips;
+            self.pods[slot as usize].flags |= F_EXTRA;
+        } else {
+            self.extra.remove(&slot);
+            self.pods[slot as usize].flags &= !F_EXTRA;
+        }
+        if node != NONE && !pod.service_account.is_empty() {
+            self.by_node
+                .entry(node)
+                .or_default()
+                .push(NodeEntry { ns, sa, slot });
+        }
+        for ip in ips {
+            self.link_ip(ip, slot);
+        }
+    }
+
+    /// Undoes [`Self::fill`]: drops the slot from the node and IP indexes and
+    /// releases its service account and node.
+    fn unlink(&mut self, slot: u32) {
+        let r = self.pods[slot as usize];
+        if r.node != NONE {
+            if let Some(v) = self.by_node.get_mut(&r.node) {
+                if let Some(i) = v.iter().position(|e| e.slot == slot) {
+                    v.swap_remove(i);
+                }
+                if v.is_empty() {
+                    self.by_node.remove(&r.node);
+                }
+            }
+            self.strings.release(r.node);
+        }
+        self.strings.release(r.sa);
+        let extra_ips = self
+            .extra
+            .get(&slot)
+            .map(|e| e.ips.to_vec())
+            .unwrap_or_default();
+        if r.flags & F_IP4 != 0 {
+            self.unlink_ip(IpAddr::from(r.ip4), slot);
+        }
+        for ip in extra_ips {
+            self.unlink_ip(ip, slot);
+        }
+    }
+
+    fn remove_slot(&mut self, slot: u32) {
+        self.unlink(slot);
+        let r = self.pods[slot as usize];
+        let name: Box<str> = Box::from(self.name_of(slot));
+        let h = self.name_hash(r.ns, &name);
+        if self.by_name.get(&h) == Some(&slot) {
+            self.by_name.remove(&h);
+            // Promote a colliding pod with the same hash, if any.
+            let promote = self
+                .name_collisions
+                .iter()
+                .find(|((ns, n), _)| self.name_hash(*ns, n) == h)
+                .map(|(k, &s)| (k.clone(), s));
+            if let Some((k, s)) = promote {
+                self.name_collisions.remove(&k);
+                self.by_name.insert(h, s);
+            }
+        } else {
+            self.name_collisions.remove(&(r.ns, name));
+        }
+        self.strings.release(r.ns);
+        if r.flags & F_EXTRA == 0 || self.extra.get(&slot).is_none_or(|e| e.name.is_none()) {
+            self.garbage += r.name_len as usize;
+        }
+        self.extra.remove(&slot);
+        self.pods[slot as usize] = EMPTY;
+        self.free.push(slot);
+        self.len -= 1;
+        self.maybe_compact();
+    }
+
+    /// Rewrites the name arena once more than half of it is garbage.
+    fn maybe_compact(&mut self) {
+        if self.garbage < 4096 || self.garbage * 2 < self.names.len() {
+            return;
+        }
+        let mut names = String::with_capacity(self.names.len() - self.garbage);
+        for r in self.pods.iter_mut() {
+            if r.flags & F_LIVE == 0 || r.name_len == 0 {
+                continue;
+            }
+            let start = r.name_off as usize;
+            let name = self
+                .names
+                .get(start..start + r.name_len as usize)
+                .unwrap_or("");
+            r.name_off = names.len() as u32;
+            names.push_str(name);
+        }
+        self.names = names;
+        self.garbage = 0;
+        // Drop emptied tail slots so the slab shrinks after mass deletions.
+        while self.pods.last().is_some_and(|r| r.flags & F_LIVE == 0) {
+            self.pods.pop();
+        }
+        let len = self.pods.len() as u32;
+        self.free.retain(|&s| s < len);
+        if self.pods.capacity() > 2 * self.pods.len() + 64 {
+            self.pods.shrink_to_fit();
+            self.free.shrink_to_fit();
+        }
+    }
+
+    fn link_ip(&mut self, ip: IpAddr, slot: u32) {
+        if let Some(v) = self.ip_shared.get_mut(&ip) {
+            v.push(slot);
+            return;
+        }
+        let previous = match ip {
+            IpAddr::V4(a) => match self.by_ip4.entry(a.octets()) {
+                Entry::Vacant(v) => {
+                    v.insert(slot);
+                    None
+                }
+                Entry::Occupied(o) => Some(o.remove()),
+            },
+            IpAddr::V6(a) => match self.by_ip6.entry(a.octets()) {
+                Entry::Vacant(v) => {
+                    v.insert(slot);
+                    None
+                }
+                Entry::Occupied(o) => Some(o.remove()),
+            },
+        };
+        if let Some(other) = previous {
+            self.ip_shared.insert(ip, vec![other, slot]);
+        }
+    }
+
+    fn unlink_ip(&mut self, ip: IpAddr, slot: u32) {
+        if let Some(v) = self.ip_shared.get_mut(&ip) {
+            if let Some(i) = v.iter().position(|&s| s == slot) {
+                v.swap_remove(i);
+            }
+            if v.len() <= 1 {
+                let rest = v.first().copied();
+                self.ip_shared.remove(&ip);
+                if let Some(last) = rest {
+                    match ip {
+                        IpAddr::V4(a) => self.by_ip4.insert(a.octets(), last),
+                        IpAddr::V6(a) => self.by_ip6.insert(a.octets(), last),
+                    };
+                }
+            }
+            return;
+        }
+        match ip {
+            IpAddr::V4(a) => {
+                if self.by_ip4.get(&a.octets()) == Some(&slot) {
+                    self.by_ip4.remove(&a.octets());
+                }
+            }
+            IpAddr::V6(a) => {
+                if self.by_ip6.get(&a.octets()) == Some(&slot) {
+                    self.by_ip6.remove(&a.octets());
                 }
             }
         }
-        for ip in &old.pod_ips {
-            if let Some(set) = self.by_ip.get_mut(ip) {
-                set.remove(key);
-                if set.is_empty() {
-                    self.by_ip.remove(ip);
-                }
-            }
+    }
+
+    fn view(&self, slot: u32) -> PodRef<'_> {
+        let r = &self.pods[slot as usize];
+        let extra = if r.flags & F_EXTRA != 0 {
+            self.extra.get(&slot)
+        } else {
+            None
+        };
+        let uid = match extra.and_then(|e| e.uid.as_deref()) {
+            Some(text) => UidRepr::Text(text),
+            None => UidRepr::Uuid(render_uuid(&r.uid)),
+        };
+        PodRef {
+            namespace: self.strings.get(r.ns),
+            name: self.name_of(slot),
+            uid: Uid(uid),
+            node: (r.node != NONE).then(|| self.strings.get(r.node)),
+            service_account: self.strings.get(r.sa),
+            phase: r.phase,
+            pod_ips: PodIps {
+                ip4: (r.flags & F_IP4 != 0).then_some(r.ip4),
+                others: extra.map_or(&[], |e| &e.ips),
+            },
         }
-        Some(old)
     }
 
     pub fn synced(&self) -> bool {
@@ -179,15 +758,16 @@ impl IndexState {
     }
 
     pub fn len(&self) -> usize {
-        self.by_name.len()
+        self.len
     }
 
     pub fn is_empty(&self) -> bool {
-        self.by_name.is_empty()
+        self.len == 0
     }
 
-    pub fn get(&self, namespace: &str, name: &str) -> Option<&LeanPod> {
-        self.by_name.get(&(Arc::from(namespace), Box::from(name)))
+    pub fn get(&self, namespace: &str, name: &str) -> Option<PodRef<'_>> {
+        let ns = self.strings.lookup(namespace)?;
+        self.find(ns, name).map(|slot| self.view(slot))
     }
 
     /// Non-terminal pods of `namespace/service_account` on `node`.
@@ -196,26 +776,83 @@ impl IndexState {
         node: &str,
         namespace: &str,
         service_account: &str,
-    ) -> impl Iterator<Item = &'a LeanPod> + 'a {
-        self.by_node_sa
-            .get(&(
-                Arc::from(node),
-                Arc::from(namespace),
-                Arc::from(service_account),
+    ) -> impl Iterator<Item = PodRef<'a>> + 'a {
+        let ids = self.strings.lookup(node).and_then(|node| {
+            Some((
+                self.by_node.get(&node)?,
+                self.strings.lookup(namespace)?,
+                self.strings.lookup(service_account)?,
             ))
-            .into_iter()
-            .flatten()
-            .filter_map(|k| self.by_name.get(k))
-            .filter(|p| !p.phase.is_terminal())
+        });
+        ids.into_iter()
+            .flat_map(|(entries, ns, sa)| {
+                entries
+                    .iter()
+                    .filter(move |e| e.ns == ns && e.sa == sa)
+                    .map(|e| e.slot)
+            })
+            .filter(|&slot| !self.pods[slot as usize].phase.is_terminal())
+            .map(|slot| self.view(slot))
     }
 
     /// Pods that have `ip` as one of their pod IPs.
-    pub fn with_ip<'a>(&'a self, ip: IpAddr) -> impl Iterator<Item = &'a LeanPod> + 'a {
-        self.by_ip
-            .get(&ip)
+    pub fn with_ip<'a>(&'a self, ip: IpAddr) -> impl Iterator<Item = PodRef<'a>> + 'a {
+        let single = match ip {
+            IpAddr::V4(a) => self.by_ip4.get(&a.octets()),
+            IpAddr::V6(a) => self.by_ip6.get(&a.octets()),
+        };
+        single
             .into_iter()
-            .flatten()
-            .filter_map(|k| self.by_name.get(k))
+            .copied()
+            .chain(self.ip_shared.get(&ip).into_iter().flatten().copied())
+            .map(|slot| self.view(slot))
+    }
+
+    /// Approximate heap bytes per structure, from capacities (for benchmarks;
+    /// the counting allocator in benches/podindex_scale.rs is authoritative).
+    #[doc(hidden)]
+    pub fn heap_breakdown(&self) -> Vec<(&'static str, usize)> {
+        fn table<K, V>(m: &HashMap<K, V, impl BuildHasher>) -> usize {
+            // hashbrown: buckets = next power of two of capacity * 8 / 7, one control byte each.
+            let buckets = if m.capacity() == 0 {
+                0
+            } else {
+                (m.capacity() * 8 / 7).next_power_of_two()
+            };
+            buckets * (std::mem::size_of::<(K, V)>() + 1)
+        }
+        vec![
+            (
+                "pods",
+                self.pods.capacity() * std::mem::size_of::<PodRecord>(),
+            ),
+            ("names", self.names.capacity()),
+            ("by_name", table(&self.by_name)),
+            (
+                "by_node",
+                table(&self.by_node)
+                    + self
+                        .by_node
+                        .values()
+                        .map(|v| v.capacity() * std::mem::size_of::<NodeEntry>())
+                        .sum::<usize>(),
+            ),
+            ("by_ip4", table(&self.by_ip4)),
+            ("by_ip6", table(&self.by_ip6)),
+            ("ip_shared", table(&self.ip_shared)),
+            ("extra", table(&self.extra)),
+            (
+                "strings",
+                table(&self.strings.ids) + self.strings.strs.capacity() * 24,
+            ),
+        ]
+    }
+
+    /// Every indexed pod, in no particular order.
+    pub fn iter(&self) -> impl Iterator<Item = PodRef<'_>> + '_ {
+        (0..self.pods.len() as u32)
+            .filter(|&s| self.pods[s as usize].flags & F_LIVE != 0)
+            .map(|s| self.view(s))
     }
 }
 
@@ -223,6 +860,9 @@ impl IndexState {
 #[derive(Debug, Default)]
 pub struct PodIndex {
     state: RwLock<IndexState>,
+    /// A (re)list in progress, built into a new state without the lock the
+    /// request path reads, then swapped in at `InitDone`.
+    relist: Mutex<Option<Vec<LeanPod>>>,
     // Readiness and size are mirrored in atomics so health checks and metrics
     // never take the lock the request path uses.
     synced: AtomicBool,
@@ -236,20 +876,43 @@ impl PodIndex {
     }
 
     pub fn apply(&self, event: IndexEvent) {
-        let (synced, len) = match self.state.write() {
-            Ok(mut s) => {
-                s.apply(event);
-                (s.synced(), s.len())
+        let event = match event {
+            IndexEvent::Init => {
+                *lock(&self.relist) = Some(Vec::new());
+                None
             }
-            Err(poisoned) => {
-                let mut s = poisoned.into_inner();
-                s.apply(event);
-                (s.synced(), s.len())
+            IndexEvent::InitApply(pod) => match lock(&self.relist).as_mut() {
+                Some(buf) => {
+                    buf.push(pod);
+                    None
+                }
+                None => Some(IndexEvent::InitApply(pod)),
+            },
+            IndexEvent::InitDone => {
+                let pods = lock(&self.relist).take().unwrap_or_default();
+                let fresh = IndexState::from_list(pods);
+                let old = std::mem::replace(&mut *self.write(), fresh);
+                drop(old); // freed outside the lock
+                None
             }
+            other => Some(other),
+        };
+        let (synced, len) = {
+            let mut s = self.write();
+            if let Some(e) = event {
+                s.apply(e);
+            }
+            (s.synced(), s.len())
         };
         self.synced.store(synced, Ordering::Release);
         self.size.store(len as u64, Ordering::Relaxed);
         self.events.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, IndexState> {
+        self.state
+            .write()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     /// True once the first full list has been applied.
@@ -276,6 +939,10 @@ impl PodIndex {
             Err(poisoned) => f(&poisoned.into_inner()),
         }
     }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 #[cfg(test)]
@@ -348,12 +1015,18 @@ mod tests {
     #[test_case(vec![Init, InitApply(a()), InitDone, Apply(pod("ns-a", "pod-a", "uid-new", Some("node-1"), "sa-a", Phase::Running))], true, 1, &["pod-a"] ; "recreated pod replaces uid")]
     fn apply_sequences(events: Vec<IndexEvent>, synced: bool, len: usize, on_node_1: &[&str]) {
         let mut s = IndexState::default();
+        let shared = PodIndex::new();
         for e in events {
+            shared.apply(e.clone());
             s.apply(e);
         }
         assert_eq!(s.synced(), synced);
         assert_eq!(s.len(), len);
         assert_eq!(names_on(&s, "node-1"), on_node_1);
+        // The shared index (which builds relists off-lock) agrees with the pure function.
+        assert_eq!(shared.is_synced(), synced);
+        assert_eq!(shared.len(), len as u64);
+        assert_eq!(shared.read(|s| names_on(s, "node-1")), on_node_1);
     }
 
     #[test]
@@ -368,7 +1041,152 @@ mod tests {
         assert_eq!(s.with_ip("10.0.0.5".parse().unwrap()).count(), 0);
         s.apply(Delete(p));
         assert_eq!(s.with_ip("10.0.0.6".parse().unwrap()).count(), 0);
-        assert!(s.by_ip.is_empty() && s.by_node_sa.is_empty());
+        assert!(s.by_ip4.is_empty() && s.by_node.is_empty() && s.ip_shared.is_empty());
+    }
+
+    #[test]
+    fn shared_ips_dual_stack_and_host_network() {
+        let mut s = IndexState::default();
+        let mut p = a();
+        p.pod_ips = vec![
+            "fd00::5".parse().unwrap(),
+            "10.0.0.5".parse().unwrap(),
+            "10.0.0.7".parse().unwrap(),
+        ];
+        let mut q = b();
+        q.pod_ips = vec!["10.0.0.5".parse().unwrap()]; // host network: same address
+        s.apply(Apply(p.clone()));
+        s.apply(Apply(q.clone()));
+        let names = |s: &IndexState, ip: &str| {
+            let mut v: Vec<String> = s
+                .with_ip(ip.parse().unwrap())
+                .map(|p| p.name.to_string())
+                .collect();
+            v.sort();
+            v
+        };
+        assert_eq!(names(&s, "10.0.0.5"), ["pod-a", "pod-b"]);
+        assert_eq!(names(&s, "10.0.0.7"), ["pod-a"]);
+        assert_eq!(names(&s, "fd00::5"), ["pod-a"]);
+        let mut ips: Vec<IpAddr> = s.get("ns-a", "pod-a").unwrap().pod_ips().collect();
+        ips.sort();
+        let mut want = p.pod_ips.clone();
+        want.sort();
+        assert_eq!(ips, want);
+        s.apply(Delete(p));
+        assert_eq!(names(&s, "10.0.0.5"), ["pod-b"]);
+        assert!(s.ip_shared.is_empty() && s.by_ip6.is_empty());
+        s.apply(Delete(q));
+        assert!(s.by_ip4.is_empty() && s.extra.is_empty());
+    }
+
+    #[test_case("8f14e45f-ceea-467a-9af0-5d0e5f6b0f2e" ; "canonical uuid")]
+    #[test_case("8F14E45F-CEEA-467A-9AF0-5D0E5F6B0F2E" ; "upper case kept verbatim")]
+    #[test_case("uid-a" ; "not a uuid")]
+    #[test_case("" ; "empty")]
+    fn uids_round_trip(uid: &str) {
+        let mut s = IndexState::default();
+        let mut p = a();
+        p.uid = uid.into();
+        s.apply(Apply(p.clone()));
+        let got = s.get("ns-a", "pod-a").unwrap();
+        assert_eq!(&*got.uid, uid);
+        assert_eq!(got.to_lean(), p);
+    }
+
+    #[test]
+    fn strings_are_released_and_names_compacted() {
+        let mut s = IndexState::default();
+        let pods: Vec<LeanPod> = (0..3000)
+            .map(|i| {
+                pod(
+                    &format!("ns-{}", i % 7),
+                    &format!("pod-with-a-longish-name-{i}"),
+                    "8f14e45f-ceea-467a-9af0-5d0e5f6b0f2e",
+                    Some(&format!("node-{}", i % 11)),
+                    &format!("sa-{}", i % 13),
+                    Phase::Running,
+                )
+            })
+            .collect();
+        for p in &pods {
+            s.apply(Apply(p.clone()));
+        }
+        for p in &pods[..2900] {
+            s.apply(Delete(p.clone()));
+        }
+        assert_eq!(s.len(), 100);
+        // 3000 names of ~29 bytes were written; compaction keeps garbage under 4 KiB here.
+        assert!(
+            s.names.len() < 100 * 30 + 4096,
+            "arena compacted: {}",
+            s.names.len()
+        );
+        for p in &pods[2900..] {
+            assert_eq!(s.get(&p.namespace, &p.name).unwrap().to_lean(), *p);
+            assert_eq!(
+                s.on_node(p.node.as_deref().unwrap(), &p.namespace, &p.service_account)
+                    .filter(|q| q.name == &*p.name)
+                    .count(),
+                1
+            );
+        }
+        for p in &pods[2900..] {
+            s.apply(Delete(p.clone()));
+        }
+        assert!(s.is_empty());
+        assert!(s.strings.ids.is_empty(), "{:?}", s.strings.ids);
+        assert!(s.by_name.is_empty() && s.by_node.is_empty());
+    }
+
+    thread_local! {
+        /// Makes every name hash equal, to exercise the collision path.
+        pub(super) static COLLIDE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    }
+
+    #[test]
+    fn long_names_and_hash_collisions_stay_correct() {
+        COLLIDE.with(|c| c.set(true));
+        let mut s = IndexState::default();
+        let long = "x".repeat(300);
+        let pods = [
+            pod("ns-a", &long, "u", Some("node-1"), "sa-a", Phase::Running),
+            pod(
+                "ns-a",
+                "pod-q",
+                "u2",
+                Some("node-1"),
+                "sa-a",
+                Phase::Running,
+            ),
+            pod(
+                "ns-b",
+                "pod-q",
+                "u3",
+                Some("node-2"),
+                "sa-b",
+                Phase::Running,
+            ),
+        ];
+        for p in &pods {
+            s.apply(Apply(p.clone()));
+        }
+        assert_eq!(s.name_collisions.len(), 2);
+        for p in &pods {
+            assert_eq!(s.get(&p.namespace, &p.name).unwrap().to_lean(), *p);
+        }
+        // Deleting the pod in the primary slot promotes a colliding one.
+        s.apply(Delete(pods[0].clone()));
+        assert!(s.get("ns-a", &long).is_none());
+        for p in &pods[1..] {
+            assert_eq!(s.get(&p.namespace, &p.name).unwrap().to_lean(), *p);
+        }
+        s.apply(Delete(pods[2].clone()));
+        assert_eq!(s.get("ns-a", "pod-q").unwrap().to_lean(), pods[1]);
+        assert!(s.get("ns-b", "pod-q").is_none());
+        s.apply(Delete(pods[1].clone()));
+        assert!(s.is_empty() && s.by_name.is_empty() && s.name_collisions.is_empty());
+        COLLIDE.with(|c| c.set(false));
     }
 
     #[test]

@@ -1,0 +1,318 @@
+//! Criterion benches of meshca's pure hot paths: CSR parse+verify, leaf
+//! build+sign, the node authorization decision, pod index update and lookup,
+//! and the whole in-process issue path (no network).
+//!
+//! `cargo bench --bench hot_paths`; results in target/criterion/.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::hint::black_box;
+use std::sync::Arc;
+
+use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
+use meshca::audit::chain::ChainedSink;
+use meshca::audit::{AuditError, AuditRecord, AuditSink};
+use meshca::authn::{AuthnMethod, Caller, Credentials, KubernetesInfo};
+use meshca::authz::{authorize_impersonation, NodePolicy};
+use meshca::ca::generate::KeyType;
+use meshca::ca::{csr, ttl, CaBundle, CaStore, CsrPolicy};
+use meshca::identity::{SpiffeId, TrustDomain};
+use meshca::issue::{CertificateIssuer, IssueRequest};
+use meshca::podindex::{IndexEvent, IndexState, LeanPod, Phase};
+use meshca::testing::{self, TestPki};
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::CertificateDer;
+use time::OffsetDateTime;
+
+const ID: &str = "spiffe://cluster.local/ns/bench/sa/bench";
+
+fn csrs(key_type: KeyType, n: usize) -> Vec<String> {
+    (0..n)
+        .map(|_| testing::csr_for(&key_type.generate().unwrap(), ID))
+        .collect()
+}
+
+fn bench_csr(c: &mut Criterion) {
+    let mut g = c.benchmark_group("csr_parse_verify");
+    for (name, kt) in [
+        ("ecdsa_p256", KeyType::EcdsaP256),
+        ("ecdsa_p384", KeyType::EcdsaP384),
+        ("rsa2048", KeyType::Rsa2048),
+    ] {
+        let pool = csrs(kt, 64);
+        let mut i = 0;
+        g.bench_function(name, |b| {
+            b.iter(|| {
+                i += 1;
+                black_box(csr::parse_and_verify(&pool[i % pool.len()]).unwrap())
+            })
+        });
+    }
+    g.finish();
+}
+
+fn bench_sign(c: &mut Criterion) {
+    let mut g = c.benchmark_group("leaf_sign");
+    for (name, kt) in [
+        ("ca_ecdsa_p256", KeyType::EcdsaP256),
+        ("ca_ecdsa_p384", KeyType::EcdsaP384),
+        ("ca_rsa2048", KeyType::Rsa2048),
+    ] {
+        let pki = TestPki::new(kt);
+        let bundle = CaBundle::load_dir(pki.path(), OffsetDateTime::now_utc()).unwrap();
+        let parsed = csr::parse_and_verify(&csrs(KeyType::EcdsaP256, 1)[0]).unwrap();
+        let id: SpiffeId = ID.parse().unwrap();
+        let validity = ttl::validity(
+            OffsetDateTime::now_utc(),
+            0,
+            &Default::default(),
+            bundle.signing_not_after(),
+        )
+        .unwrap();
+        g.bench_function(name, |b| {
+            b.iter(|| {
+                black_box(
+                    bundle
+                        .sign_leaf(&parsed.spki_der, &id, false, &validity)
+                        .unwrap(),
+                )
+            })
+        });
+    }
+    g.finish();
+}
+
+fn lean(ns: &str, name: &str, node: &str, sa: &str, i: usize) -> LeanPod {
+    LeanPod {
+        namespace: Arc::from(ns),
+        name: Box::from(name),
+        uid: format!("00000000-0000-4000-8000-{i:012x}").into_boxed_str(),
+        node: Some(Arc::from(node)),
+        service_account: Arc::from(sa),
+        phase: Phase::Running,
+        pod_ips: vec![std::net::IpAddr::from([
+            10,
+            (i >> 16) as u8,
+            (i >> 8) as u8,
+            i as u8,
+        ])],
+    }
+}
+
+/// `n` pods over n/100 nodes, 1 ztunnel per node in istio-system.
+fn cluster(n: usize) -> (Vec<LeanPod>, IndexState) {
+    let nodes = (n / 100).max(1);
+    let mut pods: Vec<LeanPod> = (0..n)
+        .map(|i| {
+            lean(
+                &format!("ns-{}", i % 50),
+                &format!("app-{}-7d9f8b6c5d-{i:05x}", i % 500),
+                &format!("node-{}", i % nodes),
+                &format!("sa-{}", i % 500),
+                i,
+            )
+        })
+        .collect();
+    for n in 0..nodes {
+        pods.push(lean(
+            "istio-system",
+            &format!("ztunnel-{n:05x}"),
+            &format!("node-{n}"),
+            "ztunnel",
+            n + 10_000_000,
+        ));
+    }
+    let mut s = IndexState::default();
+    s.apply(IndexEvent::Init);
+    for p in &pods {
+        s.apply(IndexEvent::InitApply(p.clone()));
+    }
+    s.apply(IndexEvent::InitDone);
+    (pods, s)
+}
+
+fn bench_authz(c: &mut Criterion) {
+    let (pods, state) = cluster(10_000);
+    let target = &pods[7];
+    let node = target.node.as_deref().unwrap();
+    let zt = state
+        .on_node(node, "istio-system", "ztunnel")
+        .next()
+        .unwrap()
+        .to_lean();
+    let policy = NodePolicy {
+        trusted: meshca::config::parse_service_accounts("istio-system/ztunnel")
+            .unwrap()
+            .into_iter()
+            .collect(),
+        trust_domains: vec![TrustDomain::new("cluster.local").unwrap()],
+        cluster_id: "Kubernetes".into(),
+        mtls_impersonation: false,
+    };
+    let caller = Caller {
+        method: AuthnMethod::TokenReview,
+        identity: "spiffe://cluster.local/ns/istio-system/sa/ztunnel"
+            .parse()
+            .unwrap(),
+        kube: Some(KubernetesInfo {
+            pod_namespace: "istio-system".into(),
+            pod_name: zt.name.to_string(),
+            pod_uid: zt.uid.to_string(),
+            service_account: "ztunnel".into(),
+            node_name: Some(node.into()),
+        }),
+    };
+    let creds = Credentials {
+        cluster_id: Some("Kubernetes".into()),
+        ..Default::default()
+    };
+    let requested = format!(
+        "spiffe://cluster.local/ns/{}/sa/{}",
+        target.namespace, target.service_account
+    );
+    c.bench_function("authz_impersonation_allow_10k_pods", |b| {
+        b.iter(|| {
+            black_box(
+                authorize_impersonation(&policy, &caller, &requested, &creds, true, &state)
+                    .unwrap(),
+            )
+        })
+    });
+    let other = "spiffe://cluster.local/ns/ns-1/sa/nobody";
+    c.bench_function("authz_impersonation_deny_10k_pods", |b| {
+        b.iter(|| {
+            black_box(
+                authorize_impersonation(&policy, &caller, other, &creds, true, &state).unwrap_err(),
+            )
+        })
+    });
+}
+
+fn bench_index(c: &mut Criterion) {
+    let (pods, state) = cluster(100_000);
+    let mut g = c.benchmark_group("podindex_100k");
+    let mut i = 0;
+    g.bench_function("get", |b| {
+        b.iter(|| {
+            i += 7919;
+            let p = &pods[i % pods.len()];
+            black_box(state.get(&p.namespace, &p.name).is_some())
+        })
+    });
+    g.bench_function("on_node", |b| {
+        b.iter(|| {
+            i += 7919;
+            let p = &pods[i % pods.len()];
+            black_box(
+                state
+                    .on_node(p.node.as_deref().unwrap(), &p.namespace, &p.service_account)
+                    .next()
+                    .is_some(),
+            )
+        })
+    });
+    // An update of an existing pod (status change), the common watch event.
+    let mut s = state.clone();
+    g.bench_function("apply_update", |b| {
+        b.iter_batched(
+            || {
+                i += 7919;
+                let mut p = pods[i % pods.len()].clone();
+                p.phase = if i % 2 == 0 {
+                    Phase::Running
+                } else {
+                    Phase::Pending
+                };
+                IndexEvent::Apply(p)
+            },
+            |e| s.apply(e),
+            BatchSize::SmallInput,
+        )
+    });
+    // Delete then re-add (pod churn).
+    g.bench_function("apply_delete_add", |b| {
+        b.iter_batched(
+            || {
+                i += 7919;
+                pods[i % pods.len()].clone()
+            },
+            |p| {
+                s.apply(IndexEvent::Delete(p.clone()));
+                s.apply(IndexEvent::Apply(p));
+            },
+            BatchSize::SmallInput,
+        )
+    });
+    g.finish();
+}
+
+#[derive(Debug)]
+struct NullSink;
+impl AuditSink for NullSink {
+    fn emit(&self, record: &AuditRecord) -> Result<(), AuditError> {
+        black_box(record);
+        Ok(())
+    }
+}
+
+fn bench_issue(c: &mut Criterion) {
+    let pki = TestPki::new(KeyType::EcdsaP256);
+    let bundle = CaBundle::load_dir(pki.path(), OffsetDateTime::now_utc()).unwrap();
+    let (chain_pem, _key) = testing::client_identity(&bundle, ID, &testing::validity_hours(-1, 24));
+    let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(chain_pem.as_bytes())
+        .collect::<Result<_, _>>()
+        .unwrap();
+    let creds = Credentials {
+        peer_addr: Some("127.0.0.1:40000".parse().unwrap()),
+        peer_chain: Some(chain.into()),
+        ..Default::default()
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let pool = csrs(KeyType::EcdsaP256, 256);
+    let dir = tempfile::tempdir().unwrap();
+    let chained =
+        ChainedSink::file(&dir.path().join("audit.log"), 64 << 20, 2, None, 1000).unwrap();
+    let mut g = c.benchmark_group("issue_mtls_in_process");
+    for (name, audit) in [
+        ("null_audit", Arc::new(NullSink) as Arc<dyn AuditSink>),
+        ("chained_file_audit", Arc::new(chained)),
+    ] {
+        let issuer = CertificateIssuer {
+            ca: Arc::new(CaStore::new(
+                CaBundle::load_dir(pki.path(), OffsetDateTime::now_utc()).unwrap(),
+                None,
+                false,
+            )),
+            ttl: Default::default(),
+            csr_policy: CsrPolicy::Strict,
+            tokens: None,
+            node_authz: None,
+            audit,
+            metrics: None,
+        };
+        let mut i = 0;
+        g.bench_function(name, |b| {
+            b.iter(|| {
+                i += 1;
+                let req = IssueRequest {
+                    csr: pool[i % pool.len()].clone(),
+                    validity_secs: 0,
+                    impersonate: None,
+                };
+                black_box(rt.block_on(issuer.issue(&creds, Ok(req))).unwrap())
+            })
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(
+    benches,
+    bench_csr,
+    bench_sign,
+    bench_authz,
+    bench_index,
+    bench_issue
+);
+criterion_main!(benches);
