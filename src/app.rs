@@ -306,24 +306,16 @@ pub fn prepare_dev(data_dir: &Path, trust_domain: &TrustDomain) -> anyhow::Resul
 /// Issues a 24h client certificate for `id` and writes `cert-chain.pem`,
 /// `key.pem` and `root-cert.pem` into `dir`.
 pub fn write_client_identity(dir: &Path, bundle: &CaBundle, id: &SpiffeId) -> anyhow::Result<()> {
-    let key = rcgen::KeyPair::generate()?;
     let validity = ttl::validity(
         OffsetDateTime::now_utc(),
         0,
         &Default::default(),
         bundle.signing_not_after(),
     )?;
-    let spki = rcgen::PublicKeyData::subject_public_key_info(&key);
-    let leaf = bundle.sign_leaf(&spki, id, false, &validity)?;
-    let chain = bundle.response_chain(&leaf.pem);
-    let without_root = &chain[..chain.len().saturating_sub(1)];
+    let (chain, key) = bundle.client_identity(id, &validity)?;
     std::fs::create_dir_all(dir)?;
-    generate::write_file(
-        &dir.join("cert-chain.pem"),
-        without_root.concat().as_bytes(),
-        false,
-    )?;
-    generate::write_file(&dir.join("key.pem"), key.serialize_pem().as_bytes(), true)?;
+    generate::write_file(&dir.join("cert-chain.pem"), chain.as_bytes(), false)?;
+    generate::write_file(&dir.join("key.pem"), key.as_bytes(), true)?;
     generate::write_file(
         &dir.join("root-cert.pem"),
         bundle.root_bundle().as_bytes(),

@@ -360,18 +360,13 @@ impl Plan {
 
 /// A client certificate chain (without root) and key for `id`, signed by the bundle.
 fn client_identity(bundle: &CaBundle, id: &SpiffeId) -> anyhow::Result<(String, String)> {
-    let key = KeyPair::generate()?;
     let validity = ttl::validity(
         OffsetDateTime::now_utc(),
         0,
         &Default::default(),
         bundle.signing_not_after(),
     )?;
-    let spki = rcgen::PublicKeyData::subject_public_key_info(&key);
-    let leaf = bundle.sign_leaf(&spki, id, false, &validity)?;
-    let chain = bundle.response_chain(&leaf.pem);
-    let without_root = chain[..chain.len().saturating_sub(1)].concat();
-    Ok((without_root, key.serialize_pem()))
+    Ok(bundle.client_identity(id, &validity)?)
 }
 
 async fn kube_client(path: &std::path::Path) -> anyhow::Result<Client> {

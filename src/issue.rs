@@ -185,6 +185,18 @@ mod tests {
     use rustls_pki_types::pem::PemObject;
     use rustls_pki_types::CertificateDer;
 
+    /// Credentials of a connection that presented `chain` (already verified).
+    fn mtls_creds(chain: &str) -> Credentials {
+        let peer_chain: Vec<CertificateDer<'static>> =
+            CertificateDer::pem_slice_iter(chain.as_bytes())
+                .collect::<Result<_, _>>()
+                .unwrap();
+        Credentials {
+            peer_chain: Some(peer_chain.into()),
+            ..Default::default()
+        }
+    }
+
     /// Denies every impersonation with a fixed error.
     #[derive(Debug)]
     struct Fixed(ImpersonationError);
@@ -229,14 +241,7 @@ mod tests {
             "spiffe://cluster.local/ns/istio-system/sa/ztunnel",
             &validity_hours(-1, 1),
         );
-        let peer_chain: Vec<CertificateDer<'static>> =
-            CertificateDer::pem_slice_iter(chain.as_bytes())
-                .collect::<Result<_, _>>()
-                .unwrap();
-        let creds = Credentials {
-            peer_chain: Some(peer_chain.into()),
-            ..Default::default()
-        };
+        let creds = mtls_creds(&chain);
         let requested = "spiffe://cluster.local/ns/app/sa/app";
         let csr = csr_for(&rcgen::KeyPair::generate().unwrap(), requested);
         let mut reasons = std::collections::BTreeSet::new();
@@ -292,14 +297,7 @@ mod tests {
         let ca = Arc::new(crate::ca::CaStore::from_dir(pki.path(), false).unwrap());
         let id = "spiffe://cluster.local/ns/app/sa/app";
         let (chain, _) = client_identity(&ca.snapshot(), id, &validity_hours(-1, 1));
-        let peer_chain: Vec<CertificateDer<'static>> =
-            CertificateDer::pem_slice_iter(chain.as_bytes())
-                .collect::<Result<_, _>>()
-                .unwrap();
-        let creds = Credentials {
-            peer_chain: Some(peer_chain.into()),
-            ..Default::default()
-        };
+        let creds = mtls_creds(&chain);
         let issuer = CertificateIssuer {
             ca,
             ttl: TtlPolicy::default(),

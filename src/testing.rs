@@ -108,13 +108,9 @@ pub fn client_identity(
     id: &str,
     validity: &crate::ca::Validity,
 ) -> (String, String) {
-    let key = KeyPair::generate().expect("key");
-    let spki = rcgen::PublicKeyData::subject_public_key_info(&key);
-    let leaf = bundle
-        .sign_leaf(&spki, &id.parse().expect("spiffe id"), false, validity)
-        .expect("leaf");
-    let chain = bundle.response_chain(&leaf.pem);
-    (chain[..chain.len() - 1].concat(), key.serialize_pem())
+    bundle
+        .client_identity(&id.parse().expect("spiffe id"), validity)
+        .expect("client identity")
 }
 
 /// A validity window of `hours` from now (negative for already expired).

@@ -431,6 +431,22 @@ impl CaBundle {
         })
     }
 
+    /// A fresh key and a leaf for `id` over `validity`: the client identity
+    /// PEMs `(chain without the root bundle, PKCS#8 key)` an mTLS caller
+    /// presents (dev mode, the load generator, tests).
+    pub fn client_identity(
+        &self,
+        id: &SpiffeId,
+        validity: &Validity,
+    ) -> Result<(String, String), SignError> {
+        let key = KeyPair::generate().map_err(|e| SignError::Generation(e.to_string()))?;
+        let spki = rcgen::PublicKeyData::subject_public_key_info(&key);
+        let leaf = self.sign_leaf(&spki, id, false, validity)?;
+        let chain = self.response_chain(&leaf.pem);
+        let without_root = chain[..chain.len().saturating_sub(1)].concat();
+        Ok((without_root, key.serialize_pem()))
+    }
+
     /// The response chain: `[leaf, each chain cert, root bundle]` (istiod §4.6).
     pub fn response_chain(&self, leaf_pem: &str) -> Vec<String> {
         let mut out = split_elements(leaf_pem);
