@@ -51,6 +51,22 @@ async fn workload(k: &Kte, ns: &str, sa: &str, name: &str, node: &str) -> String
     k.pod(ns, name, sa, node).await
 }
 
+/// Pod `app-0` (service account `app`) on node-a in a fresh namespace; the
+/// ztunnel on node-a is allowed its identity. Returns (namespace, identity).
+async fn app_allowed_on_node_a(k: &Kte, srv: &Server, zt_token: &str) -> (String, String) {
+    let ns = k.namespace("app").await;
+    k.service_account(&ns, "app").await;
+    workload(k, &ns, "app", "app-0", "node-a").await;
+    let n = ns.clone();
+    srv.wait_index("app-0", move |s| s.get(&n, "app-0").is_some())
+        .await;
+    let id = spiffe(&ns, "app");
+    srv.call(zt_token, &id, Some(&id), Some("Kubernetes"))
+        .await
+        .unwrap();
+    (ns, id)
+}
+
 fn assert_denied(
     r: Result<Vec<String>, tonic::Status>,
     srv: &Server,
@@ -129,16 +145,7 @@ async fn deleted_workload_pod_stops_authorizing_once_the_watch_delivers_it() {
     let Setup {
         k, srv, zt_token, ..
     } = setup("node-a").await;
-    let ns = k.namespace("app").await;
-    k.service_account(&ns, "app").await;
-    workload(&k, &ns, "app", "app-0", "node-a").await;
-    let n = ns.clone();
-    srv.wait_index("app-0", move |s| s.get(&n, "app-0").is_some())
-        .await;
-    let id = spiffe(&ns, "app");
-    srv.call(&zt_token, &id, Some(&id), Some("Kubernetes"))
-        .await
-        .unwrap();
+    let (ns, id) = app_allowed_on_node_a(&k, &srv, &zt_token).await;
 
     k.delete_pod(&ns, "app-0").await;
     let n = ns.clone();
@@ -164,16 +171,7 @@ async fn recreated_caller_pod_with_same_name_is_denied() {
         zt_token,
         zt_uid,
     } = setup("node-a").await;
-    let ns = k.namespace("app").await;
-    k.service_account(&ns, "app").await;
-    workload(&k, &ns, "app", "app-0", "node-a").await;
-    let n = ns.clone();
-    srv.wait_index("app-0", move |s| s.get(&n, "app-0").is_some())
-        .await;
-    let id = spiffe(&ns, "app");
-    srv.call(&zt_token, &id, Some(&id), Some("Kubernetes"))
-        .await
-        .unwrap();
+    let (_, id) = app_allowed_on_node_a(&k, &srv, &zt_token).await;
 
     k.delete_pod(&zt_ns, "ztunnel-a").await;
     let new_uid = k.pod(&zt_ns, "ztunnel-a", ZT_SA, "node-a").await;
