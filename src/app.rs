@@ -18,7 +18,6 @@ use crate::authz::{KubeNodeAuthorizer, NodeAuthorizer, NodePolicy};
 use crate::ca::generate::{self, InitOptions};
 use crate::ca::{ttl, CaBundle, CaStore};
 use crate::config::Config;
-use crate::config::KubeSettings;
 use crate::config::{AuditSettings, AuditSinkKind};
 use crate::grpc::{self, CaService};
 use crate::identity::{SpiffeId, TrustDomain};
@@ -97,7 +96,7 @@ impl App {
         let mut pod_index = None;
         let mut token_reviewer = None;
         if let Some(kube) = &cfg.kube {
-            let client = kube_client(kube).await?;
+            let client = kube_client(kube.kubeconfig.as_deref()).await?;
             if let Some(settings) = cfg.root_publisher.clone() {
                 // Feed the publisher the raw root bundle (what istiod publishes), on every CA swap.
                 let (tx, rx) = tokio::sync::watch::channel(ca.snapshot().root_bundle().to_string());
@@ -256,8 +255,8 @@ impl Drop for App {
 }
 
 /// A client for the configured API server (kubeconfig file or in-cluster).
-pub async fn kube_client(settings: &KubeSettings) -> anyhow::Result<kube::Client> {
-    let config = match &settings.kubeconfig {
+pub async fn kube_client(kubeconfig: Option<&Path>) -> anyhow::Result<kube::Client> {
+    let config = match kubeconfig {
         Some(path) => {
             let kc = kube::config::Kubeconfig::read_from(path)
                 .with_context(|| format!("reading kubeconfig {}", path.display()))?;

@@ -350,7 +350,7 @@ impl Plan {
                 let path = args.kubeconfig.as_ref().context(
                     "token modes need --kubeconfig (admin) of the server's cluster to create pods and mint tokens",
                 )?;
-                let kube = kube_client(path).await?;
+                let kube = crate::app::kube_client(Some(path)).await?;
                 plan.callers = kube_callers(&kube, args, td).await?;
             }
         }
@@ -367,13 +367,6 @@ fn client_identity(bundle: &CaBundle, id: &SpiffeId) -> anyhow::Result<(String, 
         bundle.signing_not_after(),
     )?;
     Ok(bundle.client_identity(id, &validity)?)
-}
-
-async fn kube_client(path: &std::path::Path) -> anyhow::Result<Client> {
-    let kc = kube::config::Kubeconfig::read_from(path)
-        .with_context(|| format!("reading kubeconfig {}", path.display()))?;
-    let cfg = kube::Config::from_custom_kubeconfig(kc, &Default::default()).await?;
-    Ok(Client::try_from(cfg)?)
 }
 
 fn random_suffix() -> String {

@@ -35,11 +35,7 @@ pub async fn kte() -> Kte {
 }
 
 pub async fn client(kubeconfig: &std::path::Path) -> Client {
-    let kc = kube::config::Kubeconfig::read_from(kubeconfig).unwrap();
-    let cfg = kube::Config::from_custom_kubeconfig(kc, &Default::default())
-        .await
-        .unwrap();
-    Client::try_from(cfg).unwrap()
+    meshca::app::kube_client(Some(kubeconfig)).await.unwrap()
 }
 
 /// A unique lower-case name.
