@@ -14,10 +14,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context};
 use base64::Engine;
 use clap::Parser;
-use meshca::proto::istio_certificate_service_client::IstioCertificateServiceClient;
-use meshca::proto::IstioCertificateRequest;
-use rcgen::{CertificateParams, DistinguishedName, KeyPair, SanType};
-use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
+use meshca::certs::{fetch_live, LiveCall, LiveResult};
 
 #[derive(Parser)]
 struct Args {
@@ -65,20 +62,18 @@ async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let root = std::fs::read_to_string(&args.root)
         .with_context(|| format!("reading {}", args.root.display()))?;
-    let mut tls = ClientTlsConfig::new()
-        .ca_certificate(Certificate::from_pem(&root))
-        .domain_name(&args.server_name);
+    let mut client = None;
     let mut cert_identity = None;
     if let (Some(cert), Some(key)) = (&args.cert, &args.key) {
         let cert_pem = std::fs::read_to_string(cert)?;
         cert_identity = spiffe_id_of(&cert_pem);
-        tls = tls.identity(Identity::from_pem(cert_pem, std::fs::read_to_string(key)?));
+        client = Some((cert_pem, std::fs::read_to_string(key)?));
     }
     let token = match &args.token_file {
         Some(p) => Some(std::fs::read_to_string(p)?.trim().to_string()),
         None => None,
     };
-    if args.cert.is_none() && token.is_none() {
+    if client.is_none() && token.is_none() {
         bail!("give --cert/--key (mTLS) or --token-file (bearer token)");
     }
     let identity = args
@@ -92,45 +87,19 @@ async fn main() -> anyhow::Result<()> {
                 .and_then(|t| token_identity(t, &args.trust_domain))
         });
 
-    let key = KeyPair::generate()?;
-    let mut params = CertificateParams::default();
-    params.distinguished_name = DistinguishedName::new();
-    if let Some(id) = &identity {
-        params.subject_alt_names = vec![SanType::URI(id.clone().try_into()?)];
-    }
-    let csr = params.serialize_request(&key)?.pem()?;
-
-    let channel = Channel::from_shared(format!("https://{}", args.addr))?
-        .tls_config(tls)?
-        .connect()
-        .await
-        .context("connecting")?;
-    let mut client = IstioCertificateServiceClient::new(channel);
-    let mut fields = std::collections::BTreeMap::new();
-    if let Some(id) = &args.impersonate {
-        fields.insert(
-            "ImpersonatedIdentity".to_string(),
-            prost_types::Value {
-                kind: Some(prost_types::value::Kind::StringValue(id.clone())),
-            },
-        );
-    }
-    let mut req = tonic::Request::new(IstioCertificateRequest {
-        csr,
-        validity_duration: args.ttl,
-        metadata: (!fields.is_empty()).then_some(prost_types::Struct { fields }),
-    });
-    if let Some(t) = &token {
-        req.metadata_mut()
-            .insert("authorization", format!("Bearer {t}").parse()?);
-    }
-    if let Some(c) = &args.cluster_id {
-        req.metadata_mut().insert("clusterid", c.parse()?);
-    }
-    let chain = match client.create_certificate(req).await {
-        Ok(r) => r.into_inner().cert_chain,
-        Err(s) => bail!("CreateCertificate failed: {:?}: {}", s.code(), s.message()),
+    // Key generation, CSR, TLS and the call itself: meshca::certs::fetch_live.
+    let call = LiveCall {
+        addr: args.addr.clone(),
+        server_name: args.server_name.clone(),
+        root_pem: root,
+        client,
+        token,
+        identity: identity.clone(),
+        impersonate: args.impersonate.clone(),
+        cluster_id: args.cluster_id.clone(),
+        ttl: args.ttl,
     };
+    let LiveResult { chain, key_pem } = fetch_live(&call).await?;
     eprintln!(
         "received {} certificates for {}",
         chain.len(),
@@ -139,7 +108,7 @@ async fn main() -> anyhow::Result<()> {
     print!("{}", chain.concat());
     if let Some(out) = &args.out {
         std::fs::create_dir_all(out)?;
-        std::fs::write(out.join("key.pem"), key.serialize_pem())?;
+        std::fs::write(out.join("key.pem"), &key_pem)?;
         std::fs::write(
             out.join("cert-chain.pem"),
             chain[..chain.len().saturating_sub(1)].concat(),

@@ -323,10 +323,23 @@ pub struct LiveCall {
     pub token: Option<String>,
     /// URI SAN to request (the caller's own identity under the strict policy).
     pub identity: Option<String>,
+    /// `ImpersonatedIdentity` metadata (node proxies only).
+    pub impersonate: Option<String>,
+    /// `clusterid` header.
+    pub cluster_id: Option<String>,
+    /// Requested lifetime in seconds (0: server default).
+    pub ttl: i64,
 }
 
-/// Calls CreateCertificate with a fresh key and returns the response chain.
-pub async fn fetch_live(call: &LiveCall) -> anyhow::Result<Vec<String>> {
+/// What a live call returns: the chain and the fresh key it certifies.
+#[derive(Debug, Clone)]
+pub struct LiveResult {
+    pub chain: Vec<String>,
+    pub key_pem: String,
+}
+
+/// Calls CreateCertificate with a fresh key, as a workload does.
+pub async fn fetch_live(call: &LiveCall) -> anyhow::Result<LiveResult> {
     use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
     let mut tls = ClientTlsConfig::new()
         .ca_certificate(Certificate::from_pem(&call.root_pem))
@@ -345,14 +358,26 @@ pub async fn fetch_live(call: &LiveCall) -> anyhow::Result<Vec<String>> {
         params.subject_alt_names = vec![rcgen::SanType::URI(id.clone().try_into()?)];
     }
     let csr = params.serialize_request(&key)?.pem()?;
+    let metadata = call.impersonate.as_ref().map(|id| prost_types::Struct {
+        fields: [(
+            crate::grpc::IMPERSONATED_IDENTITY.to_string(),
+            prost_types::Value {
+                kind: Some(prost_types::value::Kind::StringValue(id.clone())),
+            },
+        )]
+        .into(),
+    });
     let mut req = tonic::Request::new(crate::proto::IstioCertificateRequest {
         csr,
-        validity_duration: 0,
-        metadata: None,
+        validity_duration: call.ttl,
+        metadata,
     });
     if let Some(t) = &call.token {
         req.metadata_mut()
             .insert("authorization", format!("Bearer {t}").parse()?);
+    }
+    if let Some(c) = &call.cluster_id {
+        req.metadata_mut().insert("clusterid", c.parse()?);
     }
     let mut client =
         crate::proto::istio_certificate_service_client::IstioCertificateServiceClient::new(channel);
@@ -360,5 +385,8 @@ pub async fn fetch_live(call: &LiveCall) -> anyhow::Result<Vec<String>> {
         .create_certificate(req)
         .await
         .map_err(|s| anyhow::anyhow!("CreateCertificate: {:?}: {}", s.code(), s.message()))?;
-    Ok(resp.into_inner().cert_chain)
+    Ok(LiveResult {
+        chain: resp.into_inner().cert_chain,
+        key_pem: key.serialize_pem(),
+    })
 }

@@ -373,8 +373,9 @@ async fn certs(args: CertsArgs) -> anyhow::Result<()> {
                     .transpose()?
                     .map(|t| t.trim().to_string()),
                 identity,
+                ..Default::default()
             };
-            certs::pem_rows(&certs::fetch_live(&call).await?.concat(), &trust, now)?
+            certs::pem_rows(&certs::fetch_live(&call).await?.chain.concat(), &trust, now)?
         }
         (None, None, None) => {
             anyhow::bail!("give --pem FILE, --ztunnel-dump FILE or --addr HOST:PORT")
