@@ -497,3 +497,145 @@ pub async fn fetch_live(call: &LiveCall) -> anyhow::Result<LiveResult> {
         key_pem: key.serialize_pem(),
     })
 }
+
+/// `meshca request`: asks a CA (meshca or istiod) for a certificate the way a workload does (a
+/// fresh key and CSR, CreateCertificate over TLS with a client certificate or a bearer token)
+/// and prints the returned chain. The README's second command; `examples/request_cert.rs` is
+/// the same as a library example.
+#[derive(Debug, Clone, clap::Args)]
+pub struct RequestArgs {
+    /// CA address (Istio's CA_ADDR).
+    #[arg(long, env = "CA_ADDR", default_value = "127.0.0.1:15012")]
+    pub addr: String,
+    /// Name to verify the server certificate against.
+    #[arg(long, default_value = "localhost")]
+    pub server_name: String,
+    /// PEM root bundle that signed the server certificate.
+    #[arg(long)]
+    pub root: std::path::PathBuf,
+    /// Client certificate chain (mTLS caller).
+    #[arg(long, requires = "key")]
+    pub cert: Option<std::path::PathBuf>,
+    /// Client private key (mTLS caller).
+    #[arg(long, requires = "cert")]
+    pub key: Option<std::path::PathBuf>,
+    /// File holding a Kubernetes ServiceAccount token (token caller).
+    #[arg(long)]
+    pub token_file: Option<std::path::PathBuf>,
+    /// Ask for another workload's identity (node proxies only).
+    #[arg(long)]
+    pub impersonate: Option<String>,
+    /// Value of the `clusterid` header.
+    #[arg(long)]
+    pub cluster_id: Option<String>,
+    /// Identity to put in the CSR (default: the impersonated identity, the client
+    /// certificate's identity, or the token's service account).
+    #[arg(long)]
+    pub identity: Option<String>,
+    /// Trust domain used to turn a token's service account into an identity.
+    #[arg(long, default_value = "cluster.local")]
+    pub trust_domain: String,
+    /// Requested lifetime in seconds (0 = server default).
+    #[arg(long, default_value_t = 0)]
+    pub ttl: i64,
+    /// Also write key.pem, cert-chain.pem and root-cert.pem here.
+    #[arg(long)]
+    pub out: Option<std::path::PathBuf>,
+}
+
+/// Runs [`RequestArgs`]: the chain on stdout, a summary on stderr.
+pub async fn request(args: &RequestArgs) -> anyhow::Result<()> {
+    use anyhow::Context;
+    let read = |p: &std::path::Path| {
+        std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))
+    };
+    let root = read(&args.root)?;
+    let mut client = None;
+    let mut cert_identity = None;
+    if let (Some(cert), Some(key)) = (&args.cert, &args.key) {
+        let cert_pem = read(cert)?;
+        cert_identity = uri_san_of(&cert_pem);
+        client = Some((cert_pem, read(key)?));
+    }
+    let token = match &args.token_file {
+        Some(p) => Some(read(p)?.trim().to_string()),
+        None => None,
+    };
+    if client.is_none() && token.is_none() {
+        anyhow::bail!("give --cert/--key (mTLS) or --token-file (bearer token)");
+    }
+    let identity = args
+        .identity
+        .clone()
+        .or_else(|| args.impersonate.clone())
+        .or(cert_identity)
+        .or_else(|| {
+            token
+                .as_deref()
+                .and_then(|t| token_identity(t, &args.trust_domain))
+        });
+    let call = LiveCall {
+        addr: args.addr.clone(),
+        server_name: args.server_name.clone(),
+        root_pem: root,
+        client,
+        token,
+        identity: identity.clone(),
+        impersonate: args.impersonate.clone(),
+        cluster_id: args.cluster_id.clone(),
+        ttl: args.ttl,
+    };
+    let LiveResult { chain, key_pem } = fetch_live(&call)
+        .await
+        .with_context(|| format!("requesting a certificate from {}", args.addr))?;
+    eprintln!(
+        "received {} certificates for {}",
+        chain.len(),
+        identity.as_deref().unwrap_or("(server-chosen identity)")
+    );
+    print!("{}", chain.concat());
+    if let Some(out) = &args.out {
+        std::fs::create_dir_all(out)?;
+        crate::ca::generate::write_file(&out.join("key.pem"), key_pem.as_bytes(), true)?;
+        let (root, rest) = chain.split_last().unzip();
+        std::fs::write(
+            out.join("cert-chain.pem"),
+            rest.unwrap_or_default().concat(),
+        )?;
+        std::fs::write(out.join("root-cert.pem"), root.cloned().unwrap_or_default())?;
+        eprintln!(
+            "wrote key.pem, cert-chain.pem, root-cert.pem to {}",
+            out.display()
+        );
+    }
+    Ok(())
+}
+
+/// The URI SAN of the first certificate in a PEM chain.
+fn uri_san_of(pem: &str) -> Option<String> {
+    let der = CertificateDer::from_pem_slice(pem.as_bytes()).ok()?;
+    let (_, cert) = X509Certificate::from_der(&der).ok()?;
+    let san = cert.subject_alternative_name().ok()??;
+    san.value.general_names.iter().find_map(|n| match n {
+        GeneralName::URI(u) => Some(u.to_string()),
+        _ => None,
+    })
+}
+
+/// `spiffe://<td>/ns/<ns>/sa/<sa>` from a ServiceAccount token's `sub`, read without
+/// verification (the server verifies) only to choose the CSR's SAN.
+fn token_identity(token: &str, trust_domain: &str) -> Option<String> {
+    use base64::Engine;
+    let payload = token.split('.').nth(1)?;
+    let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(payload.trim_end_matches('='))
+        .ok()?;
+    let claims: serde_json::Value = serde_json::from_slice(&bytes).ok()?;
+    let sub = claims.get("sub")?.as_str()?;
+    match sub.split(':').collect::<Vec<_>>().as_slice() {
+        ["system", "serviceaccount", ns, sa] => {
+            Some(format!("spiffe://{trust_domain}/ns/{ns}/sa/{sa}"))
+        }
+        _ => None,
+    }
+}

@@ -60,6 +60,9 @@ enum Command {
     /// Show a certificate chain as istioctl's ztunnel-config certificates table,
     /// each chain verified against --root.
     Certs(CertsArgs),
+    /// Ask a CA for a certificate as a workload does (fresh key, CSR, mTLS or
+    /// token) and print the chain.
+    Request(Box<meshca::certs::RequestArgs>),
 }
 
 #[derive(Subcommand)]
@@ -167,6 +170,7 @@ async fn main() -> anyhow::Result<()> {
         Command::Bench(args) => meshca::bench::run(*args).await,
         Command::Audit(cmd) => audit(cmd),
         Command::Certs(args) => certs(args).await,
+        Command::Request(args) => meshca::certs::request(&args).await,
         Command::Init {
             out,
             key_type,

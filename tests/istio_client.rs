@@ -275,3 +275,61 @@ async fn istio_client_token_caller_is_refused_without_kubernetes() {
     assert!(!rec.to_string().contains("c2ln"), "{rec}");
     server.child.kill().await.unwrap();
 }
+
+/// README's Istio-client command, run as written (with the client scripts/test built standing
+/// in for `$(scripts/istio-caclient)`, and the server's free port for 15012) against
+/// `serve --dev` in an empty HOME.
+#[tokio::test]
+async fn readme_istio_client_command_works() {
+    let bin = caclient();
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    let section = readme
+        .split("\n## ")
+        .find(|s| s.starts_with("Run it locally"))
+        .unwrap();
+    let blocks: Vec<&str> = section
+        .split("```sh\n")
+        .skip(1)
+        .map(|b| b.split("```").next().unwrap())
+        .collect();
+    let d_line = blocks[1]
+        .lines()
+        .find(|l| l.starts_with("D="))
+        .expect("README's second command sets D");
+    let istio = blocks
+        .iter()
+        .find(|b| b.contains("$(scripts/istio-caclient)"))
+        .expect("README shows Istio's client");
+    assert!(istio.contains("localhost:15012"), "{istio}");
+
+    let home = tempfile::tempdir().unwrap();
+    let data = home.path().join(".local/share/meshca");
+    let mut server = serve_dev(&data).await;
+    let script = format!(
+        "set -eu\n{d_line}\n{}",
+        istio
+            .replace("$(scripts/istio-caclient)", bin.to_str().unwrap())
+            .replace(
+                "localhost:15012",
+                &format!("localhost:{}", server.addr.port())
+            )
+    );
+    let out = tokio::process::Command::new("bash")
+        .arg("-c")
+        .arg(&script)
+        .env("HOME", home.path())
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{script}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["verified"], true);
+    assert_eq!(v["identity"], DEV_ID);
+    assert_eq!(next_audit(&mut server).await["decision"], "allow");
+    server.child.kill().await.unwrap();
+}
