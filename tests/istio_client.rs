@@ -7,6 +7,8 @@
 //! tests fail, never skip, without it.
 #![allow(clippy::unwrap_used)]
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
@@ -42,7 +44,13 @@ struct Server {
 }
 
 /// Starts `meshca serve` with `args` on free loopback ports; returns once it listens.
+/// Kubernetes is off unless `args` name a kubeconfig.
 async fn serve(args: &[&str]) -> Server {
+    let kube = if args.contains(&"--kubeconfig") {
+        "on"
+    } else {
+        "off"
+    };
     let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_meshca"))
         .arg("serve")
         .args(args)
@@ -52,7 +60,7 @@ async fn serve(args: &[&str]) -> Server {
             "--admin-listen",
             "127.0.0.1:0",
             "--kubernetes",
-            "off",
+            kube,
         ])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -331,5 +339,62 @@ async fn readme_istio_client_command_works() {
     assert_eq!(v["verified"], true);
     assert_eq!(v["identity"], DEV_ID);
     assert_eq!(next_audit(&mut server).await["decision"], "allow");
+    server.child.kill().await.unwrap();
+}
+
+/// The agent's token path end to end: Istio's client sends a pod-bound ServiceAccount token
+/// (audience istio-ca, minted by the real kube-apiserver's TokenRequest API) as its bearer
+/// credential and no client certificate; meshca reviews it and issues the token's identity.
+#[tokio::test]
+async fn istio_client_token_caller_gets_its_identity_with_kubernetes() {
+    let bin = caclient();
+    let kte = common::kte().await;
+    let ns = kte.namespace("istio-client").await;
+    kte.service_account(&ns, "app").await;
+    let uid = kte.pod(&ns, "app-0", "app", "node-a").await;
+    let token = kte
+        .token(&ns, "app", Some(("app-0", &uid)), "istio-ca")
+        .await;
+    let data = tempfile::tempdir().unwrap();
+    let token_file = data.path().join("istio-token");
+    std::fs::write(&token_file, format!("{token}\n")).unwrap();
+    let kubeconfig = kte.meshca_kubeconfig();
+    let mut server = serve(&[
+        "--dev",
+        "--data-dir",
+        data.path().to_str().unwrap(),
+        "--kubeconfig",
+        kubeconfig.to_str().unwrap(),
+    ])
+    .await;
+    let id = common::spiffe(&ns, "app");
+    let out = tokio::process::Command::new(bin)
+        .args(["--addr", &format!("localhost:{}", server.addr.port())])
+        .arg("--root")
+        .arg(data.path().join("dev-client/root-cert.pem"))
+        .arg("--token-file")
+        .arg(&token_file)
+        .args(["--identity", &id, "--timeout", "60s"])
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["verified"], true);
+    assert_eq!(v["token"], true);
+    assert_eq!(v["identity"], id.as_str());
+    let rec = next_audit(&mut server).await;
+    assert_eq!(rec["decision"], "allow", "{rec}");
+    assert_eq!(rec["authn_method"], "token-review", "{rec}");
+    assert_eq!(rec["caller_pod"], format!("{ns}/app-0").as_str(), "{rec}");
+    assert_eq!(
+        rec["serial"],
+        leaf_serial(v["certChain"][0].as_str().unwrap()).as_str(),
+        "{rec}"
+    );
     server.child.kill().await.unwrap();
 }
