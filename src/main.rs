@@ -58,7 +58,10 @@ enum Command {
     #[command(subcommand)]
     Audit(AuditCommand),
     /// Show a certificate chain as istioctl's ztunnel-config certificates table,
-    /// each chain verified against --root.
+    /// each chain verified against --root. VALID CERT is, for a leaf or an
+    /// intermediate, whether the identity's whole chain verifies to --root now
+    /// (so an expired leaf makes its intermediates false too); for a root, whether
+    /// it is one of --root's certificates and within its validity.
     Certs(CertsArgs),
     /// Ask a CA for a certificate as a workload does (fresh key, CSR, mTLS or
     /// token) and print the chain.
