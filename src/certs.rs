@@ -18,6 +18,12 @@ pub enum CertsError {
     BadCertificate(String),
     #[error("invalid ztunnel config dump: {0}")]
     BadDump(String),
+    #[error("ztunnel config dump: {identity}: {field}: {reason}")]
+    BadDumpCertificate {
+        identity: String,
+        field: String,
+        reason: String,
+    },
 }
 
 impl CertsError {
@@ -26,6 +32,7 @@ impl CertsError {
             Self::Empty => "certs_empty",
             Self::BadCertificate(_) => "certs_bad_certificate",
             Self::BadDump(_) => "certs_bad_dump",
+            Self::BadDumpCertificate { .. } => "certs_bad_dump_certificate",
         }
     }
 }
@@ -42,6 +49,10 @@ pub struct CertRow {
     pub serial_number: String,
     pub not_after: String,
     pub not_before: String,
+    /// Why ztunnel holds no certificate (the text after `Unavailable: `); the table shows the
+    /// state alone, as istioctl does.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
 }
 
 /// The roots chains are checked against.
@@ -54,6 +65,10 @@ impl Trust {
     pub fn from_pem(pem: &str) -> Result<Self, CertsError> {
         let roots = parse_chain(pem)?;
         Ok(Self { roots })
+    }
+
+    fn is_root(&self, der: &CertificateDer<'_>) -> bool {
+        self.roots.iter().any(|r| r == der)
     }
 
     /// Whether `chain` (leaf first) verifies to one of the roots at `now`.
@@ -129,11 +144,12 @@ pub fn chain_rows(
             cert.validity().not_after.to_datetime(),
         );
         let in_time = nb <= now && now <= na;
-        let last = i + 1 == chain.len() && chain.len() > 1;
+        // By content, not position: a response chain carries the root twice (the copy at the
+        // end of cert-chain.pem, then the bundle), and a bundle may hold several roots.
         let (kind, valid) = if i == 0 {
             ("Leaf", chain_ok)
-        } else if last {
-            ("Root", in_time && trust.roots.iter().any(|r| r == der))
+        } else if is_root(&cert) {
+            ("Root", in_time && trust.is_root(der))
         } else {
             ("Intermediate", in_time && chain_ok)
         };
@@ -145,9 +161,15 @@ pub fn chain_rows(
             serial_number: crate::ca::serial_hex(cert.raw_serial()),
             not_after: rfc3339(na),
             not_before: rfc3339(nb),
+            error: None,
         });
     }
     Ok(rows)
+}
+
+/// A self-issued CA certificate.
+fn is_root(cert: &X509Certificate<'_>) -> bool {
+    cert.is_ca() && cert.subject().as_raw() == cert.issuer().as_raw()
 }
 
 /// Rows for a PEM chain, e.g. a response's concatenated `cert_chain`.
@@ -155,59 +177,123 @@ pub fn pem_rows(pem: &str, trust: &Trust, now: OffsetDateTime) -> Result<Vec<Cer
     chain_rows(None, "Available", &parse_chain(pem)?, trust, now)
 }
 
-#[derive(Debug, Deserialize)]
-struct Dump {
-    #[serde(default)]
-    certificates: Vec<DumpIdentity>,
-}
-
+/// One identity of ztunnel's `/config_dump` `certificates` section (ztunnel's `CertsDump`).
 #[derive(Debug, Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct DumpIdentity {
     identity: String,
     state: String,
+    /// Leaf and intermediates: the CreateCertificate response without its last element.
     #[serde(default)]
     cert_chain: Vec<DumpCert>,
+    /// The response's last element, split into its roots.
+    #[serde(default)]
+    root_certs: Vec<DumpCert>,
 }
 
 #[derive(Debug, Deserialize)]
 struct DumpCert {
+    /// ztunnel writes the standard base64 of the PEM text; raw PEM is accepted too. The
+    /// neighbouring serialNumber/validFrom/expirationTime are ztunnel's reading of this
+    /// certificate and are not trusted: everything shown is read from the certificate itself.
     pem: String,
 }
 
-/// Rows for the `certificates` section of a ztunnel config dump
-/// (`/config_dump` on ztunnel's admin port).
+/// The certificates of one `pem` field: PEM text, or the base64 of PEM text.
+fn dump_pem(pem: &str) -> Result<Vec<CertificateDer<'static>>, String> {
+    use base64::Engine;
+    let text = pem.trim();
+    if text.contains("-----BEGIN") {
+        return parse_chain(text).map_err(|e| e.to_string());
+    }
+    let compact: String = text.chars().filter(|c| !c.is_ascii_whitespace()).collect();
+    let decoded = base64::engine::general_purpose::STANDARD
+        .decode(compact.as_bytes())
+        .map_err(|e| format!("neither PEM nor base64 ({e})"))?;
+    let decoded = String::from_utf8(decoded)
+        .map_err(|_| "base64 of something other than PEM text".to_string())?;
+    if !decoded.contains("-----BEGIN") {
+        return Err("base64 of something other than PEM text".into());
+    }
+    parse_chain(&decoded).map_err(|e| e.to_string())
+}
+
+/// The `certificates` of a ztunnel config dump: the whole `/config_dump` object (as
+/// `kubectl exec ... curl localhost:15000/config_dump` prints it) or the bare array
+/// (`istioctl ztunnel-config certificates -o json`).
+fn dump_identities(json: &str) -> Result<Vec<DumpIdentity>, CertsError> {
+    let bad = |e: serde_json::Error| CertsError::BadDump(e.to_string());
+    let value: serde_json::Value =
+        serde_json::from_str(json.trim_start_matches('\u{feff}')).map_err(bad)?;
+    let certs = match value {
+        serde_json::Value::Array(_) => value,
+        serde_json::Value::Object(mut o) => o.remove("certificates").ok_or_else(|| {
+            CertsError::BadDump(
+                "no `certificates` section (is this ztunnel's /config_dump?)".into(),
+            )
+        })?,
+        _ => {
+            return Err(CertsError::BadDump(
+                "expected a JSON object or array".into(),
+            ))
+        }
+    };
+    serde_json::from_value(certs).map_err(bad)
+}
+
+/// Rows for ztunnel's certificates, one per certificate (leaf, intermediates, roots) of each
+/// Available identity and one for each identity without certificates (Initializing,
+/// Unavailable). Expired certificates are rows with `valid_cert` false.
 pub fn ztunnel_rows(
     json: &str,
     trust: &Trust,
     now: OffsetDateTime,
 ) -> Result<Vec<CertRow>, CertsError> {
-    let dump: Dump = serde_json::from_str(json).map_err(|e| CertsError::BadDump(e.to_string()))?;
     let mut rows = Vec::new();
-    for id in dump.certificates {
-        let mut chain = Vec::new();
-        for c in &id.cert_chain {
-            chain.extend(parse_chain(&c.pem)?);
-        }
+    for id in dump_identities(json)? {
+        let decode = |field: &str, certs: &[DumpCert]| {
+            let mut out = Vec::new();
+            for (i, c) in certs.iter().enumerate() {
+                out.extend(
+                    dump_pem(&c.pem).map_err(|reason| CertsError::BadDumpCertificate {
+                        identity: id.identity.clone(),
+                        field: format!("{field}[{i}]"),
+                        reason,
+                    })?,
+                );
+            }
+            Ok::<_, CertsError>(out)
+        };
+        let chain = decode("certChain", &id.cert_chain)?;
+        let roots = decode("rootCerts", &id.root_certs)?;
+        // istioctl shows `Unavailable` and drops the error; meshca keeps it in `error`.
+        let (status, error) = match id.state.strip_prefix("Unavailable") {
+            Some(rest) => (
+                "Unavailable".to_string(),
+                Some(rest.trim_start_matches(':').trim().to_string()).filter(|e| !e.is_empty()),
+            ),
+            None => (id.state.clone(), None),
+        };
         if chain.is_empty() {
             rows.push(CertRow {
                 certificate_name: id.identity.clone(),
                 kind: "-".into(),
-                status: id.state.clone(),
+                status,
                 valid_cert: false,
                 serial_number: "-".into(),
                 not_after: "-".into(),
                 not_before: "-".into(),
+                error,
             });
             continue;
         }
-        rows.extend(chain_rows(
-            Some(&id.identity),
-            &id.state,
-            &chain,
-            trust,
-            now,
-        )?);
+        let mut all = chain;
+        all.extend(roots);
+        let mut id_rows = chain_rows(Some(&id.identity), &status, &all, trust, now)?;
+        for r in &mut id_rows {
+            r.error.clone_from(&error);
+        }
+        rows.extend(id_rows);
     }
     Ok(rows)
 }
@@ -289,10 +375,10 @@ mod tests {
             now,
         )
         .unwrap();
-        // Positional, as istioctl: cert-chain.pem ends in the root, then the root bundle.
+        // cert-chain.pem ends in the root, then the root bundle: both are roots.
         assert_eq!(
             rows.iter().map(|r| r.kind.as_str()).collect::<Vec<_>>(),
-            ["Leaf", "Intermediate", "Intermediate", "Root"]
+            ["Leaf", "Intermediate", "Root", "Root"]
         );
         assert!(rows.iter().all(|r| r.valid_cert), "{rows:?}");
         assert_eq!(rows[0].certificate_name, "spiffe://cluster.local/ns/a/sa/b");
@@ -303,6 +389,27 @@ mod tests {
         )
         .unwrap();
         assert!(rows.iter().all(|r| !r.valid_cert), "{rows:?}");
+    }
+
+    #[test_case::test_case(|pem| pem.to_string(), true ; "raw pem")]
+    #[test_case::test_case(b64, true ; "base64 of pem as ztunnel writes it")]
+    #[test_case::test_case(|pem| b64(pem).as_bytes().chunks(76).map(|c| String::from_utf8_lossy(c) + "\n").collect(), true ; "wrapped base64")]
+    #[test_case::test_case(|_| b64("not a certificate"), false ; "base64 of text")]
+    #[test_case::test_case(|pem| b64(&b64(pem)), false ; "double base64")]
+    #[test_case::test_case(|_| "%%%".into(), false ; "garbage")]
+    #[test_case::test_case(|_| String::new(), false ; "empty")]
+    fn dump_pem_field_forms(form: fn(&str) -> String, ok: bool) {
+        let pki = TestPki::new(KeyType::EcdsaP256);
+        let got = dump_pem(&form(&pki.ca.root_cert));
+        assert_eq!(got.is_ok(), ok, "{got:?}");
+        if let Ok(certs) = got {
+            assert_eq!(certs, parse_chain(&pki.ca.root_cert).unwrap());
+        }
+    }
+
+    fn b64(s: &str) -> String {
+        use base64::Engine;
+        base64::engine::general_purpose::STANDARD.encode(s)
     }
 
     #[test]
@@ -389,4 +496,146 @@ pub async fn fetch_live(call: &LiveCall) -> anyhow::Result<LiveResult> {
         chain: resp.into_inner().cert_chain,
         key_pem: key.serialize_pem(),
     })
+}
+
+/// `meshca request`: asks a CA (meshca or istiod) for a certificate the way a workload does (a
+/// fresh key and CSR, CreateCertificate over TLS with a client certificate or a bearer token)
+/// and prints the returned chain. The README's second command; `examples/request_cert.rs` is
+/// the same as a library example.
+#[derive(Debug, Clone, clap::Args)]
+pub struct RequestArgs {
+    /// CA address (Istio's CA_ADDR).
+    #[arg(long, env = "CA_ADDR", default_value = "127.0.0.1:15012")]
+    pub addr: String,
+    /// Name to verify the server certificate against.
+    #[arg(long, default_value = "localhost")]
+    pub server_name: String,
+    /// PEM root bundle that signed the server certificate.
+    #[arg(long)]
+    pub root: std::path::PathBuf,
+    /// Client certificate chain (mTLS caller).
+    #[arg(long, requires = "key")]
+    pub cert: Option<std::path::PathBuf>,
+    /// Client private key (mTLS caller).
+    #[arg(long, requires = "cert")]
+    pub key: Option<std::path::PathBuf>,
+    /// File holding a Kubernetes ServiceAccount token (token caller).
+    #[arg(long)]
+    pub token_file: Option<std::path::PathBuf>,
+    /// Ask for another workload's identity (node proxies only).
+    #[arg(long)]
+    pub impersonate: Option<String>,
+    /// Value of the `clusterid` header.
+    #[arg(long)]
+    pub cluster_id: Option<String>,
+    /// Identity to put in the CSR (default: the impersonated identity, the client
+    /// certificate's identity, or the token's service account).
+    #[arg(long)]
+    pub identity: Option<String>,
+    /// Trust domain used to turn a token's service account into an identity.
+    #[arg(long, default_value = "cluster.local")]
+    pub trust_domain: String,
+    /// Requested lifetime in seconds (0 = server default).
+    #[arg(long, default_value_t = 0)]
+    pub ttl: i64,
+    /// Also write key.pem, cert-chain.pem and root-cert.pem here.
+    #[arg(long)]
+    pub out: Option<std::path::PathBuf>,
+}
+
+/// Runs [`RequestArgs`]: the chain on stdout, a summary on stderr.
+pub async fn request(args: &RequestArgs) -> anyhow::Result<()> {
+    use anyhow::Context;
+    let read = |p: &std::path::Path| {
+        std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))
+    };
+    let root = read(&args.root)?;
+    let mut client = None;
+    let mut cert_identity = None;
+    if let (Some(cert), Some(key)) = (&args.cert, &args.key) {
+        let cert_pem = read(cert)?;
+        cert_identity = uri_san_of(&cert_pem);
+        client = Some((cert_pem, read(key)?));
+    }
+    let token = match &args.token_file {
+        Some(p) => Some(read(p)?.trim().to_string()),
+        None => None,
+    };
+    if client.is_none() && token.is_none() {
+        anyhow::bail!("give --cert/--key (mTLS) or --token-file (bearer token)");
+    }
+    let identity = args
+        .identity
+        .clone()
+        .or_else(|| args.impersonate.clone())
+        .or(cert_identity)
+        .or_else(|| {
+            token
+                .as_deref()
+                .and_then(|t| token_identity(t, &args.trust_domain))
+        });
+    let call = LiveCall {
+        addr: args.addr.clone(),
+        server_name: args.server_name.clone(),
+        root_pem: root,
+        client,
+        token,
+        identity: identity.clone(),
+        impersonate: args.impersonate.clone(),
+        cluster_id: args.cluster_id.clone(),
+        ttl: args.ttl,
+    };
+    let LiveResult { chain, key_pem } = fetch_live(&call)
+        .await
+        .with_context(|| format!("requesting a certificate from {}", args.addr))?;
+    eprintln!(
+        "received {} certificates for {}",
+        chain.len(),
+        identity.as_deref().unwrap_or("(server-chosen identity)")
+    );
+    print!("{}", chain.concat());
+    if let Some(out) = &args.out {
+        std::fs::create_dir_all(out)?;
+        crate::ca::generate::write_file(&out.join("key.pem"), key_pem.as_bytes(), true)?;
+        let (root, rest) = chain.split_last().unzip();
+        std::fs::write(
+            out.join("cert-chain.pem"),
+            rest.unwrap_or_default().concat(),
+        )?;
+        std::fs::write(out.join("root-cert.pem"), root.cloned().unwrap_or_default())?;
+        eprintln!(
+            "wrote key.pem, cert-chain.pem, root-cert.pem to {}",
+            out.display()
+        );
+    }
+    Ok(())
+}
+
+/// The URI SAN of the first certificate in a PEM chain.
+fn uri_san_of(pem: &str) -> Option<String> {
+    let der = CertificateDer::from_pem_slice(pem.as_bytes()).ok()?;
+    let (_, cert) = X509Certificate::from_der(&der).ok()?;
+    let san = cert.subject_alternative_name().ok()??;
+    san.value.general_names.iter().find_map(|n| match n {
+        GeneralName::URI(u) => Some(u.to_string()),
+        _ => None,
+    })
+}
+
+/// `spiffe://<td>/ns/<ns>/sa/<sa>` from a ServiceAccount token's `sub`, read without
+/// verification (the server verifies) only to choose the CSR's SAN.
+fn token_identity(token: &str, trust_domain: &str) -> Option<String> {
+    use base64::Engine;
+    let payload = token.split('.').nth(1)?;
+    let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(payload.trim_end_matches('='))
+        .ok()?;
+    let claims: serde_json::Value = serde_json::from_slice(&bytes).ok()?;
+    let sub = claims.get("sub")?.as_str()?;
+    match sub.split(':').collect::<Vec<_>>().as_slice() {
+        ["system", "serviceaccount", ns, sa] => {
+            Some(format!("spiffe://{trust_domain}/ns/{ns}/sa/{sa}"))
+        }
+        _ => None,
+    }
 }

@@ -273,7 +273,11 @@ impl Config {
                 "must be positive",
             ));
         }
-        let serving_names: Vec<String> = list(&a.serving_names).map(str::to_string).collect();
+        let mut serving_names: Vec<String> = list(&a.serving_names).map(str::to_string).collect();
+        // Istio's CA client verifies istiod.istio-system.svc when CA_ADDR contains "localhost".
+        if a.dev && !serving_names.iter().any(|n| n == "istiod.istio-system.svc") {
+            serving_names.push("istiod.istio-system.svc".into());
+        }
         if serving_names.is_empty() {
             return Err(err(
                 "MESHCA_SERVING_NAMES",

@@ -58,8 +58,14 @@ enum Command {
     #[command(subcommand)]
     Audit(AuditCommand),
     /// Show a certificate chain as istioctl's ztunnel-config certificates table,
-    /// each chain verified against --root.
+    /// each chain verified against --root. VALID CERT is, for a leaf or an
+    /// intermediate, whether the identity's whole chain verifies to --root now
+    /// (so an expired leaf makes its intermediates false too); for a root, whether
+    /// it is one of --root's certificates and within its validity.
     Certs(CertsArgs),
+    /// Ask a CA for a certificate as a workload does (fresh key, CSR, mTLS or
+    /// token) and print the chain.
+    Request(Box<meshca::certs::RequestArgs>),
 }
 
 #[derive(Subcommand)]
@@ -114,10 +120,12 @@ struct CertsArgs {
     /// Root bundle the chains must verify to (meshca's root-cert.pem).
     #[arg(long)]
     root: PathBuf,
-    /// A PEM chain (leaf first).
+    /// A PEM chain (leaf first); - reads stdin.
     #[arg(long, conflicts_with_all = ["ztunnel_dump"])]
     pem: Option<PathBuf>,
-    /// A ztunnel config dump (JSON from its admin /config_dump).
+    /// A ztunnel config dump: its admin /config_dump JSON, or istioctl's
+    /// `ztunnel-config certificates -o json`; - reads stdin
+    /// (`kubectl exec ds/ztunnel -- curl -s localhost:15000/config_dump | meshca certs ... -`).
     #[arg(long)]
     ztunnel_dump: Option<PathBuf>,
     /// Instead of a file: call CreateCertificate on this meshca (host:port).
@@ -165,6 +173,7 @@ async fn main() -> anyhow::Result<()> {
         Command::Bench(args) => meshca::bench::run(*args).await,
         Command::Audit(cmd) => audit(cmd),
         Command::Certs(args) => certs(args).await,
+        Command::Request(args) => meshca::certs::request(&args).await,
         Command::Init {
             out,
             key_type,
@@ -344,8 +353,8 @@ async fn certs(args: CertsArgs) -> anyhow::Result<()> {
     let trust = certs::Trust::from_pem(&root_pem)?;
     let now = OffsetDateTime::now_utc();
     let rows = match (&args.pem, &args.ztunnel_dump, &args.addr) {
-        (Some(p), _, _) => certs::pem_rows(&std::fs::read_to_string(p)?, &trust, now)?,
-        (None, Some(d), _) => certs::ztunnel_rows(&std::fs::read_to_string(d)?, &trust, now)?,
+        (Some(p), _, _) => certs::pem_rows(&read_input(p)?, &trust, now)?,
+        (None, Some(d), _) => certs::ztunnel_rows(&read_input(d)?, &trust, now)?,
         (None, None, Some(addr)) => {
             let client = match (&args.cert, &args.key) {
                 (Some(c), Some(k)) => {
@@ -385,6 +394,23 @@ async fn certs(args: CertsArgs) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string_pretty(&rows)?);
     } else {
         print!("{}", certs::table(&rows));
+        // The table has istioctl's columns; why an identity is Unavailable goes beside it.
+        for r in rows.iter().filter(|r| r.kind == "-") {
+            if let Some(e) = &r.error {
+                eprintln!("{}: {}: {e}", r.certificate_name, r.status);
+            }
+        }
     }
     Ok(())
+}
+
+/// A file's text, or stdin's for `-`.
+fn read_input(path: &std::path::Path) -> anyhow::Result<String> {
+    if path.as_os_str() == "-" {
+        let mut s = String::new();
+        std::io::Read::read_to_string(&mut std::io::stdin(), &mut s).context("reading stdin")?;
+        Ok(s)
+    } else {
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))
+    }
 }

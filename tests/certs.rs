@@ -8,6 +8,7 @@ use meshca::app::Deps;
 use meshca::ca::generate::KeyType;
 use meshca::ca::CaBundle;
 use meshca::testing::{self, client_identity, validity_hours, TestPki};
+use rustls_pki_types::pem::PemObject;
 use time::OffsetDateTime;
 
 fn meshca(args: &[&str]) -> (i32, String, String) {
@@ -22,7 +23,8 @@ fn meshca(args: &[&str]) -> (i32, String, String) {
     )
 }
 
-/// A chain as ztunnel holds it: leaf, intermediates, root.
+/// A CreateCertificate response from `pki`: leaf, intermediate, the root cert-chain.pem
+/// carries, root bundle.
 fn chain(pki: &TestPki, id: &str) -> Vec<String> {
     let b = CaBundle::load_dir(pki.path(), OffsetDateTime::now_utc()).unwrap();
     let (leaf_and_chain, _) = client_identity(&b, id, &validity_hours(-1, 23));
@@ -31,61 +33,285 @@ fn chain(pki: &TestPki, id: &str) -> Vec<String> {
     out
 }
 
-/// The `certificates` section of ztunnel's /config_dump, written from its format.
-fn ztunnel_dump(entries: &[(&str, &str, Vec<String>)]) -> String {
-    let certs: Vec<_> = entries
-        .iter()
-        .map(|(id, state, chain)| {
-            serde_json::json!({
-                "identity": id,
-                "state": state,
-                "certChain": chain.iter().map(|pem| serde_json::json!({
-                    "pem": pem,
-                    "serialNumber": "ignored-we-read-the-pem",
-                    "validFrom": "2026-01-01T00:00:00Z",
-                    "expirationTime": "2026-01-02T00:00:00Z"
-                })).collect::<Vec<_>>()
-            })
+/// ztunnel's own serialization of its certificates, written from its source (istio/ztunnel
+/// `src/admin.rs`, `src/tls/certificate.rs`, `src/identity/manager.rs` at 62d82653), not from
+/// meshca's reading of it:
+/// - `/config_dump` is a pretty-printed JSON object; `certificates` holds one entry per identity,
+///   sorted by identity: `{identity, state, certChain, rootCerts}` (camelCase);
+/// - `state` is `Initializing`, `Available` or `Unavailable: <error>` (the error's Display);
+///   only `Available` entries carry certificates;
+/// - a CreateCertificate response `[leaf, intermediates..., root bundle]` is held as ztunnel's
+///   WorkloadCertificate holds it: the last element is split into `rootCerts` (a bundle may hold
+///   several roots), everything before it is `certChain`;
+/// - each certificate is `{pem, serialNumber, validFrom, expirationTime}`: `pem` is the standard
+///   base64 of the PEM text, whose body ztunnel wraps at 60 columns; `serialNumber` is the
+///   decimal serial; times are RFC 3339 in whole seconds with `Z`.
+mod ztunnel {
+    use base64::Engine;
+    use rustls_pki_types::pem::PemObject;
+    use serde_json::{json, Value};
+
+    pub enum State {
+        Initializing,
+        /// The CreateCertificate response chain.
+        Available(Vec<String>),
+        Unavailable(String),
+    }
+
+    /// How the `pem` field is written: ztunnel's base64 of PEM text, or raw PEM (the form
+    /// meshca's first fixture used, and hand-edited dumps may have).
+    #[derive(Clone, Copy)]
+    pub enum PemField {
+        Base64,
+        Raw,
+    }
+
+    fn ders(pem: &str) -> Vec<Vec<u8>> {
+        rustls_pki_types::CertificateDer::pem_slice_iter(pem.as_bytes())
+            .map(|c| c.unwrap().to_vec())
+            .collect()
+    }
+
+    fn pem_text(der: &[u8]) -> String {
+        let b64 = base64::engine::general_purpose::STANDARD.encode(der);
+        let mut out = String::from("-----BEGIN CERTIFICATE-----\n");
+        for line in b64.as_bytes().chunks(60) {
+            out.push_str(std::str::from_utf8(line).unwrap());
+            out.push('\n');
+        }
+        out.push_str("-----END CERTIFICATE-----\n");
+        out
+    }
+
+    fn rfc3339(t: x509_parser::time::ASN1Time) -> String {
+        t.to_datetime()
+            .format(&time::format_description::well_known::Rfc3339)
+            .unwrap()
+    }
+
+    fn cert_dump(der: &[u8], form: PemField) -> Value {
+        let (_, cert) = x509_parser::parse_x509_certificate(der).unwrap();
+        let text = pem_text(der);
+        json!({
+            "pem": match form {
+                PemField::Base64 => base64::engine::general_purpose::STANDARD.encode(&text),
+                PemField::Raw => text,
+            },
+            "serialNumber": cert.serial.to_string(),
+            "validFrom": rfc3339(cert.validity().not_before),
+            "expirationTime": rfc3339(cert.validity().not_after),
         })
-        .collect();
-    serde_json::json!({"workloads": [], "services": [], "policies": [], "certificates": certs})
-        .to_string()
+    }
+
+    /// The `certificates` array (also what `istioctl ztunnel-config certificates -o json` prints).
+    pub fn certificates(entries: &[(&str, State)], form: PemField) -> Value {
+        let mut out: Vec<Value> = entries
+            .iter()
+            .map(|(id, state)| {
+                let (state, chain, roots) = match state {
+                    State::Initializing => ("Initializing".to_string(), vec![], vec![]),
+                    State::Unavailable(e) => (format!("Unavailable: {e}"), vec![], vec![]),
+                    State::Available(resp) => {
+                        let (bundle, chain) = resp.split_last().unwrap();
+                        (
+                            "Available".to_string(),
+                            chain.iter().flat_map(|c| ders(c)).collect(),
+                            ders(bundle),
+                        )
+                    }
+                };
+                json!({
+                    "identity": id,
+                    "state": state,
+                    "certChain": chain.iter().map(|d| cert_dump(d, form)).collect::<Vec<_>>(),
+                    "rootCerts": roots.iter().map(|d| cert_dump(d, form)).collect::<Vec<_>>(),
+                })
+            })
+            .collect();
+        out.sort_by(|a, b| a["identity"].as_str().cmp(&b["identity"].as_str()));
+        Value::Array(out)
+    }
+
+    /// A whole `/config_dump` body, as `curl localhost:15000/config_dump` prints it.
+    pub fn config_dump(entries: &[(&str, State)], form: PemField) -> String {
+        serde_json::to_string_pretty(&json!({
+            "workloads": [{"uid": "Kubernetes//Pod/app/reviews-1", "name": "reviews-1", "namespace": "app"}],
+            "services": [],
+            "policies": [],
+            "staticConfig": {"workloads": [], "services": [], "policies": []},
+            "version": {"version": "1.30.3", "rustVersion": "1.90.0", "buildProfile": "release"},
+            "config": {"caAddress": "https://meshca.istio-system.svc:15012", "clusterId": "Kubernetes"},
+            "certificates": certificates(entries, form),
+        }))
+        .unwrap()
+    }
 }
 
-#[test]
-fn ztunnel_dump_table_marks_foreign_chains_invalid() {
-    let pki = TestPki::new(KeyType::EcdsaP256);
-    let foreign = TestPki::new(KeyType::EcdsaP256);
-    let dir = tempfile::tempdir().unwrap();
-    let ours = "spiffe://cluster.local/ns/app/sa/reviews";
-    let theirs = "spiffe://cluster.local/ns/app/sa/ratings";
-    let dump = ztunnel_dump(&[
-        (ours, "Available", chain(&pki, ours)),
-        (theirs, "Available", chain(&foreign, theirs)),
-        (
-            "spiffe://cluster.local/ns/app/sa/pending",
-            "Initializing",
-            vec![],
-        ),
-    ]);
-    let dump_path = dir.path().join("config_dump.json");
-    std::fs::write(&dump_path, dump).unwrap();
-    let root = pki.path().join("root-cert.pem");
+fn parse_rows(out: &str) -> Vec<Vec<String>> {
+    out.lines()
+        .skip(1)
+        .map(|l| l.split_whitespace().map(str::to_string).collect())
+        .collect()
+}
 
-    let (code, out, err) = meshca(&[
-        "certs",
-        "--root",
-        root.to_str().unwrap(),
-        "--ztunnel-dump",
-        dump_path.to_str().unwrap(),
-    ]);
-    assert_eq!(code, 0, "{err}");
-    let rows: Vec<Vec<&str>> = out
-        .lines()
-        .map(|l| l.split_whitespace().collect())
-        .collect();
+/// A node's ztunnel as it would be dumped: two identities fetched from a live meshca, one from
+/// another CA, one whose certificate expired (held with a two-root bundle), one still
+/// initializing and one whose fetch failed.
+struct NodeDump {
+    pki: TestPki,
+    ours: &'static str,
+    other: &'static str,
+    foreign: &'static str,
+    expired: &'static str,
+    pending: &'static str,
+    failed: &'static str,
+    failure: String,
+    responses: Vec<(&'static str, Vec<String>)>,
+}
+
+impl NodeDump {
+    async fn new() -> Self {
+        let pki = TestPki::new(KeyType::EcdsaP256);
+        let foreign_pki = TestPki::new(KeyType::EcdsaP256);
+        let ours = "spiffe://cluster.local/ns/app/sa/reviews";
+        let other = "spiffe://cluster.local/ns/app/sa/details";
+        let b = CaBundle::load_dir(pki.path(), OffsetDateTime::now_utc()).unwrap();
+        let (app, _audit) =
+            testing::start_server(&testing::test_config(pki.path_buf()), Deps::default()).await;
+        let mut responses = Vec::new();
+        for id in [ours, other] {
+            // A real CreateCertificate response, as ztunnel receives it.
+            let (cert, key) = client_identity(&b, id, &validity_hours(-1, 1));
+            let live = meshca::certs::fetch_live(&meshca::certs::LiveCall {
+                addr: app.addr.to_string(),
+                server_name: "localhost".into(),
+                root_pem: pki.ca.root_cert.clone(),
+                client: Some((cert, key)),
+                identity: Some(id.into()),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+            responses.push((id, live.chain));
+        }
+        app.shutdown().await.unwrap();
+        let foreign = "spiffe://cluster.local/ns/app/sa/ratings";
+        responses.push((foreign, chain(&foreign_pki, foreign)));
+        let expired = "spiffe://cluster.local/ns/app/sa/old";
+        let (leaf_and_chain, _) = client_identity(&b, expired, &validity_hours(-48, -24));
+        let mut expired_resp = meshca::ca::chain::split_elements(&leaf_and_chain);
+        expired_resp.push(format!("{}{}", pki.ca.root_cert, foreign_pki.ca.root_cert));
+        responses.push((expired, expired_resp));
+        Self {
+            pki,
+            ours,
+            other,
+            foreign,
+            expired,
+            pending: "spiffe://cluster.local/ns/app/sa/pending",
+            failed: "spiffe://cluster.local/ns/app/sa/denied",
+            // ztunnel's identity::Error::SigningRequest display of a gRPC status.
+            failure: format!(
+                "signing gRPC error ({}): request authenticate failure",
+                tonic::Code::Unauthenticated
+            ),
+            responses,
+        }
+    }
+
+    fn entries(&self) -> Vec<(&str, ztunnel::State)> {
+        let mut e: Vec<_> = self
+            .responses
+            .iter()
+            .map(|(id, r)| (*id, ztunnel::State::Available(r.clone())))
+            .collect();
+        e.push((self.pending, ztunnel::State::Initializing));
+        e.push((
+            self.failed,
+            ztunnel::State::Unavailable(self.failure.clone()),
+        ));
+        e
+    }
+
+    fn root(&self) -> String {
+        self.pki.path().join("root-cert.pem").display().to_string()
+    }
+}
+
+/// What `meshca certs` must print for [`NodeDump`], whatever form the dump arrives in.
+fn assert_node_rows(d: &NodeDump, out: &str) {
+    let rows = parse_rows(out);
+    let of = |id: &str| -> Vec<&Vec<String>> { rows.iter().filter(|r| r[0] == id).collect() };
+    // One row per certificate: certChain (leaf, intermediate, the root cert-chain.pem carries)
+    // and rootCerts.
+    for id in [d.ours, d.other] {
+        let r = of(id);
+        assert_eq!(
+            r.iter().map(|r| r[1].as_str()).collect::<Vec<_>>(),
+            ["Leaf", "Intermediate", "Root", "Root"],
+            "{id}:\n{out}"
+        );
+        assert!(
+            r.iter().all(|r| r[2] == "Available" && r[3] == "true"),
+            "{out}"
+        );
+    }
+    let foreign = of(d.foreign);
+    assert_eq!(foreign.len(), 4, "{out}");
+    assert!(
+        foreign.iter().all(|r| r[3] == "false"),
+        "foreign CA:\n{out}"
+    );
+    // Expired: still rows, VALID CERT false; its bundle's second root is not ours.
+    let expired = of(d.expired);
     assert_eq!(
-        rows[0],
+        expired
+            .iter()
+            .map(|r| (r[1].as_str(), r[3].as_str()))
+            .collect::<Vec<_>>(),
+        [
+            ("Leaf", "false"),
+            ("Intermediate", "false"),
+            ("Root", "true"),
+            ("Root", "true"),
+            ("Root", "false")
+        ],
+        "{out}"
+    );
+    for (id, state) in [(d.pending, "Initializing"), (d.failed, "Unavailable")] {
+        let r = of(id);
+        assert_eq!(r.len(), 1, "{out}");
+        assert_eq!(&r[0][1..4], ["-", state, "false"], "{out}");
+    }
+    // Serial numbers are the PEM's, in istioctl's hex.
+    let leaf = &of(d.ours)[0];
+    let pem = &d.responses[0].1[0];
+    let der = rustls_pki_types::CertificateDer::from_pem_slice(pem.as_bytes()).unwrap();
+    let (_, cert) = x509_parser::parse_x509_certificate(&der).unwrap();
+    assert_eq!(leaf[4], meshca::ca::serial_hex(cert.raw_serial()));
+    assert_eq!(rows.len(), 4 + 4 + 4 + 5 + 1 + 1, "{out}");
+}
+
+#[tokio::test]
+async fn ztunnel_config_dump_as_ztunnel_writes_it() {
+    let d = NodeDump::new().await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("config_dump.json");
+    std::fs::write(
+        &path,
+        ztunnel::config_dump(&d.entries(), ztunnel::PemField::Base64),
+    )
+    .unwrap();
+    let root = d.root();
+    let dump = path.to_str().unwrap();
+    let (code, out, err) = meshca(&["certs", "--root", &root, "--ztunnel-dump", dump]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(
+        out.lines()
+            .next()
+            .unwrap()
+            .split_whitespace()
+            .collect::<Vec<_>>(),
         [
             "CERTIFICATE",
             "NAME",
@@ -101,48 +327,128 @@ fn ztunnel_dump_table_marks_foreign_chains_invalid() {
             "BEFORE"
         ]
     );
-    let ours_rows: Vec<_> = rows.iter().filter(|r| r[0] == ours).collect();
-    let theirs_rows: Vec<_> = rows.iter().filter(|r| r[0] == theirs).collect();
-    // leaf, intermediate, root (from cert-chain.pem), root
-    assert_eq!(
-        ours_rows.iter().map(|r| r[1]).collect::<Vec<_>>(),
-        ["Leaf", "Intermediate", "Intermediate", "Root"]
-    );
-    assert!(
-        ours_rows
-            .iter()
-            .all(|r| r[2] == "Available" && r[3] == "true"),
-        "{out}"
-    );
-    assert_eq!(theirs_rows.len(), 4);
-    assert!(
-        theirs_rows.iter().all(|r| r[3] == "false"),
-        "foreign CA is not valid here:\n{out}"
-    );
-    let pending: Vec<_> = rows.iter().filter(|r| r[0].ends_with("/pending")).collect();
-    assert_eq!(pending.len(), 1);
-    assert_eq!(pending[0][2], "Initializing");
+    assert_node_rows(&d, &out);
+    // The failure is not lost: on stderr beside the table, in the row for JSON.
+    assert!(err.contains(&d.failure), "{err}");
 
-    let (code, json, _) = meshca(&[
+    let (code, json, err) = meshca(&[
+        "certs",
+        "--root",
+        &root,
+        "--ztunnel-dump",
+        dump,
+        "-o",
+        "json",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    let rows = v.as_array().unwrap();
+    let failed = rows
+        .iter()
+        .find(|r| r["certificateName"] == d.failed)
+        .unwrap();
+    assert_eq!(failed["status"], "Unavailable");
+    assert_eq!(failed["error"], d.failure.as_str());
+    let leaf = rows
+        .iter()
+        .find(|r| r["certificateName"] == d.ours && r["type"] == "Leaf")
+        .unwrap();
+    assert_eq!(leaf["validCert"], true);
+    assert!(leaf.get("error").is_none(), "{leaf}");
+}
+
+/// `kubectl exec ds/ztunnel -- curl -s localhost:15000/config_dump | meshca certs --ztunnel-dump -`
+#[tokio::test]
+async fn ztunnel_config_dump_piped_on_stdin() {
+    use std::io::Write;
+    let d = NodeDump::new().await;
+    let dump = ztunnel::config_dump(&d.entries(), ztunnel::PemField::Base64);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_meshca"))
+        .args(["certs", "--root", &d.root(), "--ztunnel-dump", "-"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(dump.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_node_rows(&d, &String::from_utf8_lossy(&out.stdout));
+}
+
+/// Raw PEM in `pem` (hand-edited dumps) and istioctl's `ztunnel-config certificates -o json`
+/// (the bare `certificates` array) read the same as ztunnel's own dump.
+#[tokio::test]
+async fn raw_pem_and_istioctl_json_forms() {
+    let d = NodeDump::new().await;
+    let dir = tempfile::tempdir().unwrap();
+    let forms = [
+        (
+            "raw.json",
+            ztunnel::config_dump(&d.entries(), ztunnel::PemField::Raw),
+        ),
+        (
+            "istioctl.json",
+            serde_json::to_string_pretty(&ztunnel::certificates(
+                &d.entries(),
+                ztunnel::PemField::Base64,
+            ))
+            .unwrap(),
+        ),
+    ];
+    for (name, text) in forms {
+        let path = dir.path().join(name);
+        std::fs::write(&path, text).unwrap();
+        let root = d.root();
+        let (code, out, err) = meshca(&[
+            "certs",
+            "--root",
+            &root,
+            "--ztunnel-dump",
+            path.to_str().unwrap(),
+        ]);
+        assert_eq!(code, 0, "{name}: {err}");
+        assert_node_rows(&d, &out);
+    }
+}
+
+#[test]
+fn unreadable_certificate_in_a_dump_is_a_clear_error() {
+    let pki = TestPki::new(KeyType::EcdsaP256);
+    let dir = tempfile::tempdir().unwrap();
+    let id = "spiffe://cluster.local/ns/app/sa/reviews";
+    let mut v: serde_json::Value = serde_json::from_str(&ztunnel::config_dump(
+        &[(id, ztunnel::State::Available(chain(&pki, id)))],
+        ztunnel::PemField::Base64,
+    ))
+    .unwrap();
+    // Base64 of "not a certificate".
+    v["certificates"][0]["certChain"][1]["pem"] = "bm90IGEgY2VydGlmaWNhdGU=".into();
+    let path = dir.path().join("dump.json");
+    std::fs::write(&path, v.to_string()).unwrap();
+    let root = pki.path().join("root-cert.pem");
+    let (code, out, err) = meshca(&[
         "certs",
         "--root",
         root.to_str().unwrap(),
         "--ztunnel-dump",
-        dump_path.to_str().unwrap(),
-        "-o",
-        "json",
+        path.to_str().unwrap(),
     ]);
-    assert_eq!(code, 0);
-    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
-    let leaf = v
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|r| r["certificateName"] == ours && r["type"] == "Leaf")
-        .unwrap();
-    assert_eq!(leaf["validCert"], true);
-    assert_eq!(leaf["status"], "Available");
-    assert_eq!(leaf["serialNumber"].as_str().unwrap().len() % 2, 0);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        err.contains(id) && err.contains("certChain[1]"),
+        "the error names the identity and the certificate: {err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
 }
 
 #[tokio::test]

@@ -131,3 +131,107 @@ async fn dev_mode_serves_and_reuses_its_ca_across_restarts() {
         "the second start reuses the first start's CA"
     );
 }
+
+/// The shell blocks of README's "Run it locally" section, in order.
+fn readme_local_commands() -> Vec<String> {
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    let section = readme
+        .split("\n## ")
+        .find(|s| s.starts_with("Run it locally"))
+        .expect("README has a \"Run it locally\" section");
+    section
+        .split("```sh\n")
+        .skip(1)
+        .map(|b| b.split("```").next().unwrap().to_string())
+        .collect()
+}
+
+/// README's first two commands as a new user runs them, from an empty HOME, with the built
+/// binary standing in for `cargo run --release --`: the first serves, the second prints a
+/// verified chain for the dev identity, in seconds. A README edit that breaks them, or a second
+/// command that needs another build (`cargo run --example`, another profile), fails here.
+#[tokio::test]
+async fn readme_first_two_commands_give_a_certificate() {
+    let blocks = readme_local_commands();
+    assert!(blocks.len() >= 2, "{blocks:?}");
+    let bin = env!("CARGO_BIN_EXE_meshca");
+    let as_built = |b: &str| {
+        assert!(
+            b.contains("cargo run --release -- "),
+            "README's command must run the release binary the first command built: {b}"
+        );
+        b.replace("cargo run --release --", bin)
+    };
+    let serve = as_built(&blocks[0]);
+    let request = as_built(&blocks[1]);
+    assert_eq!(serve.trim().lines().count(), 1, "{serve}");
+
+    let home = tempfile::tempdir().unwrap();
+    // A new user's environment: an empty HOME, none of meshca's or Kubernetes' settings.
+    let user_env = |c: &mut tokio::process::Command| {
+        c.env_clear()
+            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+            .env("HOME", home.path());
+    };
+    let mut cmd = tokio::process::Command::new("bash");
+    user_env(&mut cmd);
+    // Free ports instead of 15012/15014, which other tests or servers may hold.
+    cmd.arg("-c")
+        .arg(format!("exec {}", serve.trim()))
+        .env("MESHCA_LISTEN", "127.0.0.1:0")
+        .env("MESHCA_ADMIN_LISTEN", "127.0.0.1:0")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true);
+    let mut child = cmd.spawn().unwrap();
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let addr: std::net::SocketAddr = tokio::time::timeout(Duration::from_secs(30), async {
+        while let Some(line) = lines.next_line().await.unwrap() {
+            if let Some(rest) = line.strip_prefix("listening on ") {
+                return rest.split(' ').next().unwrap().parse().unwrap();
+            }
+        }
+        panic!("README's first command exited before listening");
+    })
+    .await
+    .unwrap();
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+
+    let mut cmd = tokio::process::Command::new("bash");
+    user_env(&mut cmd);
+    let started = std::time::Instant::now();
+    let out = cmd
+        .arg("-c")
+        .arg(format!("set -eu\n{request}"))
+        .env("CA_ADDR", addr.to_string())
+        .output()
+        .await
+        .unwrap();
+    let took = started.elapsed();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "README's second command: {stderr}");
+    let dev = home.path().join(".local/share/meshca/dev-client");
+    let root = std::fs::read_to_string(dev.join("root-cert.pem")).unwrap();
+    let trust = meshca::certs::Trust::from_pem(&root).unwrap();
+    let rows = meshca::certs::pem_rows(
+        &String::from_utf8_lossy(&out.stdout),
+        &trust,
+        OffsetDateTime::now_utc(),
+    )
+    .unwrap();
+    assert_eq!(
+        rows.iter().map(|r| r.kind.as_str()).collect::<Vec<_>>(),
+        ["Leaf", "Intermediate", "Root", "Root"]
+    );
+    assert_eq!(
+        rows[0].certificate_name,
+        "spiffe://cluster.local/ns/default/sa/default"
+    );
+    assert!(rows.iter().all(|r| r.valid_cert), "{rows:?}");
+    assert!(
+        took < Duration::from_secs(20),
+        "a first certificate in seconds, took {took:?}"
+    );
+    child.kill().await.unwrap();
+}

@@ -27,8 +27,15 @@ replace (
 
 tool istio.io/istio/pilot/cmd/pilot-discovery
 
+// The caclient command (Istio's citadel CA client, for meshca's end-to-end tests) imports istio
+// directly; scripts/bench and scripts/istio-caclient read the version from this line.
+require (
+	istio.io/istio v0.0.0-20260826214018-9739e10eb9d7
+)
+
 require (
 	cel.dev/expr v0.25.2 // indirect
+	cloud.google.com/go/compute/metadata v0.9.0 // indirect
 	dario.cat/mergo v1.0.2 // indirect
 	github.com/KimMachineGun/automemlimit v1.0.0 // indirect
 	github.com/Masterminds/goutils v1.1.1 // indirect
@@ -158,7 +165,6 @@ require (
 	gopkg.in/yaml.v3 v3.0.1 // indirect
 	istio.io/api v1.30.7-0.20261021175240-f9bddddda721 // indirect
 	istio.io/client-go v1.30.4-0.20260824164123-eb36a3f6cac0 // indirect
-	istio.io/istio v0.0.0-20260826214018-9739e10eb9d7 // indirect
 	k8s.io/api v0.35.3 // indirect
 	k8s.io/apiextensions-apiserver v0.35.3 // indirect
 	k8s.io/apimachinery v0.35.3 // indirect
