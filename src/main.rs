@@ -245,8 +245,14 @@ async fn shutdown_signal() {
 fn rfc3339(s: &Option<String>) -> anyhow::Result<Option<OffsetDateTime>> {
     s.as_deref()
         .map(|t| {
-            OffsetDateTime::parse(t, &time::format_description::well_known::Rfc3339)
-                .with_context(|| format!("bad time {t:?}"))
+            OffsetDateTime::parse(t, &time::format_description::well_known::Rfc3339).with_context(
+                || {
+                    format!(
+                        "bad time \"{}\": expected RFC 3339, e.g. 2026-01-02T15:04:05Z",
+                        t.escape_debug()
+                    )
+                },
+            )
         })
         .transpose()
 }

@@ -120,7 +120,7 @@ pub(crate) enum Parsed {
         prev: String,
         record: Box<AuditRecord>,
     },
-    Checkpoint(Checkpoint),
+    Checkpoint(Box<Checkpoint>),
 }
 
 impl Parsed {
@@ -162,7 +162,7 @@ pub(crate) fn parse_line(line: &[u8]) -> Result<Parsed, (Option<u64>, String)> {
             })
         }
         "checkpoint" => serde_json::from_slice::<Checkpoint>(line)
-            .map(Parsed::Checkpoint)
+            .map(|c| Parsed::Checkpoint(Box::new(c)))
             .map_err(|e| (seq, format!("malformed checkpoint: {e}"))),
         other => Err((
             seq,
@@ -236,7 +236,7 @@ pub fn verify_lines<L: AsRef<[u8]>>(
         };
         let seq = Some(parsed.seq());
         let checkpoint = match &parsed {
-            Parsed::Checkpoint(cp) => Some(cp),
+            Parsed::Checkpoint(cp) => Some(&**cp),
             Parsed::Audit { record, .. } => {
                 if record.reduced.is_some() {
                     report.reduced_records += 1;
