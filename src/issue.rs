@@ -103,8 +103,12 @@ impl CertificateIssuer {
         match &result {
             Ok(_) => audit.allow(),
             Err(e) => {
-                tracing::warn!(request_id = audit.request_id(), reason = e.reason(), error = %e, "certificate request denied");
-                audit.deny(e.reason(), Some(e.class()), e.to_string());
+                let detail = e.to_string();
+                // The message may echo caller input: the log line is bounded like the record.
+                let shown =
+                    crate::audit::bounded::bounded(&detail, crate::audit::bounded::FIELD_MAX);
+                tracing::warn!(request_id = audit.request_id(), reason = e.reason(), error = %shown, "certificate request denied");
+                audit.deny(e.reason(), Some(e.class()), detail);
             }
         }
         match (audit.finish(), result) {

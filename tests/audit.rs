@@ -366,6 +366,18 @@ fn cli_verify_and_query() {
         out.contains(&format!("FAIL at {}:{}", tampered.display(), k + 1)),
         "{out}"
     );
+    // The documented format: `(seq N)`, no Rust Debug syntax.
+    let seq: serde_json::Value = serde_json::from_str(&lines[k]).unwrap();
+    assert!(
+        out.contains(&format!(
+            "FAIL at {}:{} (seq {}): ",
+            tampered.display(),
+            k + 1,
+            seq["seq"].as_u64().unwrap()
+        )),
+        "{out}"
+    );
+    assert!(!out.contains("Some("), "{out}");
 
     let (code, out) = meshca(&[
         "audit",
@@ -635,4 +647,25 @@ async fn hostile_input_is_bounded_and_the_refused_san_is_queryable() {
     assert_eq!(r["csr_sans"], serde_json::json!([other]));
     let (code, out) = meshca(&["audit", "verify", log.to_str().unwrap()]);
     assert_eq!(code, 0, "{out}");
+}
+
+#[test]
+fn an_invalid_line_cap_is_a_startup_error_naming_the_flag() {
+    let data = tempfile::tempdir().unwrap();
+    for bad in ["10", "0", "99999999"] {
+        let (code, out) = meshca(&[
+            "serve",
+            "--dev",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--data-dir",
+            data.path().to_str().unwrap(),
+            "--audit-max-line-bytes",
+            bad,
+        ]);
+        assert_ne!(code, 0, "{out}");
+        assert!(out.contains("MESHCA_AUDIT_MAX_LINE_BYTES"), "{out}");
+    }
 }

@@ -60,7 +60,7 @@ impl std::fmt::Display for RecoveryNote {
                 "; {} damaged line(s), {} bytes, sha256 {}{}",
                 r.damaged_lines,
                 r.damaged_bytes,
-                r.damaged_sha256,
+                r.damaged_sha256.escape_debug(),
                 if self.damaged_lines_checked {
                     " (present and matching)"
                 } else {
@@ -76,10 +76,10 @@ impl std::fmt::Display for RecoveryNote {
         } else {
             write!(f, "; a new chain segment starts here")?;
             if let Some(file) = &r.old_file {
-                write!(f, ", the damaged log was kept as {file}")?;
+                write!(f, ", the damaged log was kept as {}", file.escape_debug())?;
             }
             if let Some(h) = &r.old_head {
-                write!(f, " (its last line had sha256 {h})")?;
+                write!(f, " (its last line had sha256 {})", h.escape_debug())?;
             }
             Ok(())
         }
@@ -467,4 +467,69 @@ pub fn table(records: &[AuditRecord]) -> String {
         ]);
     }
     crate::certs::render_table(&rows)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use test_case::test_case;
+
+    #[test_case(Some(49), "audit.log:7 (seq 49): why" ; "with seq")]
+    #[test_case(None, "audit.log:7: why" ; "without seq")]
+    fn failure_display_has_no_debug_syntax(seq: Option<u64>, want: &str) {
+        let f = VerifyFailure {
+            location: "audit.log:7".into(),
+            seq,
+            why: "why".into(),
+        };
+        assert_eq!(f.to_string(), want);
+    }
+
+    #[test]
+    fn forged_damage_is_not_explained() {
+        // Garbage followed by a recovery checkpoint whose digest does not
+        // match it: reported as the failure it is.
+        let cp = Checkpoint {
+            kind: "checkpoint".into(),
+            seq: 0,
+            prev: GENESIS.into(),
+            time: "2026-01-01T00:00:00Z".into(),
+            reason: "recovery".into(),
+            records: 0,
+            alg: "none".into(),
+            key_id: None,
+            sig: None,
+            recovery: Some(Recovery {
+                found: "unparsable_tail".into(),
+                damaged_lines: 1,
+                damaged_bytes: 8,
+                damaged_sha256: "00".repeat(32),
+                continued: false,
+                last_line_bytes: None,
+                old_file: None,
+                old_head: None,
+            }),
+        };
+        let lines = vec![
+            ("a:1".to_string(), b"garbage".to_vec()),
+            ("a:2".to_string(), serde_json::to_vec(&cp).unwrap()),
+        ];
+        let f = verify_lines(&lines, None).unwrap_err();
+        assert_eq!(f.location, "a:1");
+        // With the right digest the same damage is explained and reported.
+        let (bytes, sha) = damage_digest(&[b"garbage"]);
+        let mut cp = cp;
+        if let Some(r) = cp.recovery.as_mut() {
+            r.damaged_bytes = bytes;
+            r.damaged_sha256 = sha;
+        }
+        let lines = vec![
+            lines[0].clone(),
+            ("a:2".into(), serde_json::to_vec(&cp).unwrap()),
+        ];
+        let rep = verify_lines(&lines, None).unwrap();
+        assert_eq!(rep.recoveries.len(), 1);
+        assert!(rep.recoveries[0].damaged_lines_checked);
+        assert_eq!(rep.chain_starts, 1);
+    }
 }
