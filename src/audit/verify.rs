@@ -7,6 +7,7 @@ use base64::Engine;
 use serde::Deserialize;
 use time::OffsetDateTime;
 
+use super::bounded::{bounded, FIELD_MAX, SAN_MAX};
 use super::chain::{line_hash, Checkpoint, Recovery, VerifyKey, GENESIS};
 use super::{AuditRecord, Decision};
 
@@ -398,9 +399,13 @@ impl Query {
                 .is_none_or(|w| got.as_deref() == Some(w.as_str()))
         };
         self.identity.as_ref().is_none_or(|i| {
-            r.requested_identity.as_deref() == Some(i)
-                || r.caller_identity.as_deref() == Some(i)
-                || r.csr_sans.iter().flatten().any(|s| s == i)
+            // Records hold bounded values; bounding the query the same way
+            // (deterministic) lets an oversized value match by its hash.
+            let field = bounded(i, FIELD_MAX);
+            let san = bounded(i, SAN_MAX);
+            r.requested_identity.as_deref() == Some(&*field)
+                || r.caller_identity.as_deref() == Some(&*field)
+                || r.csr_sans.iter().flatten().any(|s| *s == *san)
         }) && eq(&self.node, &r.node)
             && self.caller.as_ref().is_none_or(|c| {
                 r.caller_identity.as_deref() == Some(c) || r.caller_pod.as_deref() == Some(c)
@@ -483,6 +488,31 @@ mod tests {
             why: "why".into(),
         };
         assert_eq!(f.to_string(), want);
+    }
+
+    #[test]
+    fn an_oversized_identity_is_found_by_its_raw_value() {
+        let huge = format!("spiffe://cluster.local/ns/{}", "\u{1}".repeat(100_000));
+        let mut r: AuditRecord = serde_json::from_str(
+            r#"{"time":"2026-01-01T00:00:00Z","request_id":"r","peer":null,"authn_method":null,
+            "caller_identity":null,"caller_pod":null,"caller_pod_uid":null,"node":null,
+            "requested_identity":null,"impersonated":true,"decision":"deny","reason":"x",
+            "detail":null,"evidence":null,"serial":null,"spki_sha256":null,"csr_sha256":null,
+            "not_before":null,"not_after":null,"issuer_key_id":null,"latency_ms":1.0}"#,
+        )
+        .unwrap();
+        r.requested_identity = Some(huge.clone());
+        r.csr_sans = Some(vec!["spiffe://a/b".into(), huge.clone()]);
+        r.bound();
+        let q = |id: &str| Query {
+            identity: Some(id.into()),
+            ..Default::default()
+        };
+        assert!(q(&huge).matches(&r));
+        assert!(q("spiffe://a/b").matches(&r));
+        assert!(!q(&format!("{huge}x")).matches(&r));
+        r.requested_identity = None;
+        assert!(q(&huge).matches(&r), "through the bounded SAN");
     }
 
     #[test]
