@@ -638,11 +638,13 @@ impl ChainedSink {
         }
         buf.extend_from_slice(cp.as_bytes());
         buf.push(b'\n');
-        append(st, &buf)?;
-        st.damage = None;
-        st.prev = line_hash(&cp);
-        st.seq += 1;
-        Ok(())
+        let (stands, result) = append(st, &buf);
+        if stands {
+            st.damage = None;
+            st.prev = line_hash(&cp);
+            st.seq += 1;
+        }
+        result
     }
 
     /// Appends one line (rendered at the current head) and advances the chain.
@@ -655,18 +657,21 @@ impl ChainedSink {
         let mut buf = Vec::with_capacity(line.len() + 1);
         buf.extend_from_slice(line.as_bytes());
         buf.push(b'\n');
-        append(st, &buf)?;
-        st.prev = line_hash(line);
-        st.seq += 1;
-        Ok(())
+        let (stands, result) = append(st, &buf);
+        if stands {
+            st.prev = line_hash(line);
+            st.seq += 1;
+        }
+        result
     }
 }
 
 /// Writes `buf` whole or records what a failed write left behind: a file is
 /// truncated back to its last good line; otherwise the partial bytes become
-/// damage that the next write terminates and describes. The error is
-/// returned either way (issuance fails closed).
-fn append(st: &mut State, buf: &[u8]) -> Result<(), AuditError> {
+/// damage that the next write terminates and describes. Returns whether the
+/// line stands (every byte was accepted, so the chain advances) and the
+/// error, if any (issuance fails closed on it either way).
+fn append(st: &mut State, buf: &[u8]) -> (bool, Result<(), AuditError>) {
     let (written, result) = match &mut st.out {
         Output::Stdout => {
             let mut out = std::io::stdout().lock();
@@ -691,7 +696,7 @@ fn append(st: &mut State, buf: &[u8]) -> Result<(), AuditError> {
         *size += left.len() as u64;
     }
     let Err(e) = result else {
-        return Ok(());
+        return (true, Ok(()));
     };
     let where_ = match &st.out {
         Output::File { path, .. } => path.display().to_string(),
@@ -700,14 +705,14 @@ fn append(st: &mut State, buf: &[u8]) -> Result<(), AuditError> {
     };
     if written == buf.len() {
         // Every byte was accepted (a flush failed): the line stands.
-        return Err(AuditError(format!("{where_}: {e}")));
+        return (true, Err(AuditError(format!("{where_}: {e}"))));
     }
     let damage = st.damage.get_or_insert_with(|| Damage::new("write_error"));
     damage.add(left);
     if damage.open && damage.found == "write_error" {
         damage.found = "torn_line";
     }
-    Err(AuditError(format!("{where_}: {e}")))
+    (false, Err(AuditError(format!("{where_}: {e}"))))
 }
 
 /// `write_all` that reports how many bytes went out before an error.
@@ -1121,6 +1126,7 @@ mod tests {
     struct Disk {
         data: Arc<Mutex<Vec<u8>>>,
         budget: Arc<Mutex<Option<usize>>>,
+        fail_flush: Arc<Mutex<bool>>,
     }
 
     impl Write for Disk {
@@ -1138,8 +1144,30 @@ mod tests {
             Ok(n)
         }
         fn flush(&mut self) -> std::io::Result<()> {
+            if *self.fail_flush.lock().unwrap() {
+                return Err(std::io::Error::from_raw_os_error(5));
+            }
             Ok(())
         }
+    }
+
+    #[test]
+    fn a_failed_flush_after_a_whole_line_keeps_the_chain() {
+        let disk = Disk::default();
+        let sink =
+            ChainedSink::writer_capped(Output::Writer(Box::new(disk.clone())), None, 1000, 16384)
+                .unwrap();
+        *disk.fail_flush.lock().unwrap() = true;
+        assert!(sink.emit(&record(1)).is_err(), "fail closed");
+        *disk.fail_flush.lock().unwrap() = false;
+        sink.emit(&record(2)).unwrap();
+        let data = disk.data.lock().unwrap().clone();
+        let report = verify_lines(&lines_of(&data), None).unwrap();
+        assert_eq!(
+            report.records, 2,
+            "the flushed-late line stands in the chain"
+        );
+        assert!(report.recoveries.is_empty());
     }
 
     fn lines_of(bytes: &[u8]) -> Vec<(String, Vec<u8>)> {
