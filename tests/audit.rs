@@ -398,8 +398,17 @@ fn cli_verify_and_query() {
 
 /// `meshca serve --dev` writing its audit log to `log`: (child, gRPC addr).
 async fn serve_dev(data: &Path, log: &Path) -> (tokio::process::Child, std::net::SocketAddr) {
+    serve_dev_with(data, log, &[]).await
+}
+
+async fn serve_dev_with(
+    data: &Path,
+    log: &Path,
+    env: &[(&str, &str)],
+) -> (tokio::process::Child, std::net::SocketAddr) {
     use tokio::io::{AsyncBufReadExt, BufReader};
     let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_meshca"));
+    cmd.envs(env.iter().copied());
     let key = data.join("checkpoint.key");
     if key.exists() {
         cmd.env("MESHCA_AUDIT_CHECKPOINT_KEY", &key);
@@ -685,4 +694,60 @@ fn an_invalid_line_cap_is_a_startup_error_naming_the_flag() {
         assert_ne!(code, 0, "{out}");
         assert!(out.contains("MESHCA_AUDIT_MAX_LINE_BYTES"), "{out}");
     }
+}
+
+#[tokio::test]
+async fn a_record_over_the_line_cap_is_written_reduced_and_verify_says_so() {
+    let data = tempfile::tempdir().unwrap();
+    let log = data.path().join("audit.log");
+    let (mut child, addr) = serve_dev_with(
+        data.path(),
+        &log,
+        &[("MESHCA_AUDIT_MAX_LINE_BYTES", "4096")],
+    )
+    .await;
+    // A CSR with many long SANs: each is bounded, together they pass 4 KiB.
+    let key = rcgen::KeyPair::generate().unwrap();
+    let uri = |i: usize| {
+        rcgen::SanType::URI(
+            format!("spiffe://cluster.local/ns/{i}/sa/{}", "b".repeat(400))
+                .try_into()
+                .unwrap(),
+        )
+    };
+    let sans: Vec<rcgen::SanType> = (0..20).map(uri).collect();
+    let dir = data.path().join("dev-client");
+    let read = |f: &str| std::fs::read_to_string(dir.join(f)).unwrap();
+    let mut c = meshca::testing::client(
+        addr,
+        &read("root-cert.pem"),
+        Some((&read("cert-chain.pem"), &read("key.pem"))),
+    )
+    .await
+    .unwrap();
+    let err = c
+        .create_certificate(meshca::testing::request(
+            meshca::testing::csr_pem(&key, &sans, false),
+            0,
+            &[],
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+    child.kill().await.unwrap();
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(text.lines().all(|l| l.len() < 4096));
+    let denial: serde_json::Value = text
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .find(|v| v["reason"] == "csr_san_not_authorized")
+        .expect("the denial is recorded, not dropped");
+    assert_eq!(denial["reduced"]["max_line_bytes"], 4096, "{denial}");
+    assert!(denial["reduced"]["line_bytes"].as_u64().unwrap() > 4096);
+    let (code, out) = meshca(&["audit", "verify", log.to_str().unwrap()]);
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.contains("1 record(s) were written in reduced form"),
+        "{out}"
+    );
 }
