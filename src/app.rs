@@ -47,10 +47,17 @@ pub fn audit_sink(a: &AuditSettings) -> anyhow::Result<Arc<ChainedSink>> {
         }
     };
     let sink = match a.sink {
-        AuditSinkKind::Stdout => ChainedSink::stdout(key, a.checkpoint_every)?,
-        AuditSinkKind::File => {
-            ChainedSink::file(&a.file, a.max_bytes, a.max_files, key, a.checkpoint_every)?
+        AuditSinkKind::Stdout => {
+            ChainedSink::stdout_capped(key, a.checkpoint_every, a.max_line_bytes)?
         }
+        AuditSinkKind::File => ChainedSink::file_capped(
+            &a.file,
+            a.max_bytes,
+            a.max_files,
+            key,
+            a.checkpoint_every,
+            a.max_line_bytes,
+        )?,
     };
     Ok(Arc::new(sink))
 }

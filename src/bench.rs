@@ -519,8 +519,9 @@ fn generate_logged(
     let t = Instant::now();
     let out = pregenerate(plan, key_type, from, to, threads)?;
     eprintln!(
-        "bench: generated {} {key_type:?} keys and CSRs in {:.1}s ({} distinct identities)",
+        "bench: generated {} {} keys and CSRs in {:.1}s ({} distinct identities)",
         out.len(),
+        cli_name(key_type),
         t.elapsed().as_secs_f64(),
         plan.callers.len()
     );
@@ -888,7 +889,7 @@ fn summarize(
     BenchResult {
         label: args.label.clone(),
         mode: args.mode,
-        key_type: format!("{:?}", args.key_type),
+        key_type: cli_name(args.key_type),
         ca_key: bundle.key_algorithm().to_string(),
         connections: args.connections,
         streams: args.streams,
@@ -934,9 +935,9 @@ fn print_human(r: &BenchResult) {
         return;
     }
     println!(
-        "{} {:?}: {} requests over {}x{} in {:.2}s{}",
+        "{} {}: {} requests over {}x{} in {:.2}s{}",
         r.label,
-        r.mode,
+        cli_name(r.mode),
         r.requests,
         r.connections,
         r.streams,
@@ -952,7 +953,8 @@ fn print_human(r: &BenchResult) {
     if r.errors.is_empty() {
         println!("  errors: none");
     } else {
-        println!("  errors: {:?}", r.errors);
+        let errors: Vec<String> = r.errors.iter().map(|(k, n)| format!("{k}={n}")).collect();
+        println!("  errors: {}", errors.join(", "));
     }
     if let (Some(a), Some(p)) = (r.ratio_vs_ceiling_all_cores, r.ratio_vs_ceiling_per_core) {
         println!(
@@ -974,6 +976,13 @@ fn print_human(r: &BenchResult) {
             r.bench_cpu_s
         );
     }
+}
+
+/// How a flag value is spelled on the command line (not its Rust name).
+fn cli_name(v: impl clap::ValueEnum) -> String {
+    v.to_possible_value()
+        .map(|p| p.get_name().to_string())
+        .unwrap_or_default()
 }
 
 #[cfg(test)]

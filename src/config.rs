@@ -136,6 +136,10 @@ pub struct ServeArgs {
     /// Audit files kept (current + rotated).
     #[arg(long, env = "MESHCA_AUDIT_MAX_FILES", default_value_t = 10)]
     pub audit_max_files: u32,
+    /// Longest audit line (bytes, 4096..=1048576). A record over it is
+    /// written in a reduced form that says so; it is never dropped.
+    #[arg(long, env = "MESHCA_AUDIT_MAX_LINE_BYTES", default_value_t = crate::audit::chain::DEFAULT_MAX_LINE_BYTES)]
+    pub audit_max_line_bytes: u64,
     /// PKCS#8 PEM key (ECDSA P-256 or Ed25519) that signs audit checkpoints
     /// (`meshca audit keygen` makes one). Without it checkpoints are unsigned.
     #[arg(long, env = "MESHCA_AUDIT_CHECKPOINT_KEY")]
@@ -183,6 +187,7 @@ pub struct AuditSettings {
     pub file: PathBuf,
     pub max_bytes: u64,
     pub max_files: u32,
+    pub max_line_bytes: u64,
     pub checkpoint_key: Option<PathBuf>,
     pub checkpoint_every: u64,
     pub checkpoint_interval: Duration,
@@ -321,11 +326,22 @@ impl Config {
                 "checkpoints must be periodic (every > 0, interval > 0)",
             ));
         }
+        {
+            use crate::audit::chain::{MAX_MAX_LINE_BYTES, MIN_MAX_LINE_BYTES};
+            if !(MIN_MAX_LINE_BYTES..=MAX_MAX_LINE_BYTES).contains(&a.audit_max_line_bytes) {
+                return Err(err(
+                    "MESHCA_AUDIT_MAX_LINE_BYTES",
+                    &a.audit_max_line_bytes.to_string(),
+                    format!("must be between {MIN_MAX_LINE_BYTES} and {MAX_MAX_LINE_BYTES}"),
+                ));
+            }
+        }
         let audit = AuditSettings {
             sink: a.audit_sink,
             file: a.audit_file.clone(),
             max_bytes: a.audit_max_bytes,
             max_files: a.audit_max_files,
+            max_line_bytes: a.audit_max_line_bytes,
             checkpoint_key: a.audit_checkpoint_key.clone(),
             checkpoint_every: a.audit_checkpoint_every,
             checkpoint_interval,

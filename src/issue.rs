@@ -103,8 +103,12 @@ impl CertificateIssuer {
         match &result {
             Ok(_) => audit.allow(),
             Err(e) => {
-                tracing::warn!(request_id = audit.request_id(), reason = e.reason(), error = %e, "certificate request denied");
-                audit.deny(e.reason(), Some(e.class()), e.to_string());
+                let detail = e.to_string();
+                // The message may echo caller input: the log line is bounded like the record.
+                let shown =
+                    crate::audit::bounded::bounded(&detail, crate::audit::bounded::FIELD_MAX);
+                tracing::warn!(request_id = audit.request_id(), reason = e.reason(), error = %shown, "certificate request denied");
+                audit.deny(e.reason(), Some(e.class()), detail);
             }
         }
         match (audit.finish(), result) {
@@ -151,7 +155,20 @@ impl CertificateIssuer {
         audit.record().requested_identity = Some(identity.to_string());
 
         let csr = csr::parse_and_verify(&req.csr)?;
-        audit.record().csr_sha256 = Some(hex::encode(csr.sha256));
+        {
+            // What was asked for, before the policy judges it (bounded when
+            // the record is finalized).
+            let r = audit.record();
+            r.csr_sha256 = Some(hex::encode(csr.sha256));
+            r.csr_sans = Some(
+                csr.sans
+                    .iter()
+                    .map(|s| match s {
+                        csr::San::Uri(u) | csr::San::Other(u) => u.clone(),
+                    })
+                    .collect(),
+            );
+        }
         csr::check_policy(&csr, &identity, self.csr_policy)?;
 
         // One snapshot for the whole signing step: a reload cannot mix material.
@@ -280,6 +297,44 @@ mod tests {
             reasons.insert(denial.reason());
         }
         assert_eq!(reasons.len(), every_denial().len(), "reasons are distinct");
+    }
+
+    #[tokio::test]
+    async fn a_refused_san_is_recorded_and_found_by_identity_query() {
+        let pki = TestPki::new(KeyType::EcdsaP256);
+        let ca = Arc::new(crate::ca::CaStore::from_dir(pki.path(), false).unwrap());
+        let me = "spiffe://cluster.local/ns/app/sa/app";
+        let (chain, _) = client_identity(&ca.snapshot(), me, &validity_hours(-1, 1));
+        let sink = Arc::new(MemorySink::default());
+        let issuer = CertificateIssuer {
+            ca,
+            ttl: TtlPolicy::default(),
+            csr_policy: CsrPolicy::Strict,
+            tokens: None,
+            node_authz: None,
+            audit: sink.clone(),
+            metrics: None,
+        };
+        let other = "spiffe://cluster.local/ns/x/sa/y";
+        let req = IssueRequest {
+            csr: csr_for(&rcgen::KeyPair::generate().unwrap(), other),
+            validity_secs: 0,
+            impersonate: None,
+        };
+        let err = issuer
+            .issue(&mtls_creds(&chain), Ok(req))
+            .await
+            .unwrap_err();
+        assert_eq!(err.reason(), "csr_san_not_authorized");
+        let r = &sink.records()[0];
+        assert_eq!(r.csr_sans.as_deref(), Some(&[other.to_string()][..]));
+        let q = |id: &str| crate::audit::verify::Query {
+            identity: Some(id.into()),
+            ..Default::default()
+        };
+        assert!(q(other).matches(r), "who asked for {other}? this record");
+        assert!(q(me).matches(r), "the caller still matches");
+        assert!(!q("spiffe://cluster.local/ns/z/sa/z").matches(r));
     }
 
     #[derive(Debug)]

@@ -86,7 +86,7 @@ enum AuditCommand {
     },
     /// Filter records.
     Query {
-        /// Requested or caller identity.
+        /// Requested identity, caller identity or a SAN of the CSR.
         #[arg(long)]
         identity: Option<String>,
         #[arg(long)]
@@ -254,8 +254,14 @@ async fn shutdown_signal() {
 fn rfc3339(s: &Option<String>) -> anyhow::Result<Option<OffsetDateTime>> {
     s.as_deref()
         .map(|t| {
-            OffsetDateTime::parse(t, &time::format_description::well_known::Rfc3339)
-                .with_context(|| format!("bad time {t:?}"))
+            OffsetDateTime::parse(t, &time::format_description::well_known::Rfc3339).with_context(
+                || {
+                    format!(
+                        "bad time \"{}\": expected RFC 3339, e.g. 2026-01-02T15:04:05Z",
+                        t.escape_debug()
+                    )
+                },
+            )
         })
         .transpose()
 }
@@ -284,6 +290,12 @@ fn audit(cmd: AuditCommand) -> anyhow::Result<()> {
                         r.first_seq.unwrap_or(0),
                         r.last_seq.unwrap_or(0)
                     );
+                    for note in &r.recoveries {
+                        println!("{note}");
+                    }
+                    if r.reduced_records > 0 {
+                        println!("note: {} record(s) were written in reduced form (over the audit line cap; each names the full line's size and sha256)", r.reduced_records);
+                    }
                     if key.is_none() {
                         println!("warning: no --key given: checkpoint signatures were not checked");
                     }
@@ -327,7 +339,13 @@ fn audit(cmd: AuditCommand) -> anyhow::Result<()> {
                 since: rfc3339(&since)?,
                 until: rfc3339(&until)?,
             };
-            let records = verify::query(&verify::read_lines(&files)?, &q)?;
+            let (records, unreadable) = verify::query(&verify::read_lines(&files)?, &q);
+            if let Some(first) = unreadable.first() {
+                eprintln!(
+                    "warning: {} line(s) could not be read as audit records (first at {first}); run `meshca audit verify` to see whether a recovery explains them",
+                    unreadable.len()
+                );
+            }
             if output == "json" {
                 for r in &records {
                     println!("{}", serde_json::to_string(r)?);

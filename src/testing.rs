@@ -199,6 +199,7 @@ pub fn test_config(ca_dir: PathBuf) -> crate::config::Config {
             file: PathBuf::from("audit.log"),
             max_bytes: 1 << 20,
             max_files: 3,
+            max_line_bytes: crate::audit::chain::DEFAULT_MAX_LINE_BYTES,
             checkpoint_key: None,
             checkpoint_every: 1000,
             checkpoint_interval: std::time::Duration::from_secs(60),

@@ -15,8 +15,24 @@ use rustls_pki_types::{PrivateKeyDer, SubjectPublicKeyInfoDer};
 use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
 
-use super::{AuditError, AuditRecord, AuditSink};
+use super::bounded::{bound_opt, bound_string, MIN_MAX};
+use super::verify::parse_line;
+use super::{AuditError, AuditRecord, AuditSink, Reduced};
 use crate::ca::csr::sha256;
+
+/// Default cap on one audit line (`MESHCA_AUDIT_MAX_LINE_BYTES`).
+pub const DEFAULT_MAX_LINE_BYTES: u64 = 16 * 1024;
+/// Smallest line cap: a reduced record must always fit.
+pub const MIN_MAX_LINE_BYTES: u64 = 4096;
+/// Largest line cap.
+pub const MAX_MAX_LINE_BYTES: u64 = 1024 * 1024;
+/// Lines up to this size are parsed in full when the tail is inspected;
+/// longer ones (written before the cap existed) are hashed as a stream and
+/// only their head is read.
+const PARSE_LIMIT: u64 = 1024 * 1024;
+/// How far back a damaged tail is searched for the last good line.
+const MAX_DAMAGED_LINES: u64 = 10_000;
+const MAX_DAMAGED_SCAN: u64 = 64 * 1024 * 1024;
 
 /// `prev` of the first record of a chain.
 pub const GENESIS: &str = "0000000000000000000000000000000000000000000000000000000000000000";
@@ -47,22 +63,56 @@ pub struct Checkpoint {
     pub alg: String,
     pub key_id: Option<String>,
     pub sig: Option<String>,
+    /// Present on `recovery` checkpoints: what damage was found.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recovery: Option<Recovery>,
+}
+
+/// What a `recovery` checkpoint says about the damage it follows. Damaged
+/// lines are never removed: they stay in the log, and this names them by
+/// count, size and SHA-256 (each line with its newline) so `audit verify`
+/// can tell recorded damage from tampering.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Recovery {
+    /// `torn_line`, `unparsable_tail`, `oversize_line` or `write_error`.
+    pub found: String,
+    /// Damaged lines right before this checkpoint (or at the end of
+    /// `old_file` for a new segment).
+    pub damaged_lines: u64,
+    pub damaged_bytes: u64,
+    pub damaged_sha256: String,
+    /// `true`: the chain continues from the last good line. `false`: this
+    /// checkpoint starts a new segment (seq 0) because no good line was found.
+    pub continued: bool,
+    /// Size of the last line when it was over the line cap.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_line_bytes: Option<u64>,
+    /// New segment: the file the damaged log was moved to.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub old_file: Option<String>,
+    /// New segment: SHA-256 of the damaged log's last line (its old head).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub old_head: Option<String>,
 }
 
 impl Checkpoint {
     /// The bytes a checkpoint signature covers.
     pub fn message(&self) -> Vec<u8> {
-        format!(
+        let mut m = format!(
             "meshca-audit-checkpoint-v1\n{}\n{}\n{}\n{}\n{}",
             self.seq, self.prev, self.time, self.reason, self.records
-        )
-        .into_bytes()
+        );
+        if let Some(r) = &self.recovery {
+            m.push_str("\nrecovery ");
+            m.push_str(&serde_json::to_string(r).unwrap_or_default());
+        }
+        m.into_bytes()
     }
 }
 
 /// Hex SHA-256 of a line (without its newline).
-pub fn line_hash(line: &str) -> String {
-    hex::encode(sha256(line.as_bytes()))
+pub fn line_hash(line: impl AsRef<[u8]>) -> String {
+    hex::encode(sha256(line.as_ref()))
 }
 
 /// The key that signs checkpoints: ECDSA P-256 or Ed25519, PKCS#8 PEM.
@@ -207,7 +257,6 @@ impl VerifyKey {
 }
 
 /// Where lines are written.
-#[derive(Debug)]
 pub enum Output {
     /// Standard output: only audit lines go there (logs go to stderr).
     Stdout,
@@ -221,6 +270,92 @@ pub enum Output {
     },
     /// In memory (tests).
     Buffer(Vec<u8>),
+    /// Any writer (tests: a disk that fills up part-way through a line).
+    Writer(Box<dyn Write + Send>),
+}
+
+impl std::fmt::Debug for Output {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Stdout => f.write_str("Stdout"),
+            Self::File { path, size, .. } => write!(f, "File({}, {size} bytes)", path.display()),
+            Self::Buffer(b) => write!(f, "Buffer({} bytes)", b.len()),
+            Self::Writer(_) => f.write_str("Writer"),
+        }
+    }
+}
+
+/// Damage not yet described by a recovery checkpoint: bytes in the output
+/// after the last good line (found on start, or left by a failed write).
+struct Damage {
+    found: &'static str,
+    /// SHA-256 over the damaged bytes so far.
+    digest: aws_lc_rs::digest::Context,
+    bytes: u64,
+    lines: u64,
+    /// The damaged bytes end without a newline: one is written before the
+    /// next line, so nothing is ever glued onto a torn line.
+    open: bool,
+    last_line_bytes: Option<u64>,
+    /// Set when the chain restarts in a new file.
+    new_segment: Option<(String, String)>,
+}
+
+impl std::fmt::Debug for Damage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Damage({}, {} lines, {} bytes)",
+            self.found, self.lines, self.bytes
+        )
+    }
+}
+
+impl Damage {
+    fn new(found: &'static str) -> Self {
+        Self {
+            found,
+            digest: aws_lc_rs::digest::Context::new(&aws_lc_rs::digest::SHA256),
+            bytes: 0,
+            lines: 0,
+            open: false,
+            last_line_bytes: None,
+            new_segment: None,
+        }
+    }
+
+    /// Accounts for bytes that reached the output outside the chain.
+    fn add(&mut self, written: &[u8]) {
+        if written.is_empty() {
+            return;
+        }
+        self.digest.update(written);
+        self.bytes += written.len() as u64;
+        let newlines = written.iter().filter(|b| **b == b'\n').count() as u64;
+        self.lines += newlines;
+        self.open = written.last() != Some(&b'\n');
+    }
+
+    /// The recovery record, as if the pending newline were already written.
+    fn recovery(&self) -> Recovery {
+        let mut d = self.digest.clone();
+        let (mut bytes, mut lines) = (self.bytes, self.lines);
+        if self.open {
+            d.update(b"\n");
+            bytes += 1;
+            lines += 1;
+        }
+        Recovery {
+            found: self.found.into(),
+            damaged_lines: lines,
+            damaged_bytes: bytes,
+            damaged_sha256: hex::encode(d.finish()),
+            continued: self.new_segment.is_none(),
+            last_line_bytes: self.last_line_bytes,
+            old_file: self.new_segment.as_ref().map(|(f, _)| f.clone()),
+            old_head: self.new_segment.as_ref().map(|(_, h)| h.clone()),
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -230,6 +365,7 @@ struct State {
     prev: String,
     records: u64,
     since_checkpoint: u64,
+    damage: Option<Damage>,
 }
 
 /// The hash-chaining sink.
@@ -238,6 +374,7 @@ pub struct ChainedSink {
     state: Mutex<State>,
     key: Option<CheckpointKey>,
     checkpoint_every: u64,
+    max_line_bytes: u64,
 }
 
 impl ChainedSink {
@@ -246,8 +383,10 @@ impl ChainedSink {
         out: Output,
         seq: u64,
         prev: String,
+        damage: Option<Damage>,
         key: Option<CheckpointKey>,
         checkpoint_every: u64,
+        max_line_bytes: u64,
     ) -> Result<Self, AuditError> {
         let sink = Self {
             state: Mutex::new(State {
@@ -256,32 +395,67 @@ impl ChainedSink {
                 prev,
                 records: 0,
                 since_checkpoint: 0,
+                damage,
             }),
             key,
             checkpoint_every: checkpoint_every.max(1),
+            max_line_bytes: max_line_bytes.clamp(MIN_MAX_LINE_BYTES, MAX_MAX_LINE_BYTES),
         };
-        // Every start is marked, so restarts are visible in the log.
+        // Every start is marked, so restarts are visible in the log (a
+        // pending recovery is written first).
         sink.checkpoint("start")?;
         Ok(sink)
     }
 
     pub fn stdout(key: Option<CheckpointKey>, checkpoint_every: u64) -> Result<Self, AuditError> {
-        Self::new(Output::Stdout, 0, GENESIS.into(), key, checkpoint_every)
+        Self::stdout_capped(key, checkpoint_every, DEFAULT_MAX_LINE_BYTES)
     }
 
-    pub fn buffer(key: Option<CheckpointKey>, checkpoint_every: u64) -> Result<Self, AuditError> {
+    /// Standard output with a line cap.
+    pub fn stdout_capped(
+        key: Option<CheckpointKey>,
+        checkpoint_every: u64,
+        max_line_bytes: u64,
+    ) -> Result<Self, AuditError> {
         Self::new(
-            Output::Buffer(Vec::new()),
+            Output::Stdout,
             0,
             GENESIS.into(),
+            None,
             key,
             checkpoint_every,
+            max_line_bytes,
         )
     }
 
-    /// A rotating file sink. An existing file is continued: the chain picks
-    /// up from its last line. A file whose last line is damaged is rotated
-    /// away untouched and a new chain starts.
+    pub fn buffer(key: Option<CheckpointKey>, checkpoint_every: u64) -> Result<Self, AuditError> {
+        Self::writer_capped(
+            Output::Buffer(Vec::new()),
+            key,
+            checkpoint_every,
+            DEFAULT_MAX_LINE_BYTES,
+        )
+    }
+
+    /// Any output (tests), starting a new chain.
+    pub fn writer_capped(
+        out: Output,
+        key: Option<CheckpointKey>,
+        checkpoint_every: u64,
+        max_line_bytes: u64,
+    ) -> Result<Self, AuditError> {
+        Self::new(
+            out,
+            0,
+            GENESIS.into(),
+            None,
+            key,
+            checkpoint_every,
+            max_line_bytes,
+        )
+    }
+
+    /// A rotating file sink with the default line cap.
     pub fn file(
         path: &Path,
         max_bytes: u64,
@@ -289,18 +463,77 @@ impl ChainedSink {
         key: Option<CheckpointKey>,
         checkpoint_every: u64,
     ) -> Result<Self, AuditError> {
+        Self::file_capped(
+            path,
+            max_bytes,
+            max_files,
+            key,
+            checkpoint_every,
+            DEFAULT_MAX_LINE_BYTES,
+        )
+    }
+
+    /// A rotating file sink. An existing file is continued: the chain picks
+    /// up from its last good line. Damage at the end (a torn line, garbage,
+    /// an over-cap line) never stops startup: it is left in place and
+    /// described by a signed `recovery` checkpoint; if no good line is found
+    /// the file is rotated away and a new segment names its old head.
+    pub fn file_capped(
+        path: &Path,
+        max_bytes: u64,
+        max_files: u32,
+        key: Option<CheckpointKey>,
+        checkpoint_every: u64,
+        max_line_bytes: u64,
+    ) -> Result<Self, AuditError> {
         let io = |e: std::io::Error| AuditError(format!("{}: {e}", path.display()));
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).map_err(io)?;
         }
-        let (mut seq, mut prev) = (0, GENESIS.to_string());
+        let max_line = max_line_bytes.clamp(MIN_MAX_LINE_BYTES, MAX_MAX_LINE_BYTES);
+        let (mut seq, mut prev, mut damage) = (0, GENESIS.to_string(), None);
         if path.exists() {
-            match last_position(path).map_err(io)? {
-                Some(Ok((s, p))) => (seq, prev) = (s, p),
-                None => {}
-                Some(Err(())) => {
-                    tracing::error!(file = %path.display(), "audit log ends in a damaged line; rotating it away and starting a new chain");
+            match scan_tail(path, max_line).map_err(io)? {
+                Tail::Empty => {}
+                Tail::Good {
+                    next_seq,
+                    prev: p,
+                    last_line_bytes,
+                } => {
+                    (seq, prev) = (next_seq, p);
+                    if last_line_bytes > max_line {
+                        let mut d = Damage::new("oversize_line");
+                        d.last_line_bytes = Some(last_line_bytes);
+                        damage = Some(d);
+                    }
+                }
+                Tail::Damaged {
+                    last_good: Some((s, p)),
+                    damage: d,
+                } => {
+                    tracing::warn!(file = %path.display(), found = d.found, lines = d.lines, "audit log ends in damaged lines; continuing the chain from the last good line and recording a recovery checkpoint");
+                    (seq, prev, damage) = (s, p, Some(d));
+                }
+                Tail::Damaged {
+                    last_good: None,
+                    damage: mut d,
+                } => {
+                    let old = format!(
+                        "{}.1",
+                        path.file_name()
+                            .map(|n| n.to_string_lossy().into_owned())
+                            .unwrap_or_default()
+                    );
+                    tracing::warn!(file = %path.display(), found = d.found, moved_to = %old, "audit log has no good line near its end; keeping it and starting a new chain segment");
                     rotate_files(path, max_files.max(2)).map_err(io)?;
+                    // The old file's torn end is terminated by the verifier's
+                    // reading, not by a write here: count its newline now.
+                    if d.open {
+                        d.add(b"\n");
+                    }
+                    let head = d.new_segment.take().map(|(_, h)| h).unwrap_or_default();
+                    d.new_segment = Some((old, head));
+                    damage = Some(d);
                 }
             }
         }
@@ -317,7 +550,7 @@ impl ChainedSink {
             max_bytes: max_bytes.max(4096),
             max_files: max_files.max(1),
         };
-        Self::new(out, seq, prev, key, checkpoint_every)
+        Self::new(out, seq, prev, damage, key, checkpoint_every, max_line)
     }
 
     /// Writes a checkpoint now.
@@ -353,6 +586,19 @@ impl ChainedSink {
     }
 
     fn write_checkpoint(&self, st: &mut State, reason: &str) -> Result<(), AuditError> {
+        self.settle(st)?;
+        let line = self.checkpoint_line(st, reason, None)?;
+        self.write_line(st, &line)?;
+        st.since_checkpoint = 0;
+        Ok(())
+    }
+
+    fn checkpoint_line(
+        &self,
+        st: &State,
+        reason: &str,
+        recovery: Option<Recovery>,
+    ) -> Result<String, AuditError> {
         let time = OffsetDateTime::now_utc()
             .format(&time::format_description::well_known::Rfc3339)
             .map_err(|e| AuditError(e.to_string()))?;
@@ -366,6 +612,7 @@ impl ChainedSink {
             alg: "none".into(),
             key_id: None,
             sig: None,
+            recovery,
         };
         if let Some(key) = &self.key {
             cp.alg = key.alg().into();
@@ -373,38 +620,121 @@ impl ChainedSink {
             cp.sig =
                 Some(base64::engine::general_purpose::STANDARD.encode(key.sign(&cp.message())?));
         }
-        let line = serde_json::to_string(&cp).map_err(|e| AuditError(e.to_string()))?;
-        write_line(st, &line)?;
-        st.since_checkpoint = 0;
-        Ok(())
+        serde_json::to_string(&cp).map_err(|e| AuditError(e.to_string()))
+    }
+
+    /// Describes pending damage with a recovery checkpoint (after a newline
+    /// if the damage ended mid-line), so a record is never glued onto a torn
+    /// line. Called before a line is rendered: it moves the chain head.
+    fn settle(&self, st: &mut State) -> Result<(), AuditError> {
+        let Some(damage) = &st.damage else {
+            return Ok(());
+        };
+        let open = damage.open;
+        let cp = self.checkpoint_line(st, "recovery", Some(damage.recovery()))?;
+        let mut buf = Vec::with_capacity(cp.len() + 2);
+        if open {
+            buf.push(b'\n');
+        }
+        buf.extend_from_slice(cp.as_bytes());
+        buf.push(b'\n');
+        let (stands, result) = append(st, &buf);
+        if stands {
+            st.damage = None;
+            st.prev = line_hash(&cp);
+            st.seq += 1;
+        }
+        result
+    }
+
+    /// Appends one line (rendered at the current head) and advances the chain.
+    fn write_line(&self, st: &mut State, line: &str) -> Result<(), AuditError> {
+        if st.damage.is_some() {
+            return Err(AuditError(
+                "audit damage not yet recorded; line not written".into(),
+            ));
+        }
+        let mut buf = Vec::with_capacity(line.len() + 1);
+        buf.extend_from_slice(line.as_bytes());
+        buf.push(b'\n');
+        let (stands, result) = append(st, &buf);
+        if stands {
+            st.prev = line_hash(line);
+            st.seq += 1;
+        }
+        result
     }
 }
 
-/// Appends one line and advances the chain.
-fn write_line(st: &mut State, line: &str) -> Result<(), AuditError> {
-    let bytes = line.len() as u64 + 1;
-    let mut buf = Vec::with_capacity(line.len() + 1);
-    buf.extend_from_slice(line.as_bytes());
-    buf.push(b'\n');
-    match &mut st.out {
+/// Writes `buf` whole or records what a failed write left behind: a file is
+/// truncated back to its last good line; otherwise the partial bytes become
+/// damage that the next write terminates and describes. Returns whether the
+/// line stands (every byte was accepted, so the chain advances) and the
+/// error, if any (issuance fails closed on it either way).
+fn append(st: &mut State, buf: &[u8]) -> (bool, Result<(), AuditError>) {
+    let (written, result) = match &mut st.out {
         Output::Stdout => {
             let mut out = std::io::stdout().lock();
-            out.write_all(&buf)
-                .and_then(|_| out.flush())
-                .map_err(|e| AuditError(format!("stdout: {e}")))?;
+            let (n, r) = write_counted(&mut out, buf);
+            (n, r.and_then(|_| out.flush()))
         }
-        Output::File {
-            file, size, path, ..
-        } => {
-            file.write_all(&buf)
-                .map_err(|e| AuditError(format!("{}: {e}", path.display())))?;
-            *size += bytes;
+        Output::File { file, .. } => write_counted(file, buf),
+        Output::Buffer(b) => {
+            b.extend_from_slice(buf);
+            (buf.len(), Ok(()))
         }
-        Output::Buffer(b) => b.extend_from_slice(&buf),
+        Output::Writer(w) => {
+            let (n, r) = write_counted(w, buf);
+            (n, r.and_then(|_| w.flush()))
+        }
+    };
+    let mut left = &buf[..written];
+    if let Output::File { file, size, .. } = &mut st.out {
+        if written < buf.len() && file.set_len(*size).is_ok() {
+            left = &[];
+        }
+        *size += left.len() as u64;
     }
-    st.prev = line_hash(line);
-    st.seq += 1;
-    Ok(())
+    let Err(e) = result else {
+        return (true, Ok(()));
+    };
+    let where_ = match &st.out {
+        Output::File { path, .. } => path.display().to_string(),
+        Output::Stdout => "stdout".into(),
+        _ => "audit output".into(),
+    };
+    if written == buf.len() {
+        // Every byte was accepted (a flush failed): the line stands.
+        return (true, Err(AuditError(format!("{where_}: {e}"))));
+    }
+    let damage = st.damage.get_or_insert_with(|| Damage::new("write_error"));
+    damage.add(left);
+    if damage.open && damage.found == "write_error" {
+        damage.found = "torn_line";
+    }
+    (false, Err(AuditError(format!("{where_}: {e}"))))
+}
+
+/// `write_all` that reports how many bytes went out before an error.
+fn write_counted(w: &mut impl Write, buf: &[u8]) -> (usize, std::io::Result<()>) {
+    let mut n = 0;
+    while n < buf.len() {
+        match w.write(&buf[n..]) {
+            Ok(0) => {
+                return (
+                    n,
+                    Err(std::io::Error::new(
+                        std::io::ErrorKind::WriteZero,
+                        "write returned 0",
+                    )),
+                )
+            }
+            Ok(k) => n += k,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return (n, Err(e)),
+        }
+    }
+    (n, Ok(()))
 }
 
 /// `path.<n-2>` → `path.<n-1>`, ..., `path` → `path.1`; the oldest is dropped.
@@ -434,34 +764,176 @@ fn rotate_files(path: &Path, max_files: u32) -> std::io::Result<()> {
     Ok(())
 }
 
-/// The (next seq, hash) after the last line of an existing log, `None` for
-/// an empty file, `Some(Err)` if the last line is damaged.
-#[allow(clippy::type_complexity)]
-fn last_position(path: &Path) -> std::io::Result<Option<Result<(u64, String), ()>>> {
+/// What the end of an existing log looks like.
+#[derive(Debug)]
+enum Tail {
+    Empty,
+    /// The last line is a good chain line.
+    Good {
+        next_seq: u64,
+        prev: String,
+        last_line_bytes: u64,
+    },
+    /// Lines after the last good one (if any was found) are damaged.
+    Damaged {
+        last_good: Option<(u64, String)>,
+        damage: Damage,
+    },
+}
+
+/// Reads the log backwards, line by line, as bytes (never as text: an
+/// offset may fall inside a UTF-8 character), until a good chain line is
+/// found. Memory stays bounded by [`PARSE_LIMIT`] whatever the line sizes.
+fn scan_tail(path: &Path, max_line: u64) -> std::io::Result<Tail> {
     let mut f = File::open(path)?;
     let len = f.metadata()?.len();
     if len == 0 {
-        return Ok(None);
+        return Ok(Tail::Empty);
     }
-    let start = len.saturating_sub(256 * 1024);
+    let torn = read_at(&mut f, len - 1, 1)? != b"\n";
+    // `end`: exclusive end of the current line's bytes.
+    let mut end = if torn { len } else { len - 1 };
+    let (mut lines, mut scanned) = (0u64, 0u64);
+    let mut first: Option<(&'static str, String, u64)> = None;
+    loop {
+        let start = prev_newline(&mut f, end)?.map_or(0, |p| p + 1);
+        let (good, hash) = classify(&mut f, start, end - start)?;
+        let size = end - start;
+        if first.is_none() {
+            let found = if torn {
+                "torn_line"
+            } else if size > max_line {
+                "oversize_line"
+            } else {
+                "unparsable_tail"
+            };
+            first = Some((found, hash.clone(), size));
+        }
+        if let Some(seq) = good {
+            if lines == 0 {
+                if torn {
+                    // A whole line that lost only its newline: restore it.
+                    OpenOptions::new()
+                        .append(true)
+                        .open(path)?
+                        .write_all(b"\n")?;
+                }
+                return Ok(Tail::Good {
+                    next_seq: seq + 1,
+                    prev: hash,
+                    last_line_bytes: size,
+                });
+            }
+            let damage = damage_from(&mut f, end + 1, len, lines, first)?;
+            return Ok(Tail::Damaged {
+                last_good: Some((seq + 1, hash)),
+                damage,
+            });
+        }
+        lines += 1;
+        scanned += size + 1;
+        if start == 0 || lines >= MAX_DAMAGED_LINES || scanned >= MAX_DAMAGED_SCAN {
+            let mut damage = damage_from(&mut f, start, len, lines, first.clone())?;
+            damage.new_segment = first.map(|(_, h, _)| (String::new(), h));
+            return Ok(Tail::Damaged {
+                last_good: None,
+                damage,
+            });
+        }
+        end = start - 1;
+    }
+}
+
+/// Damage covering bytes `from..len` of the file (`lines` lines).
+fn damage_from(
+    f: &mut File,
+    from: u64,
+    len: u64,
+    lines: u64,
+    first: Option<(&'static str, String, u64)>,
+) -> std::io::Result<Damage> {
+    let (found, _, last_size) = first.unwrap_or(("unparsable_tail", String::new(), 0));
+    let mut d = Damage::new(found);
+    if found == "oversize_line" {
+        d.last_line_bytes = Some(last_size);
+    }
+    f.seek(SeekFrom::Start(from))?;
+    let mut reader = std::io::Read::take(&mut *f, len - from);
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let n = reader.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        d.add(&buf[..n]);
+    }
+    // `add` counted the newlines; a torn last line is counted once its
+    // newline is written (see `Damage::recovery`).
+    debug_assert!(d.lines + u64::from(d.open) == lines);
+    Ok(d)
+}
+
+fn read_at(f: &mut File, at: u64, n: u64) -> std::io::Result<Vec<u8>> {
+    f.seek(SeekFrom::Start(at))?;
+    let mut buf = Vec::with_capacity(n as usize);
+    std::io::Read::take(&mut *f, n).read_to_end(&mut buf)?;
+    Ok(buf)
+}
+
+/// Offset of the last `\n` before `before`, reading backwards in chunks.
+fn prev_newline(f: &mut File, before: u64) -> std::io::Result<Option<u64>> {
+    const CHUNK: u64 = 64 * 1024;
+    let mut end = before;
+    while end > 0 {
+        let start = end.saturating_sub(CHUNK);
+        let buf = read_at(f, start, end - start)?;
+        if let Some(i) = buf.iter().rposition(|b| *b == b'\n') {
+            return Ok(Some(start + i as u64));
+        }
+        end = start;
+    }
+    Ok(None)
+}
+
+/// Whether bytes `start..start+len` are a good chain line (its seq), and
+/// their hash. Lines over [`PARSE_LIMIT`] are hashed as a stream and judged
+/// by their head (`{"type":..,"seq":N,"prev":"<64 hex>"`) and closing brace.
+fn classify(f: &mut File, start: u64, len: u64) -> std::io::Result<(Option<u64>, String)> {
+    if len <= PARSE_LIMIT {
+        let line = read_at(f, start, len)?;
+        let seq = parse_line(&line).ok().map(|p| p.seq());
+        return Ok((seq, line_hash(&line)));
+    }
+    let head = read_at(f, start, 256)?;
+    let last = read_at(f, start + len - 1, 1)?;
+    let mut ctx = aws_lc_rs::digest::Context::new(&aws_lc_rs::digest::SHA256);
     f.seek(SeekFrom::Start(start))?;
-    let mut tail = String::new();
-    f.read_to_string(&mut tail)
-        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
-    if !tail.ends_with('\n') {
-        return Ok(Some(Err(())));
+    let mut reader = std::io::Read::take(&mut *f, len);
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let n = reader.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        ctx.update(&buf[..n]);
     }
-    let Some(last) = tail.trim_end_matches('\n').rsplit('\n').next() else {
-        return Ok(Some(Err(())));
-    };
-    #[derive(Deserialize)]
-    struct Pos {
-        seq: u64,
-    }
-    Ok(Some(match serde_json::from_str::<Pos>(last) {
-        Ok(p) => Ok((p.seq + 1, line_hash(last))),
-        Err(_) => Err(()),
-    }))
+    let seq = (last == b"}").then(|| head_seq(&head)).flatten();
+    Ok((seq, hex::encode(ctx.finish())))
+}
+
+/// The seq of a line from its first bytes, as this writer lays them out.
+fn head_seq(head: &[u8]) -> Option<u64> {
+    let rest = [
+        &b"{\"type\":\"audit\",\"seq\":"[..],
+        b"{\"type\":\"checkpoint\",\"seq\":",
+    ]
+    .iter()
+    .find_map(|p| head.strip_prefix(*p))?;
+    let digits = rest.iter().take_while(|b| b.is_ascii_digit()).count();
+    let seq = std::str::from_utf8(&rest[..digits]).ok()?.parse().ok()?;
+    let prev = rest[digits..].strip_prefix(b",\"prev\":\"")?;
+    (prev.len() > 64 && prev[..64].iter().all(u8::is_ascii_hexdigit) && prev[64] == b'"')
+        .then_some(seq)
 }
 
 fn needs_rotation(st: &State, line_len: usize) -> bool {
@@ -484,6 +956,11 @@ impl ChainedSink {
         };
         let (path, max_files) = (path.clone(), *max_files);
         let io = |e: std::io::Error| AuditError(format!("rotating {}: {e}", path.display()));
+        if let Some(d) = st.damage.as_mut().filter(|d| d.open) {
+            // Terminate a torn line in the file it belongs to.
+            file.write_all(b"\n").map_err(io)?;
+            d.add(b"\n");
+        }
         file.sync_data().map_err(io)?;
         rotate_files(&path, max_files).map_err(io)?;
         let new = OpenOptions::new()
@@ -499,32 +976,438 @@ impl ChainedSink {
     }
 }
 
+impl ChainedSink {
+    /// The audit line for `record` at the chain head, within the line cap:
+    /// the full record, or else a reduced form that says so (strings cut
+    /// hard, and the full line's size and hash), or else only the decision.
+    fn fit(&self, st: &State, record: &AuditRecord) -> Result<String, AuditError> {
+        let render = |record: &AuditRecord| {
+            serde_json::to_string(&AuditLine {
+                kind: "audit",
+                seq: st.seq,
+                prev: &st.prev,
+                record,
+            })
+            .map_err(|e| AuditError(e.to_string()))
+        };
+        let cap = self.max_line_bytes as usize;
+        let line = render(record)?;
+        if line.len() < cap {
+            return Ok(line);
+        }
+        let mut reduced = record.clone();
+        reduced.reduced = Some(Reduced {
+            line_bytes: line.len() as u64,
+            line_sha256: line_hash(&line),
+            max_line_bytes: self.max_line_bytes,
+        });
+        bound_string(&mut reduced.request_id, MIN_MAX);
+        bound_string(&mut reduced.reason, MIN_MAX);
+        for f in [
+            &mut reduced.peer,
+            &mut reduced.authn_method,
+            &mut reduced.caller_identity,
+            &mut reduced.caller_pod,
+            &mut reduced.caller_pod_uid,
+            &mut reduced.node,
+            &mut reduced.requested_identity,
+            &mut reduced.detail,
+            &mut reduced.evidence,
+            &mut reduced.serial,
+            &mut reduced.spki_sha256,
+            &mut reduced.csr_sha256,
+            &mut reduced.issuer_key_id,
+        ] {
+            bound_opt(f, MIN_MAX);
+        }
+        if let Some(sans) = &mut reduced.csr_sans {
+            sans.truncate(1);
+            sans.iter_mut().for_each(|s| bound_string(s, MIN_MAX));
+        }
+        let line = render(&reduced)?;
+        if line.len() < cap {
+            return Ok(line);
+        }
+        let minimal = AuditRecord {
+            time: reduced.time,
+            request_id: String::new(),
+            peer: None,
+            authn_method: None,
+            caller_identity: None,
+            caller_pod: None,
+            caller_pod_uid: None,
+            node: None,
+            requested_identity: None,
+            impersonated: reduced.impersonated,
+            decision: reduced.decision,
+            reason: reduced.reason.chars().take(64).collect(),
+            detail: None,
+            evidence: None,
+            serial: None,
+            spki_sha256: None,
+            csr_sha256: None,
+            csr_sans: None,
+            not_before: None,
+            not_after: None,
+            issuer_key_id: None,
+            latency_ms: reduced.latency_ms,
+            reduced: reduced.reduced,
+        };
+        let line = render(&minimal)?;
+        if line.len() < cap {
+            return Ok(line);
+        }
+        Err(AuditError(format!(
+            "audit record does not fit the {cap} byte line cap even reduced"
+        )))
+    }
+}
+
 impl AuditSink for ChainedSink {
     fn emit(&self, record: &AuditRecord) -> Result<(), AuditError> {
         let mut st = self
             .state
             .lock()
             .map_err(|_| AuditError("audit state poisoned".into()))?;
-        let render = |seq: u64, prev: &str| {
-            serde_json::to_string(&AuditLine {
-                kind: "audit",
-                seq,
-                prev,
-                record,
-            })
-            .map_err(|e| AuditError(e.to_string()))
-        };
-        let mut line = render(st.seq, &st.prev)?;
+        self.settle(&mut st)?;
+        let mut line = self.fit(&st, record)?;
         if needs_rotation(&st, line.len()) {
             self.rotate(&mut st)?;
-            line = render(st.seq, &st.prev)?;
+            line = self.fit(&st, record)?;
         }
-        write_line(&mut st, &line)?;
+        self.write_line(&mut st, &line)?;
         st.records += 1;
         st.since_checkpoint += 1;
         if st.since_checkpoint >= self.checkpoint_every {
             self.write_checkpoint(&mut st, "periodic")?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::audit::verify::{read_lines, verify_lines};
+    use crate::audit::Decision;
+    use std::sync::Arc;
+    use test_case::test_case;
+
+    fn record(i: u64) -> AuditRecord {
+        AuditRecord {
+            time: OffsetDateTime::now_utc(),
+            request_id: format!("req-{i}"),
+            peer: None,
+            authn_method: None,
+            caller_identity: Some("spiffe://cluster.local/ns/a/sa/é".into()),
+            caller_pod: None,
+            caller_pod_uid: None,
+            node: None,
+            requested_identity: None,
+            impersonated: false,
+            decision: Decision::Allow,
+            reason: "issued".into(),
+            detail: None,
+            evidence: None,
+            serial: None,
+            spki_sha256: None,
+            csr_sha256: None,
+            csr_sans: None,
+            not_before: None,
+            not_after: None,
+            issuer_key_id: None,
+            latency_ms: 1.0,
+            reduced: None,
+        }
+    }
+
+    /// A disk that accepts `budget` more bytes, then fails with ENOSPC.
+    #[derive(Clone, Default)]
+    struct Disk {
+        data: Arc<Mutex<Vec<u8>>>,
+        budget: Arc<Mutex<Option<usize>>>,
+        fail_flush: Arc<Mutex<bool>>,
+    }
+
+    impl Write for Disk {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            let mut budget = self.budget.lock().unwrap();
+            let n = match *budget {
+                None => buf.len(),
+                Some(0) => return Err(std::io::Error::from_raw_os_error(28)),
+                Some(b) => b.min(buf.len()),
+            };
+            if let Some(b) = budget.as_mut() {
+                *b -= n;
+            }
+            self.data.lock().unwrap().extend_from_slice(&buf[..n]);
+            Ok(n)
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            if *self.fail_flush.lock().unwrap() {
+                return Err(std::io::Error::from_raw_os_error(5));
+            }
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_failed_flush_after_a_whole_line_keeps_the_chain() {
+        let disk = Disk::default();
+        let sink =
+            ChainedSink::writer_capped(Output::Writer(Box::new(disk.clone())), None, 1000, 16384)
+                .unwrap();
+        *disk.fail_flush.lock().unwrap() = true;
+        assert!(sink.emit(&record(1)).is_err(), "fail closed");
+        *disk.fail_flush.lock().unwrap() = false;
+        sink.emit(&record(2)).unwrap();
+        let data = disk.data.lock().unwrap().clone();
+        let report = verify_lines(&lines_of(&data), None).unwrap();
+        assert_eq!(
+            report.records, 2,
+            "the flushed-late line stands in the chain"
+        );
+        assert!(report.recoveries.is_empty());
+    }
+
+    fn lines_of(bytes: &[u8]) -> Vec<(String, Vec<u8>)> {
+        let mut v: Vec<(String, Vec<u8>)> = bytes
+            .split(|b| *b == b'\n')
+            .enumerate()
+            .map(|(i, l)| (format!("mem:{}", i + 1), l.to_vec()))
+            .collect();
+        if bytes.ends_with(b"\n") {
+            v.pop();
+        }
+        v
+    }
+
+    #[test_case(Some(40), "torn_line", 1 ; "disk fills mid-line")]
+    #[test_case(Some(0), "write_error", 0 ; "disk full before the first byte")]
+    fn a_failed_write_never_glues_the_next_record(budget: Option<usize>, found: &str, lines: u64) {
+        let disk = Disk::default();
+        let sink =
+            ChainedSink::writer_capped(Output::Writer(Box::new(disk.clone())), None, 1000, 16384)
+                .unwrap();
+        sink.emit(&record(1)).unwrap();
+        *disk.budget.lock().unwrap() = budget;
+        assert!(sink.emit(&record(2)).is_err(), "fail closed");
+        *disk.budget.lock().unwrap() = None;
+        sink.emit(&record(3)).unwrap();
+        sink.checkpoint("shutdown").unwrap();
+        let data = disk.data.lock().unwrap().clone();
+        let lines_read = lines_of(&data);
+        // Every line is either a whole chain line or the one torn fragment.
+        let broken = lines_read
+            .iter()
+            .filter(|(_, l)| parse_line(l).is_err())
+            .count() as u64;
+        assert_eq!(broken, lines);
+        let report = verify_lines(&lines_read, None).unwrap();
+        assert_eq!(report.records, 2);
+        assert_eq!(report.recoveries.len(), 1);
+        assert_eq!(report.recoveries[0].recovery.found, found);
+        assert_eq!(report.recoveries[0].recovery.damaged_lines, lines);
+        assert!(report.recoveries[0].recovery.continued);
+    }
+
+    #[test]
+    fn an_over_cap_record_is_written_reduced_and_says_so() {
+        let sink =
+            ChainedSink::writer_capped(Output::Buffer(Vec::new()), None, 1000, 4096).unwrap();
+        let mut r = record(1);
+        r.detail = Some("x".repeat(100_000));
+        r.requested_identity = Some("y".repeat(100_000));
+        sink.emit(&r).unwrap();
+        let text = sink.buffer_contents();
+        let lines: Vec<(String, String)> = text
+            .lines()
+            .enumerate()
+            .map(|(i, l)| (format!("mem:{i}"), l.to_string()))
+            .collect();
+        assert!(lines.iter().all(|(_, l)| l.len() < 4096));
+        let rep = verify_lines(&lines, None).unwrap();
+        assert_eq!(rep.reduced_records, 1);
+        let v: serde_json::Value = serde_json::from_str(&lines[1].1).unwrap();
+        assert_eq!(v["reduced"]["max_line_bytes"], 4096);
+        assert!(v["reduced"]["line_bytes"].as_u64().unwrap() > 200_000);
+        assert_eq!(v["reason"], "issued");
+    }
+
+    /// Writes a good log of `n` records and returns its bytes.
+    fn good_log(path: &Path, n: u64) -> Vec<u8> {
+        let sink = ChainedSink::file(path, 1 << 30, 3, None, 1000).unwrap();
+        for i in 0..n {
+            sink.emit(&record(i)).unwrap();
+        }
+        drop(sink);
+        std::fs::read(path).unwrap()
+    }
+
+    fn oversize_good_line(path: &Path) {
+        // Written by a sink with a large cap, as versions before the cap did.
+        let sink =
+            ChainedSink::file_capped(path, 1 << 30, 3, None, 1000, MAX_MAX_LINE_BYTES).unwrap();
+        let mut r = record(9);
+        r.detail = Some("z".repeat(900 * 1024));
+        sink.emit(&r).unwrap();
+        drop(sink);
+        // Past the full-parse limit: lines are then judged by their head.
+        let mut bytes = std::fs::read(path).unwrap();
+        let last_start = bytes[..bytes.len() - 1]
+            .iter()
+            .rposition(|b| *b == b'\n')
+            .unwrap()
+            + 1;
+        let mut line = bytes.split_off(last_start);
+        line.pop();
+        let line = String::from_utf8(line)
+            .unwrap()
+            .replace(&"z".repeat(900 * 1024), &"z".repeat(1100 * 1024));
+        // Keeps seq and prev (the head) in the writer's field order; the
+        // chain continues from it by its own hash.
+        bytes.extend_from_slice(line.as_bytes());
+        bytes.push(b'\n');
+        std::fs::write(path, bytes).unwrap();
+    }
+
+    #[derive(Debug, PartialEq)]
+    enum Want {
+        Good,
+        GoodOversize,
+        Continued(&'static str, u64),
+        NewSegment(&'static str, u64),
+    }
+
+    #[test_case(b"" as &[u8], 0, Want::Good ; "intact")]
+    #[test_case(b"{\"type\":\"audit\",\"seq\":", 0, Want::Continued("torn_line", 1) ; "torn line")]
+    #[test_case(b"\xff\xfe\x00garbage\n{not json\n", 0, Want::Continued("unparsable_tail", 2) ; "garbage tail")]
+    #[test_case(b"\n", 0, Want::Continued("unparsable_tail", 1) ; "empty line")]
+    #[test_case(b"", 1, Want::Continued("oversize_line", 1) ; "oversize garbage line")]
+    #[test_case(b"", 2, Want::GoodOversize ; "oversize good line")]
+    #[test_case(b"", 3, Want::NewSegment("unparsable_tail", 3) ; "nothing good at all")]
+    #[test_case(b"", 4, Want::Good ; "line lost only its newline")]
+    fn damaged_tails_are_recovered(append: &[u8], special: u8, want: Want) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("audit.log");
+        good_log(&path, 3);
+        let mut bytes = std::fs::read(&path).unwrap();
+        match special {
+            1 => {
+                bytes.extend_from_slice(&[b'q'; 2 * 1024 * 1024]);
+                bytes.push(b'\n');
+            }
+            2 => {
+                oversize_good_line(&path);
+                bytes = std::fs::read(&path).unwrap();
+            }
+            3 => bytes = b"garbage\nmore \xc3\n\xa9garbage\n".to_vec(),
+            4 => {
+                bytes.pop();
+            }
+            _ => {}
+        }
+        bytes.extend_from_slice(append);
+        std::fs::write(&path, &bytes).unwrap();
+        let before_len = bytes.len();
+
+        let tail = scan_tail(&path, DEFAULT_MAX_LINE_BYTES).unwrap();
+        let got = match &tail {
+            Tail::Empty => panic!("not empty"),
+            Tail::Good {
+                last_line_bytes, ..
+            } if *last_line_bytes > DEFAULT_MAX_LINE_BYTES => Want::GoodOversize,
+            Tail::Good { .. } => Want::Good,
+            Tail::Damaged {
+                last_good: Some(_),
+                damage,
+            } => Want::Continued(damage.found, damage.lines + u64::from(damage.open)),
+            Tail::Damaged {
+                last_good: None,
+                damage,
+            } => Want::NewSegment(damage.found, damage.lines + u64::from(damage.open)),
+        };
+        assert_eq!(got, want);
+        if special == 4 {
+            assert_eq!(
+                std::fs::read(&path).unwrap().len(),
+                before_len + 1,
+                "newline restored"
+            );
+        }
+
+        // Restart on it: the sink starts, writes, and the log verifies with
+        // the recovery reported.
+        let sink = ChainedSink::file(&path, 1 << 30, 3, None, 1000).unwrap();
+        sink.emit(&record(100)).unwrap();
+        sink.checkpoint("shutdown").unwrap();
+        drop(sink);
+        let mut files = vec![];
+        if matches!(want, Want::NewSegment(..)) {
+            files.push(dir.path().join("audit.log.1"));
+        }
+        files.push(path.clone());
+        let rep = verify_lines(&read_lines(&files).unwrap(), None).unwrap();
+        match want {
+            Want::Good => assert!(rep.recoveries.is_empty()),
+            Want::GoodOversize => {
+                assert_eq!(rep.recoveries.len(), 1);
+                assert_eq!(rep.recoveries[0].recovery.found, "oversize_line");
+                assert!(rep.recoveries[0].recovery.continued);
+            }
+            Want::Continued(found, n) | Want::NewSegment(found, n) => {
+                let r = &rep.recoveries[0];
+                assert_eq!(r.recovery.found, found);
+                assert_eq!(r.recovery.damaged_lines, n);
+                assert!(r.damaged_lines_checked, "{r}");
+                assert_eq!(r.recovery.continued, matches!(want, Want::Continued(..)));
+            }
+        }
+        // The new file alone verifies too.
+        verify_lines(&read_lines(&[&path]).unwrap(), None).unwrap_or_else(|f| {
+            assert!(matches!(want, Want::Continued(..)), "{f}");
+            Default::default()
+        });
+    }
+
+    #[test]
+    fn a_tail_offset_inside_a_utf8_character_is_not_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("audit.log");
+        let sink = ChainedSink::file(&path, 1 << 30, 3, None, 1000).unwrap();
+        let mut r = record(0);
+        r.detail = Some("é".repeat(3000));
+        for i in 0..200 {
+            sink.emit(&r).unwrap();
+            let len = std::fs::metadata(&path).unwrap().len();
+            if len > 300 * 1024 {
+                let b = std::fs::read(&path).unwrap();
+                // What the old reader's 256 KiB window started on.
+                if b[(len - 256 * 1024) as usize] & 0xC0 == 0x80 {
+                    break;
+                }
+            }
+            assert!(i < 199, "never landed mid-character");
+        }
+        drop(sink);
+        assert!(matches!(
+            scan_tail(&path, DEFAULT_MAX_LINE_BYTES).unwrap(),
+            Tail::Good { .. }
+        ));
+        let sink = ChainedSink::file(&path, 1 << 30, 3, None, 1000).unwrap();
+        sink.emit(&record(1)).unwrap();
+        drop(sink);
+        let rep = verify_lines(&read_lines(&[&path]).unwrap(), None).unwrap();
+        assert_eq!(rep.chain_starts, 1, "one chain across the restart");
+    }
+
+    #[test_case(b"{\"type\":\"audit\",\"seq\":12,\"prev\":\"0000000000000000000000000000000000000000000000000000000000000000\",", Some(12) ; "audit head")]
+    #[test_case(b"{\"type\":\"checkpoint\",\"seq\":7,\"prev\":\"aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa\"", Some(7) ; "checkpoint head")]
+    #[test_case(b"{\"type\":\"audit\",\"seq\":12,\"prev\":\"00\"", None ; "short prev")]
+    #[test_case(b"{\"type\":\"other\",\"seq\":1,", None ; "unknown type")]
+    #[test_case(b"\xff\xfe", None ; "binary")]
+    #[test_case(b"{\"type\":\"audit\",\"seq\":99999999999999999999999,\"prev\":\"", None ; "seq overflow")]
+    fn head_seq_table(head: &[u8], want: Option<u64>) {
+        assert_eq!(head_seq(head), want);
     }
 }

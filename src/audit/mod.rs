@@ -4,6 +4,7 @@
 //! periodic checkpoints so deletions, edits and reordering are detectable
 //! ([`verify`]).
 
+pub mod bounded;
 pub mod chain;
 pub mod verify;
 
@@ -46,12 +47,61 @@ pub struct AuditRecord {
     pub serial: Option<String>,
     pub spki_sha256: Option<String>,
     pub csr_sha256: Option<String>,
+    /// Every SAN of the parsed CSR (URIs verbatim, other kinds prefixed),
+    /// bounded; absent when no CSR was parsed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub csr_sans: Option<Vec<String>>,
     #[serde(with = "time::serde::rfc3339::option")]
     pub not_before: Option<OffsetDateTime>,
     #[serde(with = "time::serde::rfc3339::option")]
     pub not_after: Option<OffsetDateTime>,
     pub issuer_key_id: Option<String>,
     pub latency_ms: f64,
+    /// Set by the sink when the full record exceeded the line cap and this
+    /// reduced form was written instead.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reduced: Option<Reduced>,
+}
+
+/// What a reduced record stands for.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Reduced {
+    /// Size of the full line that was refused.
+    pub line_bytes: u64,
+    /// SHA-256 of the full line (never written).
+    pub line_sha256: String,
+    /// The cap in force (`MESHCA_AUDIT_MAX_LINE_BYTES`).
+    pub max_line_bytes: u64,
+}
+
+impl AuditRecord {
+    /// Bounds every string a caller can influence (see [`bounded`]). Applied
+    /// once, when the record is finalized, so no path can skip it.
+    pub fn bound(&mut self) {
+        use bounded::{bound_opt, bound_sans, bound_string, FIELD_MAX};
+        bound_string(&mut self.request_id, FIELD_MAX);
+        bound_string(&mut self.reason, FIELD_MAX);
+        for f in [
+            &mut self.peer,
+            &mut self.authn_method,
+            &mut self.caller_identity,
+            &mut self.caller_pod,
+            &mut self.caller_pod_uid,
+            &mut self.node,
+            &mut self.requested_identity,
+            &mut self.detail,
+            &mut self.evidence,
+            &mut self.serial,
+            &mut self.spki_sha256,
+            &mut self.csr_sha256,
+            &mut self.issuer_key_id,
+        ] {
+            bound_opt(f, FIELD_MAX);
+        }
+        if let Some(sans) = &mut self.csr_sans {
+            bound_sans(sans);
+        }
+    }
 }
 
 /// The audit sink could not persist a record.
@@ -125,10 +175,12 @@ impl AuditGuard {
                 serial: None,
                 spki_sha256: None,
                 csr_sha256: None,
+                csr_sans: None,
                 not_before: None,
                 not_after: None,
                 issuer_key_id: None,
                 latency_ms: 0.0,
+                reduced: None,
             },
             reason: "request_abandoned",
             class: None,
@@ -175,6 +227,7 @@ impl AuditGuard {
         self.done = true;
         let elapsed = self.started.elapsed().as_secs_f64();
         self.record.latency_ms = elapsed * 1000.0;
+        self.record.bound();
         if let Some(m) = &self.metrics {
             m.record(self.record.decision, self.reason, self.class, elapsed);
         }
@@ -227,6 +280,23 @@ mod tests {
         g.finish().unwrap();
         assert_eq!(sink.records().len(), 1);
         assert_eq!(sink.records()[0].reason, "issued");
+    }
+
+    #[test]
+    fn oversized_caller_input_is_bounded_when_the_record_is_emitted() {
+        let sink = Arc::new(MemorySink::default());
+        let mut g = AuditGuard::new(sink.clone(), None, None);
+        let huge = "\u{1}".repeat(1_000_000);
+        g.record().requested_identity = Some(huge.clone());
+        g.record().csr_sans = Some(vec![huge.clone(); 100]);
+        g.deny("x", None, format!("bad identity {huge}"));
+        drop(g);
+        let r = &sink.records()[0];
+        let line = serde_json::to_string(r).unwrap();
+        assert!(line.len() < 16 * 1024, "{}", line.len());
+        let id = r.requested_identity.as_deref().unwrap();
+        assert!(id.contains("1000000 bytes, sha256:"), "{id}");
+        assert_eq!(r.csr_sans.as_ref().unwrap().len(), bounded::MAX_SANS);
     }
 
     #[derive(Debug)]

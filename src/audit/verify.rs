@@ -7,17 +7,84 @@ use base64::Engine;
 use serde::Deserialize;
 use time::OffsetDateTime;
 
-use super::chain::{line_hash, Checkpoint, VerifyKey, GENESIS};
+use super::bounded::{bounded, FIELD_MAX, SAN_MAX};
+use super::chain::{line_hash, Checkpoint, Recovery, VerifyKey, GENESIS};
 use super::{AuditRecord, Decision};
 
 /// Where verification first failed, and why.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{location} (seq {seq:?}): {why}")]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct VerifyFailure {
     /// `file:line`.
     pub location: String,
     pub seq: Option<u64>,
     pub why: String,
+}
+
+impl std::fmt::Display for VerifyFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.seq {
+            Some(seq) => write!(f, "{} (seq {seq}): {}", self.location, self.why),
+            None => write!(f, "{}: {}", self.location, self.why),
+        }
+    }
+}
+
+impl std::error::Error for VerifyFailure {}
+
+/// A recovery the writer recorded after finding a damaged log on start (or a
+/// failed write): reported, not a verification failure, when the damaged
+/// lines are exactly the ones its checkpoint names.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecoveryNote {
+    /// `file:line` of the recovery checkpoint.
+    pub location: String,
+    pub recovery: Recovery,
+    /// The damaged lines were present and matched the checkpoint's digest
+    /// (false when they are in a file that was not given).
+    pub damaged_lines_checked: bool,
+}
+
+impl std::fmt::Display for RecoveryNote {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let r = &self.recovery;
+        let what = match r.found.as_str() {
+            "torn_line" => "the log ended in a torn (incomplete) line",
+            "unparsable_tail" => "the log ended in unparsable data",
+            "oversize_line" => "the log's last line was over the line cap",
+            "write_error" => "a write failed part-way",
+            _ => "damage",
+        };
+        write!(f, "{}: recovery: {what}", self.location)?;
+        if r.damaged_lines > 0 {
+            write!(
+                f,
+                "; {} damaged line(s), {} bytes, sha256 {}{}",
+                r.damaged_lines,
+                r.damaged_bytes,
+                r.damaged_sha256.escape_debug(),
+                if self.damaged_lines_checked {
+                    " (present and matching)"
+                } else {
+                    " (not in the files given)"
+                }
+            )?;
+        }
+        if let Some(n) = r.last_line_bytes {
+            write!(f, "; last line {n} bytes")?;
+        }
+        if r.continued {
+            write!(f, "; the chain continues from the last good line")
+        } else {
+            write!(f, "; a new chain segment starts here")?;
+            if let Some(file) = &r.old_file {
+                write!(f, ", the damaged log was kept as {}", file.escape_debug())?;
+            }
+            if let Some(h) = &r.old_head {
+                write!(f, " (its last line had sha256 {})", h.escape_debug())?;
+            }
+            Ok(())
+        }
+    }
 }
 
 /// What a successful verification covered.
@@ -32,6 +99,10 @@ pub struct VerifyReport {
     pub last_seq: Option<u64>,
     /// Records after the last checkpoint: not yet covered by a signature.
     pub unsigned_tail: u64,
+    /// Recoveries from damaged tails or failed writes, in order.
+    pub recoveries: Vec<RecoveryNote>,
+    /// Records the sink wrote in reduced form (over the line cap).
+    pub reduced_records: u64,
 }
 
 #[derive(Debug, Deserialize)]
@@ -42,43 +113,139 @@ struct Head {
     prev: String,
 }
 
+/// One line, parsed as the writer writes it.
+#[derive(Debug)]
+pub(crate) enum Parsed {
+    Audit {
+        seq: u64,
+        prev: String,
+        record: Box<AuditRecord>,
+    },
+    Checkpoint(Box<Checkpoint>),
+}
+
+impl Parsed {
+    pub(crate) fn seq(&self) -> u64 {
+        match self {
+            Self::Audit { seq, .. } => *seq,
+            Self::Checkpoint(c) => c.seq,
+        }
+    }
+    fn prev(&self) -> &str {
+        match self {
+            Self::Audit { prev, .. } => prev,
+            Self::Checkpoint(c) => &c.prev,
+        }
+    }
+}
+
+/// Parses a line; the error carries the seq when the head was readable. The
+/// writer uses the same test to find the last good line of a damaged log.
+pub(crate) fn parse_line(line: &[u8]) -> Result<Parsed, (Option<u64>, String)> {
+    if line.iter().all(u8::is_ascii_whitespace) {
+        return Err((None, "empty line inserted".into()));
+    }
+    let head: Head = serde_json::from_slice(line).map_err(|e| {
+        (
+            None,
+            format!("not a complete audit line (truncated or edited): {e}"),
+        )
+    })?;
+    let seq = Some(head.seq);
+    match head.kind.as_str() {
+        "audit" => {
+            let record = serde_json::from_slice::<AuditRecord>(line)
+                .map_err(|e| (seq, format!("malformed audit record: {e}")))?;
+            Ok(Parsed::Audit {
+                seq: head.seq,
+                prev: head.prev,
+                record: Box::new(record),
+            })
+        }
+        "checkpoint" => serde_json::from_slice::<Checkpoint>(line)
+            .map(|c| Parsed::Checkpoint(Box::new(c)))
+            .map_err(|e| (seq, format!("malformed checkpoint: {e}"))),
+        other => Err((
+            seq,
+            format!("unknown line type \"{}\"", other.escape_debug()),
+        )),
+    }
+}
+
+/// SHA-256 and size of damaged lines as the writer commits to them: each
+/// line's bytes followed by its newline.
+pub(crate) fn damage_digest<L: AsRef<[u8]>>(lines: &[L]) -> (u64, String) {
+    let mut ctx = aws_lc_rs::digest::Context::new(&aws_lc_rs::digest::SHA256);
+    let mut n = 0u64;
+    for l in lines {
+        ctx.update(l.as_ref());
+        ctx.update(b"\n");
+        n += l.as_ref().len() as u64 + 1;
+    }
+    (n, hex::encode(ctx.finish()))
+}
+
+/// If lines `i..j` are unparsable and line `j` is a recovery checkpoint that
+/// names exactly them, returns `j`.
+fn explained_damage<L: AsRef<[u8]>>(lines: &[(String, L)], i: usize) -> Option<usize> {
+    let mut j = i;
+    while j < lines.len() && parse_line(lines[j].1.as_ref()).is_err() {
+        j += 1;
+    }
+    let Ok(Parsed::Checkpoint(cp)) = parse_line(lines.get(j)?.1.as_ref()) else {
+        return None;
+    };
+    let r = cp.recovery.as_ref()?;
+    let damaged: Vec<&[u8]> = lines[i..j].iter().map(|(_, l)| l.as_ref()).collect();
+    let (bytes, sha) = damage_digest(&damaged);
+    (cp.reason == "recovery"
+        && r.damaged_lines == (j - i) as u64
+        && r.damaged_bytes == bytes
+        && r.damaged_sha256 == sha)
+        .then_some(j)
+}
+
 /// Verifies lines in order (one or more files, oldest first). With `key`,
-/// every checkpoint must carry a valid signature by it.
-pub fn verify_lines(
-    lines: &[(String, String)],
+/// every checkpoint must carry a valid signature by it. Damaged lines are
+/// accepted only when a recovery checkpoint right after them names them
+/// (their count, size and SHA-256); the recovery is then reported.
+pub fn verify_lines<L: AsRef<[u8]>>(
+    lines: &[(String, L)],
     key: Option<&VerifyKey>,
 ) -> Result<VerifyReport, VerifyFailure> {
     let mut report = VerifyReport::default();
     let mut expected: Option<(u64, String)> = None;
-    for (i, (location, line)) in lines.iter().enumerate() {
+    let mut i = 0;
+    let mut explained_until = 0;
+    while i < lines.len() {
+        let (location, line) = (&lines[i].0, lines[i].1.as_ref());
         let fail = |seq: Option<u64>, why: String| VerifyFailure {
             location: location.clone(),
             seq,
             why,
         };
-        if line.trim().is_empty() {
-            return Err(fail(None, "empty line inserted".into()));
-        }
-        let head: Head = serde_json::from_str(line).map_err(|e| {
-            fail(
-                None,
-                format!("not a complete audit line (truncated or edited): {e}"),
-            )
-        })?;
-        let seq = Some(head.seq);
-        let checkpoint = match head.kind.as_str() {
-            "audit" => {
-                serde_json::from_str::<AuditRecord>(line)
-                    .map_err(|e| fail(seq, format!("malformed audit record: {e}")))?;
+        let parsed = match parse_line(line) {
+            Ok(p) => p,
+            Err((seq, why)) => match explained_damage(lines, i) {
+                Some(j) => {
+                    explained_until = j;
+                    i = j;
+                    continue;
+                }
+                None => return Err(fail(seq, why)),
+            },
+        };
+        let seq = Some(parsed.seq());
+        let checkpoint = match &parsed {
+            Parsed::Checkpoint(cp) => Some(&**cp),
+            Parsed::Audit { record, .. } => {
+                if record.reduced.is_some() {
+                    report.reduced_records += 1;
+                }
                 None
             }
-            "checkpoint" => Some(
-                serde_json::from_str::<Checkpoint>(line)
-                    .map_err(|e| fail(seq, format!("malformed checkpoint: {e}")))?,
-            ),
-            other => return Err(fail(seq, format!("unknown line type {other:?}"))),
         };
-        if let Some(cp) = &checkpoint {
+        if let Some(cp) = checkpoint {
             match (key, &cp.sig) {
                 (Some(k), Some(sig)) => {
                     let sig = base64::engine::general_purpose::STANDARD
@@ -100,30 +267,46 @@ pub fn verify_lines(
                 }
                 (None, _) => {}
             }
+            if let Some(r) = &cp.recovery {
+                if cp.reason != "recovery" {
+                    return Err(fail(
+                        seq,
+                        "recovery details on a checkpoint that is not a recovery".into(),
+                    ));
+                }
+                report.recoveries.push(RecoveryNote {
+                    location: location.clone(),
+                    recovery: r.clone(),
+                    damaged_lines_checked: r.damaged_lines > 0 && explained_until == i,
+                });
+            }
         }
-        // A (verified) start checkpoint at genesis begins a new chain.
-        let fresh_start = checkpoint
-            .as_ref()
-            .is_some_and(|cp| cp.reason == "start" && cp.seq == 0 && cp.prev == GENESIS);
+        // A (verified) start or new-segment checkpoint at genesis begins a new chain.
+        let fresh_start = checkpoint.is_some_and(|cp| {
+            let new_segment =
+                cp.reason == "recovery" && cp.recovery.as_ref().is_some_and(|r| !r.continued);
+            (cp.reason == "start" || new_segment) && cp.seq == 0 && cp.prev == GENESIS
+        });
+        let (head_seq, head_prev) = (parsed.seq(), parsed.prev());
         match &expected {
             _ if fresh_start => report.chain_starts += 1,
             None => {
-                let genesis = head.seq == 0 && head.prev == GENESIS;
+                let genesis = head_seq == 0 && head_prev == GENESIS;
                 if !genesis && checkpoint.is_none() {
                     return Err(fail(seq, "log does not begin at the chain's start or at a checkpoint: earlier records were removed".into()));
                 }
             }
             Some((want_seq, want_prev)) => {
-                if head.seq != *want_seq {
+                if head_seq != *want_seq {
                     return Err(fail(seq, format!("expected seq {want_seq}: records were removed or reordered before this line")));
                 }
-                if head.prev != *want_prev {
-                    return Err(blame_edit(lines, i, head.seq));
+                if head_prev != want_prev {
+                    return Err(blame_edit(lines, i, head_seq));
                 }
             }
         }
-        report.first_seq.get_or_insert(head.seq);
-        report.last_seq = Some(head.seq);
+        report.first_seq.get_or_insert(head_seq);
+        report.last_seq = Some(head_seq);
         if checkpoint.is_some() {
             report.checkpoints += 1;
             report.unsigned_tail = 0;
@@ -131,7 +314,8 @@ pub fn verify_lines(
             report.records += 1;
             report.unsigned_tail += 1;
         }
-        expected = Some((head.seq + 1, line_hash(line)));
+        expected = Some((head_seq + 1, line_hash(line)));
+        i += 1;
     }
     Ok(report)
 }
@@ -140,11 +324,11 @@ pub fn verify_lines(
 /// the two was edited. If line `i+1` still links to line `i`, line `i` is
 /// intact and the previous line was changed; otherwise line `i`'s own `prev`
 /// was altered.
-fn blame_edit(lines: &[(String, String)], i: usize, seq: u64) -> VerifyFailure {
+fn blame_edit<L: AsRef<[u8]>>(lines: &[(String, L)], i: usize, seq: u64) -> VerifyFailure {
     let next_links = lines
         .get(i + 1)
-        .and_then(|(_, next)| serde_json::from_str::<Head>(next).ok())
-        .map(|h| h.prev == line_hash(&lines[i].1));
+        .and_then(|(_, next)| serde_json::from_slice::<Head>(next.as_ref()).ok())
+        .map(|h| h.prev == line_hash(lines[i].1.as_ref()));
     match (next_links, i.checked_sub(1)) {
         (Some(false), _) | (_, None) => VerifyFailure {
             location: lines[i].0.clone(),
@@ -165,18 +349,30 @@ fn blame_edit(lines: &[(String, String)], i: usize, seq: u64) -> VerifyFailure {
     }
 }
 
-/// Reads `paths` in order (`-` is standard input) as `(file:line, text)`.
-pub fn read_lines(paths: &[impl AsRef<Path>]) -> std::io::Result<Vec<(String, String)>> {
+/// Reads `paths` in order (`-` is standard input) as `(file:line, bytes)`.
+/// Lines are kept as bytes, so damaged (non-UTF-8) lines can be checked
+/// against the digest a recovery checkpoint holds. A last line without a
+/// newline is kept (and fails verification as truncated).
+pub fn read_lines(paths: &[impl AsRef<Path>]) -> std::io::Result<Vec<(String, Vec<u8>)>> {
     let mut out = Vec::new();
     for p in paths {
         let p = p.as_ref();
-        let reader: Box<dyn BufRead> = if p == Path::new("-") {
+        let mut reader: Box<dyn BufRead> = if p == Path::new("-") {
             Box::new(std::io::BufReader::new(std::io::stdin()))
         } else {
             Box::new(std::io::BufReader::new(std::fs::File::open(p)?))
         };
-        for (i, line) in reader.lines().enumerate() {
-            out.push((format!("{}:{}", p.display(), i + 1), line?));
+        let mut n = 0;
+        loop {
+            let mut line = Vec::new();
+            if reader.read_until(b'\n', &mut line)? == 0 {
+                break;
+            }
+            if line.last() == Some(&b'\n') {
+                line.pop();
+            }
+            n += 1;
+            out.push((format!("{}:{n}", p.display()), line));
         }
     }
     Ok(out)
@@ -185,7 +381,7 @@ pub fn read_lines(paths: &[impl AsRef<Path>]) -> std::io::Result<Vec<(String, St
 /// Filters for `meshca audit query`; every set field must match.
 #[derive(Debug, Clone, Default)]
 pub struct Query {
-    /// Matches the requested or the caller identity.
+    /// Matches the requested identity, the caller identity or a CSR SAN.
     pub identity: Option<String>,
     pub node: Option<String>,
     /// Matches the caller identity or the caller pod (`ns/name`).
@@ -203,7 +399,13 @@ impl Query {
                 .is_none_or(|w| got.as_deref() == Some(w.as_str()))
         };
         self.identity.as_ref().is_none_or(|i| {
-            r.requested_identity.as_deref() == Some(i) || r.caller_identity.as_deref() == Some(i)
+            // Records hold bounded values; bounding the query the same way
+            // (deterministic) lets an oversized value match by its hash.
+            let field = bounded(i, FIELD_MAX);
+            let san = bounded(i, SAN_MAX);
+            r.requested_identity.as_deref() == Some(&*field)
+                || r.caller_identity.as_deref() == Some(&*field)
+                || r.csr_sans.iter().flatten().any(|s| *s == *san)
         }) && eq(&self.node, &r.node)
             && self.caller.as_ref().is_none_or(|c| {
                 r.caller_identity.as_deref() == Some(c) || r.caller_pod.as_deref() == Some(c)
@@ -215,28 +417,20 @@ impl Query {
     }
 }
 
-/// The audit records among `lines` that match `q` (checkpoints skipped).
-pub fn query(lines: &[(String, String)], q: &Query) -> Result<Vec<AuditRecord>, VerifyFailure> {
+/// The audit records among `lines` that match `q` (checkpoints skipped),
+/// and the locations of lines that could not be read as records (damaged
+/// lines a recovery names, or tampering: `audit verify` tells which).
+pub fn query<L: AsRef<[u8]>>(lines: &[(String, L)], q: &Query) -> (Vec<AuditRecord>, Vec<String>) {
     let mut out = Vec::new();
+    let mut unreadable = Vec::new();
     for (location, line) in lines {
-        let head: Head = serde_json::from_str(line).map_err(|e| VerifyFailure {
-            location: location.clone(),
-            seq: None,
-            why: format!("not an audit line: {e}"),
-        })?;
-        if head.kind != "audit" {
-            continue;
-        }
-        let r: AuditRecord = serde_json::from_str(line).map_err(|e| VerifyFailure {
-            location: location.clone(),
-            seq: Some(head.seq),
-            why: e.to_string(),
-        })?;
-        if q.matches(&r) {
-            out.push(r);
+        match parse_line(line.as_ref()) {
+            Ok(Parsed::Audit { record, .. }) if q.matches(&record) => out.push(*record),
+            Ok(_) => {}
+            Err(_) => unreadable.push(location.clone()),
         }
     }
-    Ok(out)
+    (out, unreadable)
 }
 
 /// A fixed-width table of records.
@@ -247,6 +441,7 @@ pub fn table(records: &[AuditRecord]) -> String {
         "REASON",
         "CALLER",
         "REQUESTED",
+        "CSR SANS",
         "NODE",
         "SERIAL",
     ]
@@ -267,9 +462,104 @@ pub fn table(records: &[AuditRecord]) -> String {
                 .or_else(|| r.peer.clone())
                 .unwrap_or_else(|| "-".into()),
             r.requested_identity.clone().unwrap_or_else(|| "-".into()),
+            r.csr_sans
+                .as_ref()
+                .filter(|s| !s.is_empty())
+                .map(|s| s.join(","))
+                .unwrap_or_else(|| "-".into()),
             r.node.clone().unwrap_or_else(|| "-".into()),
             r.serial.clone().unwrap_or_else(|| "-".into()),
         ]);
     }
     crate::certs::render_table(&rows)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use test_case::test_case;
+
+    #[test_case(Some(49), "audit.log:7 (seq 49): why" ; "with seq")]
+    #[test_case(None, "audit.log:7: why" ; "without seq")]
+    fn failure_display_has_no_debug_syntax(seq: Option<u64>, want: &str) {
+        let f = VerifyFailure {
+            location: "audit.log:7".into(),
+            seq,
+            why: "why".into(),
+        };
+        assert_eq!(f.to_string(), want);
+    }
+
+    #[test]
+    fn an_oversized_identity_is_found_by_its_raw_value() {
+        let huge = format!("spiffe://cluster.local/ns/{}", "\u{1}".repeat(100_000));
+        let mut r: AuditRecord = serde_json::from_str(
+            r#"{"time":"2026-01-01T00:00:00Z","request_id":"r","peer":null,"authn_method":null,
+            "caller_identity":null,"caller_pod":null,"caller_pod_uid":null,"node":null,
+            "requested_identity":null,"impersonated":true,"decision":"deny","reason":"x",
+            "detail":null,"evidence":null,"serial":null,"spki_sha256":null,"csr_sha256":null,
+            "not_before":null,"not_after":null,"issuer_key_id":null,"latency_ms":1.0}"#,
+        )
+        .unwrap();
+        r.requested_identity = Some(huge.clone());
+        r.csr_sans = Some(vec!["spiffe://a/b".into(), huge.clone()]);
+        r.bound();
+        let q = |id: &str| Query {
+            identity: Some(id.into()),
+            ..Default::default()
+        };
+        assert!(q(&huge).matches(&r));
+        assert!(q("spiffe://a/b").matches(&r));
+        assert!(!q(&format!("{huge}x")).matches(&r));
+        r.requested_identity = None;
+        assert!(q(&huge).matches(&r), "through the bounded SAN");
+    }
+
+    #[test]
+    fn forged_damage_is_not_explained() {
+        // Garbage followed by a recovery checkpoint whose digest does not
+        // match it: reported as the failure it is.
+        let cp = Checkpoint {
+            kind: "checkpoint".into(),
+            seq: 0,
+            prev: GENESIS.into(),
+            time: "2026-01-01T00:00:00Z".into(),
+            reason: "recovery".into(),
+            records: 0,
+            alg: "none".into(),
+            key_id: None,
+            sig: None,
+            recovery: Some(Recovery {
+                found: "unparsable_tail".into(),
+                damaged_lines: 1,
+                damaged_bytes: 8,
+                damaged_sha256: "00".repeat(32),
+                continued: false,
+                last_line_bytes: None,
+                old_file: None,
+                old_head: None,
+            }),
+        };
+        let lines = vec![
+            ("a:1".to_string(), b"garbage".to_vec()),
+            ("a:2".to_string(), serde_json::to_vec(&cp).unwrap()),
+        ];
+        let f = verify_lines(&lines, None).unwrap_err();
+        assert_eq!(f.location, "a:1");
+        // With the right digest the same damage is explained and reported.
+        let (bytes, sha) = damage_digest(&[b"garbage"]);
+        let mut cp = cp;
+        if let Some(r) = cp.recovery.as_mut() {
+            r.damaged_bytes = bytes;
+            r.damaged_sha256 = sha;
+        }
+        let lines = vec![
+            lines[0].clone(),
+            ("a:2".into(), serde_json::to_vec(&cp).unwrap()),
+        ];
+        let rep = verify_lines(&lines, None).unwrap();
+        assert_eq!(rep.recoveries.len(), 1);
+        assert!(rep.recoveries[0].damaged_lines_checked);
+        assert_eq!(rep.chain_starts, 1);
+    }
 }

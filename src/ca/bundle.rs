@@ -30,9 +30,9 @@ pub const TLS_FILES: [&str; 3] = ["tls.crt", "tls.key", "ca.crt"];
 /// Why CA material could not be loaded. Every variant names what is wrong.
 #[derive(Debug, thiserror::Error)]
 pub enum MaterialError {
-    #[error("no CA material in {0}: expected {CACERTS_FILES:?} or {TLS_FILES:?}")]
+    #[error("no CA material in {}: expected {} or {}", .0.display(), CACERTS_FILES.join(", "), TLS_FILES.join(", "))]
     NotFound(PathBuf),
-    #[error("incomplete signing CA bundle in {dir}: missing {missing:?}")]
+    #[error("incomplete signing CA bundle in {dir}: missing {}", .missing.join(", "))]
     Incomplete { dir: PathBuf, missing: Vec<String> },
     #[error("reading {path}: {source}")]
     Io {
