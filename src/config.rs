@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use crate::ca::ttl::parse_go_duration;
+use crate::ca::ttl::JitterBand;
 use crate::ca::{CsrPolicy, TtlPolicy};
 use crate::identity::TrustDomain;
 
@@ -74,6 +75,14 @@ pub struct ServeArgs {
     /// Longest lifetime a request may ask for; longer requests are refused.
     #[arg(long, env = "MAX_WORKLOAD_CERT_TTL", default_value = "2160h")]
     pub max_ttl: String,
+    /// Draw each leaf's lifetime from --lifetime-jitter-band of the granted
+    /// TTL, so leaves issued together do not renew together. `false` writes
+    /// exactly the granted TTL (istiod's validity for TTLs of 8 minutes or more).
+    #[arg(long, env = "MESHCA_LIFETIME_JITTER", default_value_t = true, action = clap::ArgAction::Set)]
+    pub lifetime_jitter: bool,
+    /// Band of the granted TTL a leaf's lifetime is drawn from, `MIN-MAX` percent (50 <= MIN <= MAX <= 100).
+    #[arg(long, env = "MESHCA_LIFETIME_JITTER_BAND", default_value = "90-100")]
+    pub lifetime_jitter_band: String,
     /// CSR content checks: `strict` (CSR SANs must be the caller's identity) or `istiod` (ignored).
     #[arg(long, env = "MESHCA_CSR_POLICY", value_enum, default_value_t = CsrPolicy::Strict)]
     pub csr_policy: CsrPolicy,
@@ -254,6 +263,11 @@ impl Config {
         let ttl = TtlPolicy {
             default: duration("DEFAULT_WORKLOAD_CERT_TTL", &a.default_ttl)?,
             max: duration("MAX_WORKLOAD_CERT_TTL", &a.max_ttl)?,
+            jitter: {
+                let band = JitterBand::parse(&a.lifetime_jitter_band)
+                    .map_err(|e| err("MESHCA_LIFETIME_JITTER_BAND", &a.lifetime_jitter_band, e))?;
+                a.lifetime_jitter.then_some(band)
+            },
         };
         if ttl.default.is_zero() {
             return Err(err(
@@ -447,6 +461,22 @@ mod tests {
     }
 
     #[test]
+    fn jitter_is_on_by_default_and_can_be_turned_off() {
+        assert_eq!(parse(&[]).unwrap().ttl.jitter, Some(JitterBand::DEFAULT));
+        assert_eq!(
+            parse(&["--lifetime-jitter-band", "80-95"])
+                .unwrap()
+                .ttl
+                .jitter,
+            Some(JitterBand::new(80, 95).unwrap())
+        );
+        assert_eq!(
+            parse(&["--lifetime-jitter", "false"]).unwrap().ttl.jitter,
+            None
+        );
+    }
+
+    #[test]
     fn parses_typed_values() {
         let c = parse(&[
             "--trusted-node-accounts",
@@ -470,6 +500,8 @@ mod tests {
     #[test_case(&["--trusted-node-accounts", "a/b/c"], "CA_TRUSTED_NODE_ACCOUNTS" ; "two slashes")]
     #[test_case(&["--default-ttl", "forever"], "DEFAULT_WORKLOAD_CERT_TTL" ; "bad duration")]
     #[test_case(&["--max-ttl", "0s"], "MAX_WORKLOAD_CERT_TTL" ; "zero max")]
+    #[test_case(&["--lifetime-jitter-band", "10-100"], "MESHCA_LIFETIME_JITTER_BAND" ; "band too wide")]
+    #[test_case(&["--lifetime-jitter", "false", "--lifetime-jitter-band", "x"], "MESHCA_LIFETIME_JITTER_BAND" ; "bad band even when off")]
     #[test_case(&["--trust-domain", "a b"], "TRUST_DOMAIN" ; "bad trust domain")]
     #[test_case(&["--token-audiences", ","], "TOKEN_AUDIENCES" ; "no audience")]
     #[test_case(&["--publish-root", "true"], "MESHCA_PUBLISH_ROOT" ; "publishing without kubernetes")]

@@ -51,6 +51,9 @@ pub struct AuditRecord {
     #[serde(with = "time::serde::rfc3339::option")]
     pub not_after: Option<OffsetDateTime>,
     pub issuer_key_id: Option<String>,
+    /// Granted TTL, renewal-jitter band, drawn lifetime and backdate of the issued leaf.
+    #[serde(default)]
+    pub lifetime: Option<crate::ca::ttl::LifetimeChoice>,
     pub latency_ms: f64,
 }
 
@@ -128,6 +131,7 @@ impl AuditGuard {
                 not_before: None,
                 not_after: None,
                 issuer_key_id: None,
+                lifetime: None,
                 latency_ms: 0.0,
             },
             reason: "request_abandoned",
