@@ -250,6 +250,7 @@ pub fn parse_go_duration(s: &str) -> Result<Duration, String> {
     if s == "0" {
         return Ok(Duration::ZERO);
     }
+    // In milliseconds: sub-second limits (e.g. a 250ms wait) matter; smaller units do not.
     let mut total: u64 = 0;
     let mut num = String::new();
     let mut chars = s.chars().peekable();
@@ -258,32 +259,28 @@ pub fn parse_go_duration(s: &str) -> Result<Duration, String> {
             num.push(c);
             continue;
         }
-        let unit: u64 = match c {
-            'h' => 3600,
+        let unit_ms: u64 = match c {
+            'h' => 3_600_000,
             'm' if chars.peek() == Some(&'s') => {
                 chars.next();
-                if num.is_empty() {
-                    return Err(format!("invalid duration {s:?}"));
-                }
-                num.clear(); // sub-second parts are ignored
-                continue;
+                1
             }
-            'm' => 60,
-            's' => 1,
-            'd' => 86400,
+            'm' => 60_000,
+            's' => 1000,
+            'd' => 86_400_000,
             _ => return Err(format!("invalid duration {s:?}: unknown unit {c:?}")),
         };
         let n: u64 = num.parse().map_err(|_| format!("invalid duration {s:?}"))?;
         num.clear();
         total = n
-            .checked_mul(unit)
+            .checked_mul(unit_ms)
             .and_then(|v| total.checked_add(v))
             .ok_or_else(|| format!("duration {s:?} overflows"))?;
     }
     if !num.is_empty() {
         return Err(format!("invalid duration {s:?}: missing unit"));
     }
-    Ok(Duration::from_secs(total))
+    Ok(Duration::from_millis(total))
 }
 
 #[cfg(test)]
@@ -504,9 +501,17 @@ mod tests {
         assert_eq!(parse_go_duration(s).unwrap(), Duration::from_secs(want));
     }
 
+    #[test_case("250ms", 250 ; "milliseconds")]
+    #[test_case("1m500ms", 60_500 ; "minutes and milliseconds")]
+    #[test_case("1s1ms", 1001 ; "seconds and milliseconds")]
+    fn parses_milliseconds(s: &str, want: u64) {
+        assert_eq!(parse_go_duration(s).unwrap(), Duration::from_millis(want));
+    }
+
     #[test_case("" ; "empty")]
     #[test_case("24" ; "no unit")]
     #[test_case("h" ; "no number")]
+    #[test_case("ms" ; "no number of milliseconds")]
     #[test_case("5y" ; "bad unit")]
     fn rejects_bad_durations(s: &str) {
         assert!(parse_go_duration(s).is_err());
