@@ -6,9 +6,11 @@
 //! every valid caller is served within the time the budget predicts.
 //!
 //! Scale with MESHCA_FLOOD_VALID / MESHCA_FLOOD_GARBAGE (default 1000 each)
-//! and MESHCA_FLOOD_qps (default 100 TokenReviews/s, burst = qps/2). Half the
+//! and MESHCA_FLOOD_QPS (default 100 TokenReviews/s, burst = QPS/2). Half the
 //! garbage is forged JWTs (one review each), half is non-JWT or expired. The
-//! issue's 10k + 10k needs 15,000 reviews: 150 s at 100/s, 75 s at 200/s.
+//! issue's 10k + 10k needs 15,000 reviews: 150 s at 100/s, 75 s at 200/s, if
+//! the API server keeps up (on a loaded 2-core machine its latency made the
+//! in-flight cap the binding limit; the prediction accounts for that).
 #![allow(clippy::unwrap_used)]
 
 mod common;
@@ -164,7 +166,7 @@ async fn call_until_final(mut c: Client, token: String, csr: String, t0: Instant
 async fn tokenreview_flood_stays_within_the_budget_and_serves_every_valid_caller() {
     let n_valid = env_usize("MESHCA_FLOOD_VALID", 1000);
     let n_garbage = env_usize("MESHCA_FLOOD_GARBAGE", 1000);
-    let qps = env_usize("MESHCA_FLOOD_qps", 100) as u32;
+    let qps = env_usize("MESHCA_FLOOD_QPS", 100) as u32;
     let burst = (qps / 2).max(1);
     let n_forged = n_garbage / 2;
     let n_not_jwt = (n_garbage - n_forged) / 2;
@@ -172,7 +174,7 @@ async fn tokenreview_flood_stays_within_the_budget_and_serves_every_valid_caller
     let k = common::kte().await;
     let kte_dir = k.dir.clone();
 
-    // Valid callers: distinct pod-bound tokens from the TokenRequest API, over 40 pods.
+    // Valid callers: distinct pod-bound tokens over 40 pods.
     let ns = k.namespace("flood").await;
     k.service_account(&ns, "app").await;
     let pods = 40;
@@ -208,7 +210,7 @@ async fn tokenreview_flood_stays_within_the_budget_and_serves_every_valid_caller
     let distinct: std::collections::HashSet<_> = valid.iter().collect();
     assert_eq!(distinct.len(), n_valid, "every valid token is distinct");
     println!(
-        "minted {n_valid} pod-bound tokens in {:?}",
+        "minted {n_valid} pod-bound tokens ({n_requested} by TokenRequest) in {:?}",
         minted.elapsed()
     );
 
