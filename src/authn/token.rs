@@ -280,6 +280,12 @@ impl TokenBucket {
         self.tokens -= 1.0;
         Ok(wait)
     }
+
+    /// Gives back a reserved slot whose review was never sent (refused by the
+    /// in-flight cap), so a slow API server does not also burn the rate budget.
+    pub fn refund(&mut self) {
+        self.tokens = (self.tokens + 1.0).min(self.burst);
+    }
 }
 
 /// Limits that protect the API server.
@@ -568,10 +574,11 @@ impl Core {
             Ok(Ok(permit)) => permit,
             // The semaphore is never closed; both mean "no slot in time".
             Ok(Err(_)) | Err(_) => {
+                lock(&self.bucket).refund();
                 return (
                     Outcome::NotAnswered,
                     Err(self.refuse(REASON_INFLIGHT, limits.max_wait)),
-                )
+                );
             }
         };
         let started = Instant::now();
@@ -932,6 +939,12 @@ mod tests {
             assert_eq!(b.reserve(t1, Duration::ZERO), Ok(Duration::ZERO));
         }
         assert!(b.reserve(t1, Duration::ZERO).is_err());
+        b.refund();
+        assert_eq!(b.reserve(t1, Duration::ZERO), Ok(Duration::ZERO));
+        for _ in 0..10 {
+            b.refund();
+        }
+        assert_eq!(b.tokens, 3.0, "never above the burst");
     }
 
     /// Over every window, reviews started <= burst + rate x window.
@@ -1193,6 +1206,9 @@ mod tests {
         let limits = ReviewLimits {
             max_inflight: 2,
             max_wait: Duration::from_millis(50),
+            // Next to no refill during the test: the refunds are what is left.
+            qps: 1,
+            burst: 20,
             ..Default::default()
         };
         let (a, m) = authenticator(fake.clone(), limits);
@@ -1205,6 +1221,14 @@ mod tests {
             .collect();
         assert_eq!(reasons, vec![REASON_INFLIGHT; 3]);
         assert_eq!(m.tokenreview_inflight.get(), 0, "gauge returns to zero");
+        // The refused requests gave their rate slots back.
+        let mut bucket = lock(&a.core.bucket).clone();
+        for _ in 0..(limits.burst - 2) {
+            assert_eq!(
+                bucket.reserve(Instant::now(), Duration::ZERO),
+                Ok(Duration::ZERO)
+            );
+        }
     }
 
     #[tokio::test]
