@@ -385,7 +385,7 @@ async fn tokenreview_flood_stays_within_the_budget_and_serves_every_valid_caller
     let mean_latency = latency_sum / latency_n.max(1.0);
     let rate = f64::from(qps).min(f64::from(MAX_INFLIGHT) / mean_latency.max(1e-6));
     let predicted =
-        Duration::from_secs_f64(reviewable.saturating_sub(u64::from(burst)) as f64 / rate * 1.2);
+        Duration::from_secs_f64(reviewable.saturating_sub(u64::from(burst)) as f64 / rate * 1.35);
     let last_valid = outcomes
         .iter()
         .filter(|(k, _)| *k == Kind::Valid)
