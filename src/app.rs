@@ -153,12 +153,12 @@ impl App {
                     cluster_id: cfg.cluster_id.clone(),
                     cache_ttl: kube.token_cache_ttl,
                     timeout: kube.tokenreview_timeout,
+                    limits: kube.review_limits,
                 };
-                let reviewer = Arc::new(KubeTokenAuthenticator::new(
-                    client,
-                    settings,
-                    pod_index.clone(),
-                ));
+                let reviewer = Arc::new(
+                    KubeTokenAuthenticator::new(client, settings, pod_index.clone())
+                        .with_metrics(metrics.clone()),
+                );
                 deps.tokens = Some(reviewer.clone());
                 token_reviewer = Some(reviewer);
             }

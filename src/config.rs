@@ -5,7 +5,9 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use crate::authn::token::ReviewLimits;
 use crate::ca::ttl::parse_go_duration;
+use crate::ca::ttl::JitterBand;
 use crate::ca::{CsrPolicy, TtlPolicy};
 use crate::identity::TrustDomain;
 
@@ -74,6 +76,14 @@ pub struct ServeArgs {
     /// Longest lifetime a request may ask for; longer requests are refused.
     #[arg(long, env = "MAX_WORKLOAD_CERT_TTL", default_value = "2160h")]
     pub max_ttl: String,
+    /// Draw each leaf's lifetime from --lifetime-jitter-band of the granted
+    /// TTL, so leaves issued together do not renew together. `false` writes
+    /// exactly the granted TTL (istiod's validity for TTLs of 8 minutes or more).
+    #[arg(long, env = "MESHCA_LIFETIME_JITTER", default_value_t = true, action = clap::ArgAction::Set)]
+    pub lifetime_jitter: bool,
+    /// Band of the granted TTL a leaf's lifetime is drawn from, `MIN-MAX` percent (50 <= MIN <= MAX <= 100).
+    #[arg(long, env = "MESHCA_LIFETIME_JITTER_BAND", default_value = "90-100")]
+    pub lifetime_jitter_band: String,
     /// CSR content checks: `strict` (CSR SANs must be the caller's identity) or `istiod` (ignored).
     #[arg(long, env = "MESHCA_CSR_POLICY", value_enum, default_value_t = CsrPolicy::Strict)]
     pub csr_policy: CsrPolicy,
@@ -115,6 +125,24 @@ pub struct ServeArgs {
     /// TokenReview deadline; a slow API server gives the client Unavailable.
     #[arg(long, env = "MESHCA_TOKENREVIEW_TIMEOUT", default_value = "5s")]
     pub tokenreview_timeout: String,
+    /// Sustained TokenReviews per second meshca may send to the API server.
+    #[arg(long, env = "MESHCA_TOKENREVIEW_QPS", default_value_t = ReviewLimits::default().qps)]
+    pub tokenreview_qps: u32,
+    /// TokenReviews meshca may send at once after a quiet period.
+    #[arg(long, env = "MESHCA_TOKENREVIEW_BURST", default_value_t = ReviewLimits::default().burst)]
+    pub tokenreview_burst: u32,
+    /// TokenReviews outstanding at the API server at once.
+    #[arg(long, env = "MESHCA_TOKENREVIEW_MAX_INFLIGHT", default_value_t = ReviewLimits::default().max_inflight)]
+    pub tokenreview_max_inflight: u32,
+    /// Longest a request waits for the TokenReview budget before it is refused (Unavailable).
+    #[arg(long, env = "MESHCA_TOKENREVIEW_MAX_WAIT", default_value = "1s")]
+    pub tokenreview_max_wait: String,
+    /// How long a token the API server rejected is refused without a new review (0s disables).
+    #[arg(long, env = "MESHCA_TOKEN_NEGATIVE_CACHE_TTL", default_value = "10s")]
+    pub token_negative_cache_ttl: String,
+    /// Most rejected tokens remembered at once.
+    #[arg(long, env = "MESHCA_TOKEN_NEGATIVE_CACHE_SIZE", default_value_t = ReviewLimits::default().negative_max_entries)]
+    pub token_negative_cache_size: usize,
     /// Let mTLS-authenticated node proxies impersonate; their node is found by
     /// matching the connection's source IP to a running pod of the
     /// certificate's service account. Off by default (istiod never allows it).
@@ -207,6 +235,8 @@ pub struct KubeSettings {
     pub kubeconfig: Option<PathBuf>,
     pub token_cache_ttl: Duration,
     pub tokenreview_timeout: Duration,
+    /// TokenReview budget, in-flight cap and negative cache.
+    pub review_limits: ReviewLimits,
 }
 
 /// Parsed, typed configuration of the server.
@@ -259,6 +289,11 @@ impl Config {
         let ttl = TtlPolicy {
             default: duration("DEFAULT_WORKLOAD_CERT_TTL", &a.default_ttl)?,
             max: duration("MAX_WORKLOAD_CERT_TTL", &a.max_ttl)?,
+            jitter: {
+                let band = JitterBand::parse(&a.lifetime_jitter_band)
+                    .map_err(|e| err("MESHCA_LIFETIME_JITTER_BAND", &a.lifetime_jitter_band, e))?;
+                a.lifetime_jitter.then_some(band)
+            },
         };
         if ttl.default.is_zero() {
             return Err(err(
@@ -311,6 +346,7 @@ impl Config {
                     "MESHCA_TOKENREVIEW_TIMEOUT",
                     &a.tokenreview_timeout,
                 )?,
+                review_limits: review_limits(a)?,
             })
         } else {
             None
@@ -397,6 +433,38 @@ impl Config {
     }
 }
 
+fn review_limits(a: &ServeArgs) -> Result<ReviewLimits, ConfigError> {
+    let positive = |name, v: u32| {
+        if v == 0 {
+            Err(err(name, "0", "must be positive"))
+        } else {
+            Ok(v)
+        }
+    };
+    let duration = |name, v: &str| parse_go_duration(v).map_err(|e| err(name, v, e));
+    if a.token_negative_cache_size == 0 {
+        return Err(err(
+            "MESHCA_TOKEN_NEGATIVE_CACHE_SIZE",
+            "0",
+            "must be positive (MESHCA_TOKEN_NEGATIVE_CACHE_TTL=0s disables the cache)",
+        ));
+    }
+    Ok(ReviewLimits {
+        qps: positive("MESHCA_TOKENREVIEW_QPS", a.tokenreview_qps)?,
+        burst: positive("MESHCA_TOKENREVIEW_BURST", a.tokenreview_burst)?,
+        max_inflight: positive(
+            "MESHCA_TOKENREVIEW_MAX_INFLIGHT",
+            a.tokenreview_max_inflight,
+        )?,
+        max_wait: duration("MESHCA_TOKENREVIEW_MAX_WAIT", &a.tokenreview_max_wait)?,
+        negative_ttl: duration(
+            "MESHCA_TOKEN_NEGATIVE_CACHE_TTL",
+            &a.token_negative_cache_ttl,
+        )?,
+        negative_max_entries: a.token_negative_cache_size,
+    })
+}
+
 fn list(s: &str) -> impl Iterator<Item = &str> {
     s.split(',').map(str::trim).filter(|s| !s.is_empty())
 }
@@ -467,6 +535,48 @@ mod tests {
     }
 
     #[test]
+    fn tokenreview_limits_default_and_parse() {
+        let k = parse(&["--kubernetes", "on"]).unwrap().kube.unwrap();
+        assert_eq!(k.review_limits, ReviewLimits::default());
+        let k = parse(&[
+            "--kubernetes",
+            "on",
+            "--tokenreview-qps",
+            "20",
+            "--tokenreview-burst",
+            "5",
+            "--tokenreview-max-inflight",
+            "4",
+            "--tokenreview-max-wait",
+            "250ms",
+            "--token-negative-cache-ttl",
+            "0s",
+        ])
+        .unwrap()
+        .kube
+        .unwrap();
+        let l = k.review_limits;
+        assert_eq!((l.qps, l.burst, l.max_inflight), (20, 5, 4));
+        assert_eq!(l.negative_ttl, Duration::ZERO);
+    }
+
+    #[test]
+    fn jitter_is_on_by_default_and_can_be_turned_off() {
+        assert_eq!(parse(&[]).unwrap().ttl.jitter, Some(JitterBand::DEFAULT));
+        assert_eq!(
+            parse(&["--lifetime-jitter-band", "80-95"])
+                .unwrap()
+                .ttl
+                .jitter,
+            Some(JitterBand::new(80, 95).unwrap())
+        );
+        assert_eq!(
+            parse(&["--lifetime-jitter", "false"]).unwrap().ttl.jitter,
+            None
+        );
+    }
+
+    #[test]
     fn parses_typed_values() {
         let c = parse(&[
             "--trusted-node-accounts",
@@ -490,6 +600,12 @@ mod tests {
     #[test_case(&["--trusted-node-accounts", "a/b/c"], "CA_TRUSTED_NODE_ACCOUNTS" ; "two slashes")]
     #[test_case(&["--default-ttl", "forever"], "DEFAULT_WORKLOAD_CERT_TTL" ; "bad duration")]
     #[test_case(&["--max-ttl", "0s"], "MAX_WORKLOAD_CERT_TTL" ; "zero max")]
+    #[test_case(&["--kubernetes", "on", "--tokenreview-qps", "0"], "MESHCA_TOKENREVIEW_QPS" ; "zero qps")]
+    #[test_case(&["--kubernetes", "on", "--tokenreview-max-inflight", "0"], "MESHCA_TOKENREVIEW_MAX_INFLIGHT" ; "zero inflight")]
+    #[test_case(&["--kubernetes", "on", "--tokenreview-max-wait", "soon"], "MESHCA_TOKENREVIEW_MAX_WAIT" ; "bad wait")]
+    #[test_case(&["--kubernetes", "on", "--token-negative-cache-size", "0"], "MESHCA_TOKEN_NEGATIVE_CACHE_SIZE" ; "zero negative cache")]
+    #[test_case(&["--lifetime-jitter-band", "10-100"], "MESHCA_LIFETIME_JITTER_BAND" ; "band too wide")]
+    #[test_case(&["--lifetime-jitter", "false", "--lifetime-jitter-band", "x"], "MESHCA_LIFETIME_JITTER_BAND" ; "bad band even when off")]
     #[test_case(&["--trust-domain", "a b"], "TRUST_DOMAIN" ; "bad trust domain")]
     #[test_case(&["--token-audiences", ","], "TOKEN_AUDIENCES" ; "no audience")]
     #[test_case(&["--publish-root", "true"], "MESHCA_PUBLISH_ROOT" ; "publishing without kubernetes")]

@@ -38,7 +38,7 @@ const IMPERSONATION_FAILURE: &str = "request impersonation authentication failur
 impl From<IssueError> for Status {
     fn from(err: IssueError) -> Self {
         match err {
-            IssueError::Unauthenticated(crate::authn::AuthnError::Unavailable(_)) => {
+            IssueError::Unauthenticated(e) if e.is_retryable() => {
                 Status::unavailable(AUTHN_FAILURE)
             }
             IssueError::Unauthenticated(_) => Status::unauthenticated(AUTHN_FAILURE),

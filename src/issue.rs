@@ -173,14 +173,16 @@ impl CertificateIssuer {
 
         // One snapshot for the whole signing step: a reload cannot mix material.
         let bundle = self.ca.snapshot();
-        let validity = ttl::validity(
+        let ttl::Grant { validity, choice } = ttl::grant(
             OffsetDateTime::now_utc(),
             req.validity_secs,
             &self.ttl,
             bundle.signing_not_after(),
+            ttl::random_draw(),
         )?;
         let leaf = bundle.sign_leaf(&csr.spki_der, &identity, csr.has_common_name, &validity)?;
         let r = audit.record();
+        r.lifetime = Some(choice);
         r.serial = Some(leaf.serial_hex.clone());
         r.spki_sha256 = Some(hex::encode(csr::sha256(&csr.spki_der)));
         r.not_before = Some(leaf.not_before);

@@ -12,6 +12,7 @@ use std::sync::Arc;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
@@ -49,6 +50,11 @@ pub struct ResultLabels {
     pub result: String,
 }
 
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabels {
+    pub reason: String,
+}
+
 /// istiod-compatible counters.
 #[derive(Debug, Default)]
 pub struct Citadel {
@@ -71,6 +77,13 @@ pub struct Metrics {
     pub request_duration: Family<LatencyLabels, Histogram>,
     pub tokenreview_duration: Histogram,
     pub tokenreview_errors: Counter,
+    /// TokenReviews sent, by result (`authenticated`, `rejected`, `error`).
+    pub tokenreviews: Family<ResultLabels, Counter>,
+    pub tokenreview_coalesced: Counter,
+    pub tokenreview_negative_cache_hits: Counter,
+    pub tokenreview_precheck_rejected: Family<ReasonLabels, Counter>,
+    pub tokenreview_refused: Family<ReasonLabels, Counter>,
+    pub tokenreview_inflight: Gauge,
     pub ca_reloads: Family<ResultLabels, Counter>,
     pub audit_write_errors: Counter,
     registry: Registry,
@@ -121,6 +134,42 @@ impl Metrics {
             "TokenReviews that could not be made (timeout, API error)",
             tokenreview_errors.clone(),
         );
+        let tokenreviews = Family::<ResultLabels, Counter>::default();
+        registry.register(
+            "meshca_tokenreviews",
+            "TokenReviews sent to the API server, by result (authenticated, rejected, error)",
+            tokenreviews.clone(),
+        );
+        let tokenreview_coalesced = Counter::default();
+        registry.register(
+            "meshca_tokenreview_coalesced",
+            "Requests that joined a TokenReview already in flight for the same token",
+            tokenreview_coalesced.clone(),
+        );
+        let tokenreview_negative_cache_hits = Counter::default();
+        registry.register(
+            "meshca_tokenreview_negative_cache_hits",
+            "Requests refused from the cache of tokens the API server rejected",
+            tokenreview_negative_cache_hits.clone(),
+        );
+        let tokenreview_precheck_rejected = Family::<ReasonLabels, Counter>::default();
+        registry.register(
+            "meshca_tokenreview_precheck_rejected",
+            "Tokens dropped by the pre-check (not a JWT, expired) before any review",
+            tokenreview_precheck_rejected.clone(),
+        );
+        let tokenreview_refused = Family::<ReasonLabels, Counter>::default();
+        registry.register(
+            "meshca_tokenreview_refused",
+            "Requests refused by the TokenReview budget, by reason",
+            tokenreview_refused.clone(),
+        );
+        let tokenreview_inflight = Gauge::default();
+        registry.register(
+            "meshca_tokenreview_inflight",
+            "TokenReviews outstanding at the API server",
+            tokenreview_inflight.clone(),
+        );
         let ca_reloads = Family::<ResultLabels, Counter>::default();
         registry.register(
             "meshca_ca_reloads",
@@ -139,6 +188,12 @@ impl Metrics {
             request_duration,
             tokenreview_duration,
             tokenreview_errors,
+            tokenreviews,
+            tokenreview_coalesced,
+            tokenreview_negative_cache_hits,
+            tokenreview_precheck_rejected,
+            tokenreview_refused,
+            tokenreview_inflight,
             ca_reloads,
             audit_write_errors,
             registry,

@@ -37,6 +37,7 @@ fn record(i: u64, decision: Decision, node: &str) -> AuditRecord {
         not_before: None,
         not_after: None,
         issuer_key_id: None,
+        lifetime: None,
         latency_ms: 1.0,
         reduced: None,
     }

@@ -57,8 +57,10 @@ fn verify_with_webpki(chain: &[String], root_pem: &str) {
 async fn issued_leaf_matches_istiod_profile_and_chain_layout() {
     let pki = TestPki::new(KeyType::EcdsaP256);
     let b = bundle(&pki);
-    let (app, audit) =
-        testing::start_server(&testing::test_config(pki.path_buf()), Deps::default()).await;
+    // Renewal jitter off: the validity is then istiod's exactly.
+    let mut cfg = testing::test_config(pki.path_buf());
+    cfg.ttl.jitter = None;
+    let (app, audit) = testing::start_server(&cfg, Deps::default()).await;
     let (cert, key) = client_identity(&b, CLIENT_ID, &validity_hours(-1, 1));
     let mut c = client(app.addr, &pki.ca.root_cert, Some((&cert, &key)))
         .await
@@ -110,7 +112,7 @@ async fn issued_leaf_matches_istiod_profile_and_chain_layout() {
     assert_eq!(
         na - nb,
         time::Duration::seconds(3600 + 120),
-        "TTL + 2 minute backdate"
+        "jitter off: TTL + 2 minute backdate, as istiod"
     );
     assert!((nb - (before - time::Duration::minutes(2))).abs() < time::Duration::seconds(5));
 
@@ -170,6 +172,87 @@ async fn issued_leaf_matches_istiod_profile_and_chain_layout() {
     app.shutdown().await.unwrap();
 }
 
+/// Renewal storms: leaves issued in one burst through the real server must
+/// not share one lifetime (ztunnel renews at exactly the written midpoint),
+/// and each audit record says how its lifetime was chosen.
+#[tokio::test]
+async fn a_burst_of_leaves_gets_lifetimes_spread_over_the_band() {
+    const N: usize = 300;
+    let pki = TestPki::new(KeyType::EcdsaP256);
+    let b = bundle(&pki);
+    let (app, audit) =
+        testing::start_server(&testing::test_config(pki.path_buf()), Deps::default()).await;
+    let (cert, key) = client_identity(&b, CLIENT_ID, &validity_hours(-1, 1));
+    let c = client(app.addr, &pki.ca.root_cert, Some((&cert, &key)))
+        .await
+        .unwrap();
+    let leaf_key = KeyPair::generate().unwrap();
+    let csr = csr_for(&leaf_key, CLIENT_ID);
+    let calls = (0..N).map(|_| {
+        let (mut c, csr) = (c.clone(), csr.clone());
+        tokio::spawn(async move {
+            let before = OffsetDateTime::now_utc().unix_timestamp();
+            let chain = c
+                .create_certificate(request(csr, 3600, &[]))
+                .await
+                .unwrap()
+                .into_inner()
+                .cert_chain;
+            let leaf_der = der(&chain[0]);
+            let (_, leaf) = X509Certificate::from_der(&leaf_der).unwrap();
+            let (nb, na) = (
+                leaf.validity().not_before.timestamp(),
+                leaf.validity().not_after.timestamp(),
+            );
+            let after = OffsetDateTime::now_utc().unix_timestamp();
+            (before..=after, nb, na, hex::encode(leaf.raw_serial()))
+        })
+    });
+    let leaves: Vec<_> = futures::future::join_all(calls)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    let records = audit.records();
+    let mut quarters = [0usize; 4];
+    let mut lifetimes = std::collections::HashSet::new();
+    for (call, nb, na, serial) in &leaves {
+        assert!(
+            call.contains(&(nb + 120)),
+            "2 minute backdate from issuance"
+        );
+        let life = na - nb - 120;
+        assert!(
+            (3240..=3600).contains(&life),
+            "lifetime {life} outside 90-100%"
+        );
+        quarters[((life - 3240) * 4 / 361) as usize] += 1;
+        lifetimes.insert(life);
+        let r = records
+            .iter()
+            .find(|r| {
+                r.serial.as_deref().map(|s| s.trim_start_matches('0'))
+                    == Some(serial.trim_start_matches('0'))
+            })
+            .expect("audit record of the leaf");
+        let choice = r.lifetime.expect("lifetime choice audited");
+        assert_eq!(choice.granted_secs, 3600);
+        assert_eq!(choice.band, Some(meshca::ca::ttl::JitterBand::DEFAULT));
+        assert_eq!(choice.lifetime_secs as i64, life);
+        assert_eq!(choice.backdate_secs, 120);
+    }
+    // Uniform over 361 values: 300 draws leave each quarter with 75 +- 7.5 expected.
+    assert!(quarters.iter().all(|q| *q >= 40), "quarters {quarters:?}");
+    assert!(
+        lifetimes.len() >= 150,
+        "{} distinct lifetimes",
+        lifetimes.len()
+    );
+    let json = serde_json::to_value(&records[0]).unwrap();
+    assert_eq!(json["lifetime"]["band"]["min_percent"], 90, "{json}");
+    app.shutdown().await.unwrap();
+}
+
 #[tokio::test]
 async fn mtls_renewal_returns_the_same_identity() {
     let pki = TestPki::new(KeyType::EcdsaP384);
@@ -202,10 +285,11 @@ async fn mtls_renewal_returns_the_same_identity() {
         assert_eq!(uris, vec![format!("URI({CLIENT_ID})")]);
         let life =
             leaf.validity().not_after.to_datetime() - leaf.validity().not_before.to_datetime();
-        assert_eq!(
-            life,
-            time::Duration::hours(24) + time::Duration::minutes(2),
-            "default TTL"
+        // Default TTL, jitter on by default: 90-100% of 24h, plus the 2 minute backdate.
+        let band = (time::Duration::hours(24) * 0.9)..=time::Duration::hours(24);
+        assert!(
+            band.contains(&(life - time::Duration::minutes(2))),
+            "default TTL within the jitter band: {life}"
         );
         // Renew with what we were just given.
         cert = chain[..chain.len() - 1].concat();

@@ -56,6 +56,9 @@ pub struct AuditRecord {
     #[serde(with = "time::serde::rfc3339::option")]
     pub not_after: Option<OffsetDateTime>,
     pub issuer_key_id: Option<String>,
+    /// Granted TTL, renewal-jitter band, drawn lifetime and backdate of the issued leaf.
+    #[serde(default)]
+    pub lifetime: Option<crate::ca::ttl::LifetimeChoice>,
     pub latency_ms: f64,
     /// Set by the sink when the full record exceeded the line cap and this
     /// reduced form was written instead.
@@ -179,6 +182,7 @@ impl AuditGuard {
                 not_before: None,
                 not_after: None,
                 issuer_key_id: None,
+                lifetime: None,
                 latency_ms: 0.0,
                 reduced: None,
             },

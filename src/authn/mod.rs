@@ -73,6 +73,14 @@ pub enum AuthnError {
     Token(String, &'static str),
     #[error("token review unavailable: {0}")]
     Unavailable(String),
+    /// Refused by meshca's own TokenReview budget before any review; the
+    /// client should retry after `retry_after`.
+    #[error("token review refused: {detail}")]
+    Overloaded {
+        reason: &'static str,
+        detail: String,
+        retry_after: std::time::Duration,
+    },
 }
 
 impl AuthnError {
@@ -83,7 +91,13 @@ impl AuthnError {
             Self::TokenAuthnDisabled => "authn_token_disabled",
             Self::Token(_, reason) => reason,
             Self::Unavailable(_) => "authn_tokenreview_unavailable",
+            Self::Overloaded { reason, .. } => reason,
         }
+    }
+
+    /// Worth retrying: no verdict on the credentials was reached.
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, Self::Unavailable(_) | Self::Overloaded { .. })
     }
 }
 

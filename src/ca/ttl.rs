@@ -1,16 +1,81 @@
-//! Leaf validity rules (istiod's, made explicit): plain functions of `now`.
+//! Leaf validity rules (istiod's, made explicit, plus renewal hygiene):
+//! plain functions of `now` and a random draw.
+//!
+//! Clients do not jitter: ztunnel renews at exactly the midpoint of the
+//! validity the CA writes, so leaves issued in one burst with one lifetime
+//! renew in one burst. The CA therefore draws each leaf's lifetime from a band
+//! below the granted TTL, and caps the backdate so the midpoint stays well in
+//! the future (istiod's fixed 2-minute backdate makes a TTL <= 4 min renew in
+//! a tight loop).
 
 use std::time::Duration;
 use time::OffsetDateTime;
 
-/// istiod's `ClockSkewGracePeriod`: leaves are backdated by this much.
+/// istiod's `ClockSkewGracePeriod`: leaves are backdated by at most this much.
 pub const CLOCK_SKEW_GRACE: Duration = Duration::from_secs(120);
 
-/// Default and maximum workload certificate lifetimes.
+/// Lowest allowed band floor: with it the written midpoint can still be kept
+/// at least TTL/4 after issuance (see [`grant`]).
+pub const MIN_JITTER_PERCENT: u8 = 50;
+
+/// The share of the granted TTL a leaf's lifetime is drawn from, in percent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct JitterBand {
+    pub min_percent: u8,
+    pub max_percent: u8,
+}
+
+impl JitterBand {
+    /// 90-100%: a burst of issuance spreads its renewals over 5% of the TTL.
+    pub const DEFAULT: Self = Self {
+        min_percent: 90,
+        max_percent: 100,
+    };
+
+    pub fn new(min_percent: u8, max_percent: u8) -> Result<Self, String> {
+        if !(MIN_JITTER_PERCENT..=100).contains(&min_percent)
+            || !(min_percent..=100).contains(&max_percent)
+        {
+            return Err(format!(
+                "band must satisfy {MIN_JITTER_PERCENT} <= min <= max <= 100 (percent), got {min_percent}-{max_percent}"
+            ));
+        }
+        Ok(Self {
+            min_percent,
+            max_percent,
+        })
+    }
+
+    /// Parses `MIN-MAX` in percent, e.g. `90-100`.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        let (lo, hi) = s
+            .trim()
+            .trim_end_matches('%')
+            .split_once('-')
+            .ok_or_else(|| format!("expected MIN-MAX in percent (e.g. 90-100), got {s:?}"))?;
+        let num = |v: &str| {
+            v.trim()
+                .trim_end_matches('%')
+                .parse::<u8>()
+                .map_err(|_| format!("{v:?} is not a percentage"))
+        };
+        Self::new(num(lo)?, num(hi)?)
+    }
+}
+
+impl std::fmt::Display for JitterBand {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}-{}%", self.min_percent, self.max_percent)
+    }
+}
+
+/// Default and maximum workload certificate lifetimes, and the renewal jitter.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TtlPolicy {
     pub default: Duration,
     pub max: Duration,
+    /// `None` turns jitter off: every leaf lives exactly its granted TTL.
+    pub jitter: Option<JitterBand>,
 }
 
 impl Default for TtlPolicy {
@@ -18,8 +83,29 @@ impl Default for TtlPolicy {
         Self {
             default: Duration::from_secs(24 * 3600),
             max: Duration::from_secs(90 * 24 * 3600),
+            jitter: Some(JitterBand::DEFAULT),
         }
     }
+}
+
+/// How a leaf's lifetime was chosen; written into its audit record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct LifetimeChoice {
+    /// The TTL granted (requested, or the default).
+    pub granted_secs: u64,
+    /// The band the lifetime was drawn from; `None` when jitter is off.
+    pub band: Option<JitterBand>,
+    /// Drawn lifetime from issuance (before any cut to the signer's expiry).
+    pub lifetime_secs: u64,
+    /// How far `not_before` lies before issuance.
+    pub backdate_secs: u64,
+}
+
+/// A leaf's validity and how it was chosen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Grant {
+    pub validity: Validity,
+    pub choice: LifetimeChoice,
 }
 
 /// A leaf's validity window.
@@ -50,13 +136,58 @@ impl TtlError {
 }
 
 /// Computes the validity of a leaf requested with `requested_secs`
-/// (`validity_duration` from the wire, any i64).
+/// (`validity_duration` from the wire, any i64), with a fresh random draw.
 pub fn validity(
     now: OffsetDateTime,
     requested_secs: i64,
     policy: &TtlPolicy,
     signer_not_after: OffsetDateTime,
 ) -> Result<Validity, TtlError> {
+    grant(now, requested_secs, policy, signer_not_after, random_draw()).map(|g| g.validity)
+}
+
+/// A uniform random u64 for [`grant`]. Jitter is not a security control, so
+/// a (never seen) RNG failure degrades to the band's floor rather than failing.
+pub fn random_draw() -> u64 {
+    let mut b = [0u8; 8];
+    match aws_lc_rs::rand::fill(&mut b) {
+        Ok(()) => u64::from_le_bytes(b),
+        Err(_) => 0,
+    }
+}
+
+/// The lifetime in whole seconds drawn by `draw` from `band` of `granted`
+/// (uniform over the integers of the band; `None` is exactly `granted`).
+pub fn jittered_lifetime(granted: u64, band: Option<JitterBand>, draw: u64) -> u64 {
+    let Some(b) = band else {
+        return granted;
+    };
+    let g = u128::from(granted);
+    let lo = (g * u128::from(b.min_percent)).div_ceil(100);
+    let hi = (g * u128::from(b.max_percent) / 100).max(lo);
+    let picked = lo + u128::from(draw) % (hi - lo + 1);
+    u64::try_from(picked.min(g)).unwrap_or(granted)
+}
+
+/// The backdate for a leaf granted `granted` seconds and living `lifetime`:
+/// istiod's 2 minutes, but never more than TTL/4, and never so much that the
+/// midpoint `(lifetime - backdate) / 2` falls before TTL/4 after issuance.
+pub fn backdate(granted: u64, lifetime: u64) -> u64 {
+    CLOCK_SKEW_GRACE
+        .as_secs()
+        .min(granted / 4)
+        .min(lifetime.saturating_sub(granted.div_ceil(2)))
+}
+
+/// [`validity`] with an explicit random draw (tests pin it), also returning
+/// how the lifetime was chosen.
+pub fn grant(
+    now: OffsetDateTime,
+    requested_secs: i64,
+    policy: &TtlPolicy,
+    signer_not_after: OffsetDateTime,
+    draw: u64,
+) -> Result<Grant, TtlError> {
     // Compared in whole seconds before any multiplication, so huge values
     // cannot overflow (istiod's Go code wraps above ~9.2e9 s).
     let lifetime = if requested_secs <= 0 {
@@ -72,16 +203,29 @@ pub fn validity(
     if now >= signer_not_after {
         return Err(TtlError::SignerExpired(signer_not_after));
     }
-    let wanted = now + lifetime;
-    let (not_after, clamped) = if wanted >= signer_not_after {
-        (signer_not_after, true)
-    } else {
-        (wanted, false)
+    let granted_secs = lifetime.as_secs();
+    let lifetime_secs = jittered_lifetime(granted_secs, policy.jitter, draw);
+    let backdate_secs = backdate(granted_secs, lifetime_secs);
+    // A date past the calendar's end (absurd configured max) is past the signer's too.
+    let wanted = i64::try_from(lifetime_secs)
+        .ok()
+        .and_then(|s| now.checked_add(time::Duration::seconds(s)));
+    let (not_after, clamped) = match wanted {
+        Some(w) if w < signer_not_after => (w, false),
+        _ => (signer_not_after, true),
     };
-    Ok(Validity {
-        not_before: now - CLOCK_SKEW_GRACE,
-        not_after,
-        clamped,
+    Ok(Grant {
+        validity: Validity {
+            not_before: now - Duration::from_secs(backdate_secs),
+            not_after,
+            clamped,
+        },
+        choice: LifetimeChoice {
+            granted_secs,
+            band: policy.jitter,
+            lifetime_secs,
+            backdate_secs,
+        },
     })
 }
 
@@ -106,6 +250,7 @@ pub fn parse_go_duration(s: &str) -> Result<Duration, String> {
     if s == "0" {
         return Ok(Duration::ZERO);
     }
+    // In milliseconds: sub-second limits (e.g. a 250ms wait) matter; smaller units do not.
     let mut total: u64 = 0;
     let mut num = String::new();
     let mut chars = s.chars().peekable();
@@ -114,32 +259,28 @@ pub fn parse_go_duration(s: &str) -> Result<Duration, String> {
             num.push(c);
             continue;
         }
-        let unit: u64 = match c {
-            'h' => 3600,
+        let unit_ms: u64 = match c {
+            'h' => 3_600_000,
             'm' if chars.peek() == Some(&'s') => {
                 chars.next();
-                if num.is_empty() {
-                    return Err(format!("invalid duration {s:?}"));
-                }
-                num.clear(); // sub-second parts are ignored
-                continue;
+                1
             }
-            'm' => 60,
-            's' => 1,
-            'd' => 86400,
+            'm' => 60_000,
+            's' => 1000,
+            'd' => 86_400_000,
             _ => return Err(format!("invalid duration {s:?}: unknown unit {c:?}")),
         };
         let n: u64 = num.parse().map_err(|_| format!("invalid duration {s:?}"))?;
         num.clear();
         total = n
-            .checked_mul(unit)
+            .checked_mul(unit_ms)
             .and_then(|v| total.checked_add(v))
             .ok_or_else(|| format!("duration {s:?} overflows"))?;
     }
     if !num.is_empty() {
         return Err(format!("invalid duration {s:?}: missing unit"));
     }
-    Ok(Duration::from_secs(total))
+    Ok(Duration::from_millis(total))
 }
 
 #[cfg(test)]
@@ -155,16 +296,164 @@ mod tests {
         TtlPolicy::default()
     }
 
+    /// Jitter off: istiod's validity exactly (for TTLs of 8 minutes and more).
+    fn istiod() -> TtlPolicy {
+        TtlPolicy {
+            jitter: None,
+            ..TtlPolicy::default()
+        }
+    }
+
     #[test_case(0, 24 * 3600 ; "zero uses default")]
     #[test_case(-5, 24 * 3600 ; "negative uses default")]
     #[test_case(i64::MIN, 24 * 3600 ; "min uses default")]
     #[test_case(3600, 3600 ; "explicit")]
+    #[test_case(480, 480 ; "eight minutes still gets the full backdate")]
     #[test_case(90 * 24 * 3600, 90 * 24 * 3600 ; "exactly max is allowed")]
-    fn lifetime(requested: i64, want_secs: i64) {
-        let v = validity(NOW, requested, &policy(), SIGNER_END).unwrap();
-        assert_eq!(v.not_after - NOW, time::Duration::seconds(want_secs));
-        assert_eq!(NOW - v.not_before, time::Duration::minutes(2));
-        assert!(!v.clamped);
+    fn lifetime_without_jitter_is_istiods(requested: i64, want_secs: i64) {
+        for draw in [0, 1, u64::MAX] {
+            let v = validity(NOW, requested, &istiod(), SIGNER_END).unwrap();
+            let g = grant(NOW, requested, &istiod(), SIGNER_END, draw).unwrap();
+            assert_eq!(v, g.validity, "no randomness without jitter");
+            assert_eq!(v.not_after - NOW, time::Duration::seconds(want_secs));
+            assert_eq!(NOW - v.not_before, time::Duration::minutes(2));
+            assert!(!v.clamped);
+            assert_eq!(g.choice.band, None);
+        }
+    }
+
+    // (granted, backdate): min(2 min, TTL/4); istiod's 2 min made TTL <= 4 min renew at once.
+    #[test_case(60, 15 ; "one minute")]
+    #[test_case(240, 60 ; "four minutes")]
+    #[test_case(479, 119 ; "just under eight minutes")]
+    #[test_case(480, 120 ; "eight minutes")]
+    #[test_case(86400, 120 ; "a day")]
+    fn backdate_is_capped_at_a_quarter_of_the_ttl(granted: u64, want: u64) {
+        assert_eq!(backdate(granted, granted), want);
+        let g = grant(NOW, granted as i64, &istiod(), SIGNER_END, 0).unwrap();
+        assert_eq!(g.choice.backdate_secs, want);
+    }
+
+    // (granted, band, draw) -> lifetime: uniform over the integers of the band.
+    #[test_case(3600, 90, 100, 0, 3240 ; "floor")]
+    #[test_case(3600, 90, 100, 360, 3600 ; "ceiling")]
+    #[test_case(3600, 90, 100, 361, 3240 ; "wraps")]
+    #[test_case(60, 90, 100, 6, 60 ; "one minute ceiling")]
+    #[test_case(61, 90, 100, 0, 55 ; "floor rounds up")]
+    #[test_case(1, 90, 100, u64::MAX, 1 ; "one second")]
+    #[test_case(3600, 100, 100, 12345, 3600 ; "degenerate band")]
+    fn jitter_draws_within_the_band(granted: u64, lo: u8, hi: u8, draw: u64, want: u64) {
+        let band = JitterBand::new(lo, hi).unwrap();
+        assert_eq!(jittered_lifetime(granted, Some(band), draw), want);
+    }
+
+    #[test_case("90-100", Some((90, 100)) ; "default")]
+    #[test_case("75%-95%", Some((75, 95)) ; "with percent signs")]
+    #[test_case("50-50", Some((50, 50)) ; "fixed half")]
+    #[test_case("49-100", None ; "floor too low")]
+    #[test_case("95-90", None ; "inverted")]
+    #[test_case("90-101", None ; "above the ttl")]
+    #[test_case("90", None ; "one number")]
+    #[test_case("a-b", None ; "not numbers")]
+    fn parses_bands(s: &str, want: Option<(u8, u8)>) {
+        let got = JitterBand::parse(s)
+            .ok()
+            .map(|b| (b.min_percent, b.max_percent));
+        assert_eq!(got, want);
+    }
+
+    /// The attack: a burst of issuance at one TTL renews in one burst. Every
+    /// lifetime must lie in the band and the draws must cover it uniformly.
+    #[test]
+    fn ten_thousand_leaves_spread_uniformly_over_the_band() {
+        const N: usize = 10_000;
+        const BINS: usize = 10;
+        let ttl = 3600u64;
+        let (lo, hi) = (3240u64, 3600u64);
+        let mut counts = [0usize; BINS];
+        let mut seen = std::collections::HashSet::new();
+        for _ in 0..N {
+            let v = validity(NOW, ttl as i64, &policy(), SIGNER_END).unwrap();
+            let life = (v.not_after - NOW).whole_seconds() as u64;
+            assert!((lo..=hi).contains(&life), "{life} outside the band");
+            assert_eq!((NOW - v.not_before).whole_seconds(), 120);
+            seen.insert(life);
+            let bin = ((life - lo) as usize * BINS / (hi - lo + 1) as usize).min(BINS - 1);
+            counts[bin] += 1;
+        }
+        // Pearson's chi-square against uniform bins (sizes 36 or 37 of 361 values).
+        let chi2: f64 = (0..BINS)
+            .map(|b| {
+                let width = (0..=(hi - lo))
+                    .filter(|v| (*v as usize * BINS / (hi - lo + 1) as usize).min(BINS - 1) == b)
+                    .count();
+                let expected = N as f64 * width as f64 / (hi - lo + 1) as f64;
+                (counts[b] as f64 - expected).powi(2) / expected
+            })
+            .sum();
+        // 9 degrees of freedom: P(chi2 > 27.88) = 0.001 for a uniform draw.
+        assert!(chi2 < 27.88, "not uniform: chi2 {chi2:.1}, bins {counts:?}");
+        assert!(seen.len() > 300, "only {} distinct lifetimes", seen.len());
+        assert!(
+            seen.contains(&lo) || seen.contains(&(lo + 1)),
+            "floor reached"
+        );
+        assert!(
+            seen.contains(&hi) || seen.contains(&(hi - 1)),
+            "ceiling reached"
+        );
+    }
+
+    /// ztunnel renews at the written midpoint: it must be at least TTL/4 in
+    /// the future for every TTL, at both ends of any allowed band.
+    #[test]
+    fn midpoint_is_at_least_a_quarter_ttl_after_issuance() {
+        let mut ttls: Vec<u64> = vec![60, 61, 64, 90, 120, 239, 240, 241, 300, 479, 480, 481];
+        ttls.extend([3600, 86400, 7 * 86400, 30 * 86400, 90 * 86400]);
+        ttls.extend((60..=600).step_by(7));
+        let bands = [
+            None,
+            Some(JitterBand::DEFAULT),
+            Some(JitterBand::new(50, 100).unwrap()),
+            Some(JitterBand::new(50, 50).unwrap()),
+            Some(JitterBand::new(75, 80).unwrap()),
+        ];
+        for ttl in ttls {
+            for band in bands {
+                let p = TtlPolicy {
+                    jitter: band,
+                    ..policy()
+                };
+                for draw in [0, 1, 7, ttl / 20, ttl / 2, u64::MAX - 1, u64::MAX] {
+                    let g = grant(NOW, ttl as i64, &p, SIGNER_END, draw).unwrap();
+                    let v = g.validity;
+                    let mid = v.not_before + (v.not_after - v.not_before) / 2;
+                    assert!(
+                        (mid - NOW) * 4 >= time::Duration::seconds(ttl as i64),
+                        "ttl {ttl} band {band:?} draw {draw}: midpoint only {} after issuance",
+                        mid - NOW
+                    );
+                    assert!(v.not_before <= NOW && v.not_after <= NOW + Duration::from_secs(ttl));
+                    assert_eq!(
+                        (g.choice.lifetime_secs, g.choice.backdate_secs),
+                        (
+                            (v.not_after - NOW).whole_seconds() as u64,
+                            (NOW - v.not_before).whole_seconds() as u64
+                        )
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn absurd_max_ttl_clamps_instead_of_overflowing() {
+        let p = TtlPolicy {
+            max: Duration::from_secs(u64::MAX / 2),
+            ..istiod()
+        };
+        let v = validity(NOW, i64::MAX, &p, SIGNER_END).unwrap();
+        assert!(v.clamped && v.not_after == SIGNER_END);
     }
 
     #[test_case(90 * 24 * 3600 + 1 ; "just over")]
@@ -180,6 +469,7 @@ mod tests {
         let p = TtlPolicy {
             default: Duration::from_secs(1800),
             max: Duration::from_secs(7200),
+            jitter: None,
         };
         let err = validity(NOW, 3 * 3600, &p, SIGNER_END).unwrap_err();
         assert_eq!(
@@ -211,9 +501,17 @@ mod tests {
         assert_eq!(parse_go_duration(s).unwrap(), Duration::from_secs(want));
     }
 
+    #[test_case("250ms", 250 ; "milliseconds")]
+    #[test_case("1m500ms", 60_500 ; "minutes and milliseconds")]
+    #[test_case("1s1ms", 1001 ; "seconds and milliseconds")]
+    fn parses_milliseconds(s: &str, want: u64) {
+        assert_eq!(parse_go_duration(s).unwrap(), Duration::from_millis(want));
+    }
+
     #[test_case("" ; "empty")]
     #[test_case("24" ; "no unit")]
     #[test_case("h" ; "no number")]
+    #[test_case("ms" ; "no number of milliseconds")]
     #[test_case("5y" ; "bad unit")]
     fn rejects_bad_durations(s: &str) {
         assert!(parse_go_duration(s).is_err());
