@@ -1050,6 +1050,7 @@ impl ChainedSink {
             not_before: None,
             not_after: None,
             issuer_key_id: None,
+            lifetime: reduced.lifetime,
             latency_ms: reduced.latency_ms,
             reduced: reduced.reduced,
         };
@@ -1116,6 +1117,7 @@ mod tests {
             not_before: None,
             not_after: None,
             issuer_key_id: None,
+            lifetime: None,
             latency_ms: 1.0,
             reduced: None,
         }
