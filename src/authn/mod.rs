@@ -57,6 +57,9 @@ pub struct Credentials {
     pub bearer: Option<String>,
     /// The single `clusterid` header value, if exactly one was sent.
     pub cluster_id: Option<String>,
+    /// A credential header refused while reading it (over its size limit):
+    /// authentication fails with this before any other work.
+    pub refused: Option<AuthnError>,
 }
 
 /// Why authentication failed. The client only ever sees istiod's opaque
@@ -73,6 +76,10 @@ pub enum AuthnError {
     Token(String, &'static str),
     #[error("token review unavailable: {0}")]
     Unavailable(String),
+    #[error("bearer token is {len} bytes, over the limit of {max}")]
+    TokenTooLarge { len: usize, max: usize },
+    #[error("clusterid header is {len} bytes, over the limit of {max}")]
+    ClusterIdTooLarge { len: usize, max: usize },
 }
 
 impl AuthnError {
@@ -83,6 +90,8 @@ impl AuthnError {
             Self::TokenAuthnDisabled => "authn_token_disabled",
             Self::Token(_, reason) => reason,
             Self::Unavailable(_) => "authn_tokenreview_unavailable",
+            Self::TokenTooLarge { .. } => "authn_token_too_large",
+            Self::ClusterIdTooLarge { .. } => "authn_clusterid_too_large",
         }
     }
 }
@@ -104,6 +113,9 @@ pub async fn authenticate(
     creds: &Credentials,
     tokens: Option<&dyn TokenAuthenticator>,
 ) -> Result<Caller, AuthnError> {
+    if let Some(e) = &creds.refused {
+        return Err(e.clone());
+    }
     if let Some(chain) = creds.peer_chain.as_deref().filter(|c| !c.is_empty()) {
         let identity = mtls::identity_of(&chain[0], None)?;
         return Ok(Caller {
