@@ -222,6 +222,14 @@ pub struct LimitArgs {
     /// After the GOAWAY, in-flight requests get this long before the connection is closed.
     #[arg(long, env = "MESHCA_MAX_CONNECTION_AGE_GRACE", default_value = "10s")]
     pub max_connection_age_grace: String,
+    /// Requests one connection may cancel per second before it is closed
+    /// (open-and-reset floods).
+    #[arg(
+        long,
+        env = "MESHCA_MAX_CANCELLED_STREAMS_PER_SECOND",
+        default_value_t = 200
+    )]
+    pub max_cancelled_streams_per_second: u32,
     /// Largest request message (a CSR is at most 64 KiB).
     #[arg(long, env = "MESHCA_MAX_REQUEST_BYTES", default_value_t = 128 * 1024)]
     pub max_request_bytes: usize,
@@ -386,6 +394,12 @@ impl LimitArgs {
                 &self.max_connection_age_grace,
                 true,
                 Duration::from_secs(3600),
+            )?,
+            max_cancelled_streams_per_sec: bounded(
+                "MESHCA_MAX_CANCELLED_STREAMS_PER_SECOND",
+                self.max_cancelled_streams_per_second,
+                1,
+                1 << 20,
             )?,
         };
         let i = InputLimits {
@@ -835,6 +849,7 @@ mod limit_tests {
     #[test_case(&["--keepalive-timeout", "0s"], "MESHCA_KEEPALIVE_TIMEOUT" ; "zero keepalive timeout")]
     #[test_case(&["--max-connection-age", "1000000h"], "MESHCA_MAX_CONNECTION_AGE" ; "huge connection age")]
     #[test_case(&["--max-connection-age-grace", "1000000h"], "MESHCA_MAX_CONNECTION_AGE_GRACE" ; "huge grace")]
+    #[test_case(&["--max-cancelled-streams-per-second", "0"], "MESHCA_MAX_CANCELLED_STREAMS_PER_SECOND" ; "zero cancels")]
     #[test_case(&["--max-request-bytes", "1000"], "MESHCA_MAX_REQUEST_BYTES" ; "message smaller than a csr")]
     #[test_case(&["--max-request-bytes", "104857600"], "MESHCA_MAX_REQUEST_BYTES" ; "message over istiod max")]
     #[test_case(&["--max-token-bytes", "10"], "MESHCA_MAX_TOKEN_BYTES" ; "tiny token")]

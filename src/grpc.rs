@@ -260,6 +260,39 @@ pub struct RequestGateService<S> {
     gate: Arc<RequestGate>,
 }
 
+/// Counts the request as cancelled by the client if dropped before it
+/// finished (hyper drops it on RST_STREAM).
+struct CancelGuard {
+    control: Option<Arc<crate::transport::ConnControl>>,
+    metrics: Option<Arc<Metrics>>,
+    done: bool,
+}
+
+impl CancelGuard {
+    fn cancelled(&mut self) {
+        self.done = true;
+        if let Some(c) = &self.control {
+            if c.stream_cancelled() {
+                tracing::info!(
+                    reason = Refusal::StreamResetFlood.reason(),
+                    "closing a connection that cancels too many streams"
+                );
+                if let Some(m) = &self.metrics {
+                    m.refused(Refusal::StreamResetFlood);
+                }
+            }
+        }
+    }
+}
+
+impl Drop for CancelGuard {
+    fn drop(&mut self) {
+        if !self.done {
+            self.cancelled();
+        }
+    }
+}
+
 /// Leaves the queue when dropped, also when the request is cancelled.
 struct Queued<'a>(&'a AtomicUsize);
 
@@ -307,14 +340,45 @@ impl RequestGate {
     }
 }
 
-impl<S, B> tower_service::Service<http::Request<B>> for RequestGateService<S>
+/// A request body that notes whether reading it failed.
+struct WatchedBody {
+    inner: tonic::body::Body,
+    failed: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl http_body::Body for WatchedBody {
+    type Data = bytes::Bytes;
+    type Error = tonic::Status;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        let r = Pin::new(&mut self.inner).poll_frame(cx);
+        if let Poll::Ready(Some(Err(_))) = &r {
+            self.failed.store(true, Ordering::Release);
+        }
+        r
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+type B = tonic::body::Body;
+
+impl<S> tower_service::Service<http::Request<B>> for RequestGateService<S>
 where
     S: tower_service::Service<http::Request<B>, Response = http::Response<tonic::body::Body>>
         + Clone
         + Send
         + 'static,
     S::Future: Send + 'static,
-    B: Send + 'static,
 {
     type Response = S::Response;
     type Error = S::Error;
@@ -330,13 +394,31 @@ where
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
         let gate = self.gate.clone();
+        let cancel = CancelGuard {
+            control: req
+                .extensions()
+                .get::<ConnInfo>()
+                .map(|c| c.control.clone()),
+            metrics: gate.metrics.clone(),
+            done: false,
+        };
+        let body_failed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let failed = body_failed.clone();
+        let req = req.map(|inner| B::new(WatchedBody { inner, failed }));
         Box::pin(async move {
+            // Moved whole into the future: dropped with it on RST_STREAM.
+            let mut cancel = cancel;
             let work = async {
                 let _slot = match gate.slot().await {
                     Ok(s) => s,
                     Err(r) => return Ok(gate.refuse(r)),
                 };
                 let resp = inner.call(req).await?;
+                if body_failed.load(Ordering::Acquire) {
+                    // The client reset the stream (or the connection broke)
+                    // mid-message: tonic answered without our handler.
+                    cancel.cancelled();
+                }
                 // tonic refuses an over-limit message before our handler
                 // runs, with OUT_OF_RANGE; our handler never uses that code.
                 if Status::from_header_map(resp.headers()).map(|s| s.code())
@@ -346,10 +428,12 @@ where
                 }
                 Ok(resp)
             };
-            match tokio::time::timeout(gate.timeout, work).await {
+            let result = match tokio::time::timeout(gate.timeout, work).await {
                 Ok(r) => r,
                 Err(_) => Ok(gate.refuse(Refusal::RequestTimeout)),
-            }
+            };
+            cancel.done = true;
+            result
         })
     }
 }

@@ -104,6 +104,12 @@ use rustls_pki_types::pem::PemObject;
 fn stuck_request(
     send: &mut h2::client::SendRequest<bytes::Bytes>,
 ) -> (h2::client::ResponseFuture, h2::SendStream<bytes::Bytes>) {
+    try_stuck_request(send).unwrap()
+}
+
+fn try_stuck_request(
+    send: &mut h2::client::SendRequest<bytes::Bytes>,
+) -> Result<(h2::client::ResponseFuture, h2::SendStream<bytes::Bytes>), h2::Error> {
     let req = http::Request::post(
         "https://localhost/istio.v1.auth.IstioCertificateService/CreateCertificate",
     )
@@ -111,11 +117,11 @@ fn stuck_request(
     .header("te", "trailers")
     .body(())
     .unwrap();
-    let (resp, mut body) = send.send_request(req, false).unwrap();
+    let (resp, mut body) = send.send_request(req, false)?;
     let mut frame = vec![0u8, 0, 0, 0x03, 0xe8];
     frame.extend_from_slice(&[0x0a; 10]);
-    body.send_data(frame.into(), false).unwrap();
-    (resp, body)
+    body.send_data(frame.into(), false)?;
+    Ok((resp, body))
 }
 
 /// The grpc-status of a response (trailers-only, or in the trailers).
@@ -403,4 +409,46 @@ fn the_binary_refuses_a_ttl_beyond_the_time_range_at_startup() {
         assert!(stderr.contains(name), "{stderr}");
         assert!(!stderr.contains("panicked"), "{stderr}");
     }
+}
+
+#[tokio::test]
+async fn a_connection_that_cancels_streams_in_a_flood_is_closed() {
+    let s = start(|c| c.transport.max_cancelled_streams_per_sec = 5).await;
+    let (send, conn) = s.h2().await;
+    let mut send = send;
+    let mut sent = 0;
+    for _ in 0..20 {
+        let Ok(ready) = send.clone().ready().await else {
+            break;
+        };
+        send = ready;
+        let Ok((_resp, mut body)) = try_stuck_request(&mut send) else {
+            break;
+        };
+        // Let the server start handling it, then cancel, as the flood did.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        body.send_reset(h2::Reason::CANCEL);
+        sent += 1;
+    }
+    let ended = tokio::time::timeout(Duration::from_secs(2), conn).await;
+    assert!(
+        ended.is_ok(),
+        "connection still open after {sent} cancelled streams"
+    );
+    assert!(sent < 20, "all {sent} streams were accepted");
+    assert_eq!(s.refusals("stream_reset_flood").await, 1);
+    // Other connections are unaffected, and finished requests (allowed or
+    // denied) never count as cancelled.
+    let mut c = s.mtls_client().await;
+    for i in 0..20 {
+        let id = if i % 2 == 0 {
+            CLIENT_ID
+        } else {
+            "spiffe://cluster.local/ns/x/sa/y"
+        };
+        let csr = csr_for(&rcgen::KeyPair::generate().unwrap(), id);
+        let r = c.create_certificate(request(csr, 0, &[])).await;
+        assert_eq!(r.is_ok(), i % 2 == 0, "{r:?}");
+    }
+    assert_eq!(s.refusals("stream_reset_flood").await, 1);
 }

@@ -49,6 +49,9 @@ pub struct TransportLimits {
     /// GOAWAY after this age (zero: never), then close after the grace.
     pub max_connection_age: Duration,
     pub max_connection_age_grace: Duration,
+    /// Requests a connection may cancel (RST_STREAM while in progress) per
+    /// second before it is closed: stops open-and-reset floods.
+    pub max_cancelled_streams_per_sec: u32,
 }
 
 impl Default for TransportLimits {
@@ -69,6 +72,7 @@ impl Default for TransportLimits {
             keepalive_timeout: Duration::from_secs(10),
             max_connection_age: Duration::from_secs(30 * 60),
             max_connection_age_grace: Duration::from_secs(10),
+            max_cancelled_streams_per_sec: 200,
         }
     }
 }
@@ -143,6 +147,8 @@ pub enum Refusal {
     AdminConnectionLimit,
     #[error("admin connection timed out")]
     AdminTimeout,
+    #[error("connection cancelled too many streams")]
+    StreamResetFlood,
 }
 
 impl Refusal {
@@ -158,11 +164,12 @@ impl Refusal {
             Self::MessageTooLarge => "message_too_large",
             Self::AdminConnectionLimit => "admin_connection_limit",
             Self::AdminTimeout => "admin_timeout",
+            Self::StreamResetFlood => "stream_reset_flood",
         }
     }
 
     /// Every refusal, for tests and metric pre-registration.
-    pub const ALL: [Refusal; 10] = [
+    pub const ALL: [Refusal; 11] = [
         Self::ConnectionLimit,
         Self::PerIpLimit,
         Self::HandshakeLimit,
@@ -173,6 +180,7 @@ impl Refusal {
         Self::MessageTooLarge,
         Self::AdminConnectionLimit,
         Self::AdminTimeout,
+        Self::StreamResetFlood,
     ];
 }
 
@@ -253,6 +261,31 @@ pub fn admit_request(
     }
 }
 
+/// Cancelled streams of one connection, counted in one-second windows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CancelWindow {
+    /// Start of the current window, in milliseconds of the connection's clock.
+    pub start_ms: u64,
+    pub count: u32,
+}
+
+/// Counts one cancellation at `now_ms`; returns the new window and whether
+/// the connection went over `max_per_sec`.
+pub fn count_cancel(w: CancelWindow, now_ms: u64, max_per_sec: u32) -> (CancelWindow, bool) {
+    let w = if now_ms.saturating_sub(w.start_ms) >= 1000 {
+        CancelWindow {
+            start_ms: now_ms,
+            count: 1,
+        }
+    } else {
+        CancelWindow {
+            start_ms: w.start_ms,
+            count: w.count.saturating_add(1),
+        }
+    };
+    (w, w.count > max_per_sec)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -321,6 +354,15 @@ mod tests {
         want: RequestAdmission,
     ) {
         assert_eq!(admit_request(inflight, queued, max_i, max_q), want);
+    }
+
+    #[test_case(CancelWindow { start_ms: 0, count: 0 }, 10, 2, (CancelWindow { start_ms: 0, count: 1 }, false) ; "first")]
+    #[test_case(CancelWindow { start_ms: 0, count: 2 }, 999, 2, (CancelWindow { start_ms: 0, count: 3 }, true) ; "over within the second")]
+    #[test_case(CancelWindow { start_ms: 0, count: 2 }, 1000, 2, (CancelWindow { start_ms: 1000, count: 1 }, false) ; "new second starts over")]
+    #[test_case(CancelWindow { start_ms: 5000, count: 2 }, 10, 2, (CancelWindow { start_ms: 5000, count: 3 }, true) ; "clock going back stays in window")]
+    #[test_case(CancelWindow { start_ms: 0, count: u32::MAX }, 5, 2, (CancelWindow { start_ms: 0, count: u32::MAX }, true) ; "saturates")]
+    fn cancel_budget(w: CancelWindow, now: u64, max: u32, want: (CancelWindow, bool)) {
+        assert_eq!(count_cancel(w, now, max), want);
     }
 
     #[test]

@@ -28,6 +28,66 @@ use crate::tls::ServingTls;
 pub struct ConnInfo {
     pub remote_addr: SocketAddr,
     pub peer_chain: Option<Arc<[CertificateDer<'static>]>>,
+    /// Lets request handling close the connection it arrived on.
+    pub control: Arc<ConnControl>,
+}
+
+/// Per-connection state shared between the connection and its requests.
+#[derive(Debug)]
+pub struct ConnControl {
+    born: std::time::Instant,
+    closed: std::sync::atomic::AtomicBool,
+    waker: futures::task::AtomicWaker,
+    cancels: Mutex<limits::CancelWindow>,
+    max_cancels_per_sec: u32,
+}
+
+impl ConnControl {
+    pub fn new(max_cancels_per_sec: u32) -> Arc<Self> {
+        Arc::new(Self {
+            born: std::time::Instant::now(),
+            closed: Default::default(),
+            waker: Default::default(),
+            cancels: Mutex::new(limits::CancelWindow {
+                start_ms: 0,
+                count: 0,
+            }),
+            max_cancels_per_sec,
+        })
+    }
+
+    /// Makes the connection's next read or write fail, which ends it.
+    pub fn close(&self) {
+        self.closed
+            .store(true, std::sync::atomic::Ordering::Release);
+        self.waker.wake();
+    }
+
+    pub fn is_closed(&self) -> bool {
+        self.closed.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Counts a request the client cancelled; closes the connection (and
+    /// returns true) once it goes over its budget.
+    pub fn stream_cancelled(&self) -> bool {
+        let now_ms = u64::try_from(self.born.elapsed().as_millis()).unwrap_or(u64::MAX);
+        let over = {
+            let mut w = self.cancels.lock().unwrap_or_else(|p| p.into_inner());
+            let (next, over) = limits::count_cancel(*w, now_ms, self.max_cancels_per_sec);
+            *w = next;
+            over
+        };
+        if over && !self.is_closed() {
+            self.close();
+            return true;
+        }
+        false
+    }
+
+    fn poll_closed(&self, cx: &mut Context<'_>) -> bool {
+        self.waker.register(cx.waker());
+        self.is_closed()
+    }
 }
 
 /// Open-connection counts shared by the accept loop and live connections.
@@ -116,6 +176,9 @@ pub struct TlsConn {
 
 impl TlsConn {
     fn expired(&mut self, cx: &mut Context<'_>) -> bool {
+        if self.info.control.poll_closed(cx) {
+            return true;
+        }
         match self.deadline.as_mut() {
             Some(d) => d.as_mut().poll(cx).is_ready(),
             None => false,
@@ -126,7 +189,7 @@ impl TlsConn {
 fn age_exceeded() -> std::io::Error {
     std::io::Error::new(
         std::io::ErrorKind::TimedOut,
-        "connection exceeded max age and grace",
+        "connection exceeded its max age and grace, or was closed for abuse",
     )
 }
 
@@ -208,6 +271,7 @@ pub fn tls_incoming(
     let handshakes = Arc::new(Semaphore::new(limits.max_pending_handshakes));
     let handshake_timeout = limits.handshake_timeout;
     let deadline = hard_deadline(limits);
+    let max_cancels = limits.max_cancelled_streams_per_sec;
     tokio::spawn(async move {
         loop {
             let (tcp, remote_addr) = match listener.accept().await {
@@ -269,6 +333,7 @@ pub fn tls_incoming(
                     info: ConnInfo {
                         remote_addr,
                         peer_chain,
+                        control: ConnControl::new(max_cancels),
                     },
                     deadline: deadline.map(|d| Box::pin(tokio::time::sleep(d))),
                     _permit: permit,
