@@ -185,7 +185,8 @@ pub struct LimitArgs {
     /// TLS handshakes in progress; connections beyond are closed at once.
     #[arg(long, env = "MESHCA_MAX_PENDING_HANDSHAKES", default_value_t = 128)]
     pub max_pending_handshakes: usize,
-    /// Time a client has to complete the TLS handshake.
+    /// Time a client has to complete the TLS handshake, and again to send
+    /// the HTTP/2 preface after it.
     #[arg(long, env = "MESHCA_HANDSHAKE_TIMEOUT", default_value = "5s")]
     pub handshake_timeout: String,
     /// HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS per connection.

@@ -280,6 +280,31 @@ async fn handshakes_are_bounded_in_number_and_time() {
     junk.write_all(b"GET / HTTP/1.1\r\n\r\n").await.unwrap();
     assert!(closed_within(&mut junk, Duration::from_secs(2)).await);
     assert_eq!(s.refusals("handshake_failed").await, 1);
+    // A client that completes TLS but never sends the HTTP/2 preface is closed too.
+    let t = Instant::now();
+    let tcp = TcpStream::connect(s.app.addr).await.unwrap();
+    let mut tls = s
+        .tls()
+        .connect("localhost".try_into().unwrap(), tcp)
+        .await
+        .unwrap();
+    let mut buf = [0u8; 64];
+    let closed = tokio::time::timeout(Duration::from_secs(3), async {
+        loop {
+            match tls.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(_) => continue,
+            }
+        }
+    })
+    .await;
+    assert!(closed.is_ok(), "silent TLS connection still open after 3 s");
+    assert!(
+        t.elapsed() >= Duration::from_millis(900),
+        "{:?}",
+        t.elapsed()
+    );
+    assert_eq!(s.refusals("handshake_timeout").await, 3);
 }
 
 #[tokio::test]

@@ -171,10 +171,31 @@ pub struct TlsConn {
     inner: tokio_rustls::server::TlsStream<TcpStream>,
     info: ConnInfo,
     deadline: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// The first bytes (the HTTP/2 preface) must arrive by then: hyper has
+    /// no timeout of its own before the preface.
+    first_read: Option<Pin<Box<tokio::time::Sleep>>>,
+    metrics: Option<Arc<Metrics>>,
     _permit: ConnPermit,
 }
 
 impl TlsConn {
+    /// Whether the client sent nothing in time after the handshake.
+    fn silent(&mut self, cx: &mut Context<'_>) -> bool {
+        let Some(d) = self.first_read.as_mut() else {
+            return false;
+        };
+        if d.as_mut().poll(cx).is_pending() {
+            return false;
+        }
+        self.first_read = None;
+        refuse(
+            self.metrics.as_deref(),
+            Refusal::HandshakeTimeout,
+            self.info.remote_addr,
+        );
+        true
+    }
+
     fn expired(&mut self, cx: &mut Context<'_>) -> bool {
         if self.info.control.poll_closed(cx) {
             return true;
@@ -209,7 +230,18 @@ impl AsyncRead for TlsConn {
         if self.expired(cx) {
             return Poll::Ready(Err(age_exceeded()));
         }
-        Pin::new(&mut self.inner).poll_read(cx, buf)
+        if self.silent(cx) {
+            return Poll::Ready(Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "no HTTP/2 preface within the handshake timeout",
+            )));
+        }
+        let before = buf.filled().len();
+        let r = Pin::new(&mut self.inner).poll_read(cx, buf);
+        if buf.filled().len() > before {
+            self.first_read = None;
+        }
+        r
     }
 }
 
@@ -336,6 +368,8 @@ pub fn tls_incoming(
                         control: ConnControl::new(max_cancels),
                     },
                     deadline: deadline.map(|d| Box::pin(tokio::time::sleep(d))),
+                    first_read: Some(Box::pin(tokio::time::sleep(handshake_timeout))),
+                    metrics,
                     _permit: permit,
                 };
                 let _ = tx.send(Ok(conn)).await;
