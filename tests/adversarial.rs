@@ -310,8 +310,10 @@ async fn h2_flood(
 
 /// Oversized fields from an mTLS caller and from a caller with no client
 /// certificate: 1 MB ImpersonatedIdentity (printable and control bytes),
-/// 1 MB bearer tokens, a 1 MB clusterid header, 50,000 metadata keys. Every
-/// one of them must be refused, and none may produce an oversized audit line.
+/// 1 MB bearer tokens, a 1 MB clusterid header, 50,000 metadata keys, and the
+/// same fields just under the transport limits. Every one of them must be
+/// refused (those the server reads with InvalidArgument, Unauthenticated or
+/// ResourceExhausted), and none may produce an oversized audit line.
 #[test]
 fn oversized_fields_1mb() {
     let stats = run(
@@ -355,6 +357,22 @@ fn oversized_fields_1mb() {
                     }
                 }
             };
+            // A refusal of a field the server read must carry a precise code,
+            // not a transport failure.
+            let record_mid = |what: &str, r: Result<tonic::Response<_>, tonic::Status>| {
+                if let Err(s) = &r {
+                    if !matches!(
+                        s.code(),
+                        tonic::Code::InvalidArgument
+                            | tonic::Code::Unauthenticated
+                            | tonic::Code::ResourceExhausted
+                    ) {
+                        AttackStats::inc(&stats.imprecise_codes);
+                        eprintln!("IMPRECISE: {what}: {:?} {:.120}", s.code(), s.message());
+                    }
+                }
+                record(what, r);
+            };
             for i in 0..10 {
                 let s = if i % 2 == 0 { &printable } else { &control };
                 let r = mtls
@@ -386,6 +404,39 @@ fn oversized_fields_1mb() {
                     mtls.create_certificate(with_meta(keys.clone())).await,
                 );
             }
+            // Just under the transport limits (32 KiB header list, 128 KiB
+            // message), so the field bounds themselves and the audit record
+            // of the refusal are exercised: 24 KiB bearer tokens, a 1 KiB
+            // clusterid, a 64 KiB ImpersonatedIdentity, 1,000 metadata keys.
+            let mid_bearer: tonic::metadata::MetadataValue<_> =
+                format!("Bearer {}", "b".repeat(24 * 1024)).parse().unwrap();
+            let mid_cluster: tonic::metadata::MetadataValue<_> = "c".repeat(1024).parse().unwrap();
+            let few_keys: Vec<(String, prost_types::Value)> = keys[..1000].to_vec();
+            for i in 0..4 {
+                let mut req = tonic::Request::new(csr_req.clone());
+                req.metadata_mut()
+                    .insert("authorization", mid_bearer.clone());
+                let r = if i % 2 == 0 {
+                    mtls.create_certificate(req).await
+                } else {
+                    anon.create_certificate(req).await
+                };
+                record_mid("24 KiB bearer token", r);
+                let mut req = tonic::Request::new(csr_req.clone());
+                req.metadata_mut().insert("clusterid", mid_cluster.clone());
+                record_mid("mTLS 1 KiB clusterid", mtls.create_certificate(req).await);
+                let r = mtls
+                    .create_certificate(with_meta(vec![(
+                        "ImpersonatedIdentity".into(),
+                        meshca::testing::string_value(&control[..64 * 1024]),
+                    )]))
+                    .await;
+                record_mid("mTLS 64 KiB ImpersonatedIdentity", r);
+                record_mid(
+                    "mTLS 1,000 metadata keys",
+                    mtls.create_certificate(with_meta(few_keys.clone())).await,
+                );
+            }
             stats
         },
     );
@@ -394,7 +445,12 @@ fn oversized_fields_1mb() {
         0,
         "a request with an oversized field was accepted (see ACCEPTED lines)"
     );
-    assert_eq!(n(&stats.refused), 28);
+    assert_eq!(n(&stats.refused), 44);
+    assert_eq!(
+        n(&stats.imprecise_codes),
+        0,
+        "a field refusal carried an imprecise gRPC code (see IMPRECISE lines)"
+    );
 }
 
 /// Garbage: 200 connections sending random bytes instead of a ClientHello,

@@ -590,6 +590,8 @@ pub struct AttackStats {
     /// Side probes (e.g. /healthz during the admin slowloris) that succeeded / failed.
     pub probes_ok: AtomicUsize,
     pub probes_failed: AtomicUsize,
+    /// Refusals with a gRPC code that does not name the problem.
+    pub imprecise_codes: AtomicUsize,
 }
 
 pub fn n(a: &AtomicUsize) -> usize {
