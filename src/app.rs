@@ -185,12 +185,30 @@ impl App {
             audit,
             metrics: Some(metrics.clone()),
         });
-        let incoming = grpc::tls_incoming(listener, tls.clone());
+        let incoming = crate::transport::tls_incoming(
+            listener,
+            tls.clone(),
+            &cfg.transport,
+            Some(metrics.clone()),
+        );
         let (tx, rx) = oneshot::channel::<()>();
+        let t = &cfg.transport;
+        let mut builder = tonic::transport::Server::builder()
+            .max_concurrent_streams(t.max_concurrent_streams)
+            .http2_max_header_list_size(t.max_header_list_bytes)
+            .initial_stream_window_size(t.stream_window_bytes)
+            .initial_connection_window_size(t.connection_window_bytes)
+            .http2_keepalive_interval(Some(t.keepalive_interval).filter(|d| !d.is_zero()))
+            .http2_keepalive_timeout(Some(t.keepalive_timeout));
+        if !t.max_connection_age.is_zero() {
+            // Only the age: tonic given a grace skips the graceful GOAWAY; the
+            // grace is enforced by transport::TlsConn.
+            builder = builder.max_connection_age(t.max_connection_age);
+        }
         let server = tokio::spawn(
-            tonic::transport::Server::builder()
-                .http2_keepalive_interval(Some(std::time::Duration::from_secs(30)))
-                .add_service(CaService::new(issuer).into_server())
+            builder
+                .layer(grpc::RequestGateLayer::new(t, Some(metrics.clone())))
+                .add_service(CaService::with_limits(issuer, cfg.input).into_server())
                 .serve_with_incoming_shutdown(incoming, async {
                     let _ = rx.await;
                 }),
@@ -216,9 +234,10 @@ impl App {
             metrics: metrics.clone(),
             token_reviewer: token_reviewer.clone(),
         };
-        let (admin_addr, admin) = crate::http::bind(cfg.admin_listen, health)
-            .await
-            .with_context(|| format!("binding {}", cfg.admin_listen))?;
+        let (admin_addr, admin) =
+            crate::http::bind(cfg.admin_listen, health, cfg.admin, Some(metrics.clone()))
+                .await
+                .with_context(|| format!("binding {}", cfg.admin_listen))?;
         background.push(admin);
         tracing::info!(%addr, ca = ca.snapshot().source(), trust_domain = %cfg.trust_domain, "meshca serving IstioCertificateService");
         Ok(Self {

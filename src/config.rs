@@ -10,6 +10,7 @@ use crate::ca::ttl::parse_go_duration;
 use crate::ca::ttl::JitterBand;
 use crate::ca::{CsrPolicy, TtlPolicy};
 use crate::identity::TrustDomain;
+use crate::transport::{AdminLimits, InputLimits, TransportLimits};
 
 /// A `namespace/serviceaccount` pair (`CA_TRUSTED_NODE_ACCOUNTS` entries).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -199,6 +200,300 @@ pub struct ServeArgs {
     /// Full re-check period of the root publisher.
     #[arg(long, env = "MESHCA_PUBLISH_ROOT_RESYNC", default_value = "10m")]
     pub publish_root_resync: String,
+    #[command(flatten)]
+    pub limits: LimitArgs,
+}
+
+/// Flags bounding what callers can make the server hold (see
+/// `transport::limits` for the memory arithmetic behind the defaults).
+#[derive(Debug, Clone, clap::Args)]
+pub struct LimitArgs {
+    /// Open gRPC connections (handshaking or established), all peers together.
+    #[arg(long, env = "MESHCA_MAX_CONNECTIONS", default_value_t = 1024)]
+    pub max_connections: usize,
+    /// Open gRPC connections from one source IP.
+    #[arg(long, env = "MESHCA_MAX_CONNECTIONS_PER_IP", default_value_t = 64)]
+    pub max_connections_per_ip: usize,
+    /// TLS handshakes in progress; connections beyond are closed at once.
+    #[arg(long, env = "MESHCA_MAX_PENDING_HANDSHAKES", default_value_t = 128)]
+    pub max_pending_handshakes: usize,
+    /// Time a client has to complete the TLS handshake, and again to send
+    /// the HTTP/2 preface after it.
+    #[arg(long, env = "MESHCA_HANDSHAKE_TIMEOUT", default_value = "5s")]
+    pub handshake_timeout: String,
+    /// HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS per connection.
+    #[arg(long, env = "MESHCA_MAX_CONCURRENT_STREAMS", default_value_t = 100)]
+    pub max_concurrent_streams: u32,
+    /// Requests handled at once; more wait in a queue.
+    #[arg(long, env = "MESHCA_MAX_INFLIGHT_REQUESTS", default_value_t = 256)]
+    pub max_inflight_requests: usize,
+    /// Requests waiting for a handler; beyond, RESOURCE_EXHAUSTED.
+    #[arg(long, env = "MESHCA_MAX_QUEUED_REQUESTS", default_value_t = 1024)]
+    pub max_queued_requests: usize,
+    /// Whole-request deadline (DEADLINE_EXCEEDED after it).
+    #[arg(long, env = "MESHCA_REQUEST_TIMEOUT", default_value = "15s")]
+    pub request_timeout: String,
+    /// HTTP/2 SETTINGS_MAX_HEADER_LIST_SIZE.
+    #[arg(long, env = "MESHCA_MAX_HEADER_LIST_BYTES", default_value_t = 32 * 1024)]
+    pub max_header_list_bytes: u32,
+    /// HTTP/2 initial stream flow-control window.
+    #[arg(long, env = "MESHCA_HTTP2_STREAM_WINDOW_BYTES", default_value_t = 64 * 1024)]
+    pub http2_stream_window_bytes: u32,
+    /// HTTP/2 initial connection flow-control window.
+    #[arg(long, env = "MESHCA_HTTP2_CONNECTION_WINDOW_BYTES", default_value_t = 64 * 1024)]
+    pub http2_connection_window_bytes: u32,
+    /// HTTP/2 PING period (0s disables keepalive).
+    #[arg(long, env = "MESHCA_KEEPALIVE_INTERVAL", default_value = "30s")]
+    pub keepalive_interval: String,
+    /// Time to wait for a PING ack before closing the connection.
+    #[arg(long, env = "MESHCA_KEEPALIVE_TIMEOUT", default_value = "10s")]
+    pub keepalive_timeout: String,
+    /// Connections get a GOAWAY at this age (0s: never), as istiod's
+    /// keepaliveMaxServerConnectionAge.
+    #[arg(long, env = "MESHCA_MAX_CONNECTION_AGE", default_value = "30m")]
+    pub max_connection_age: String,
+    /// After the GOAWAY, in-flight requests get this long before the connection is closed.
+    #[arg(long, env = "MESHCA_MAX_CONNECTION_AGE_GRACE", default_value = "10s")]
+    pub max_connection_age_grace: String,
+    /// Requests one connection may cancel per second before it is closed
+    /// (open-and-reset floods).
+    #[arg(
+        long,
+        env = "MESHCA_MAX_CANCELLED_STREAMS_PER_SECOND",
+        default_value_t = 200
+    )]
+    pub max_cancelled_streams_per_second: u32,
+    /// Largest request message (a CSR is at most 64 KiB).
+    #[arg(long, env = "MESHCA_MAX_REQUEST_BYTES", default_value_t = 128 * 1024)]
+    pub max_request_bytes: usize,
+    /// Largest bearer token.
+    #[arg(long, env = "MESHCA_MAX_TOKEN_BYTES", default_value_t = 16 * 1024)]
+    pub max_token_bytes: usize,
+    /// Largest `clusterid` header.
+    #[arg(long, env = "MESHCA_MAX_CLUSTER_ID_BYTES", default_value_t = 256)]
+    pub max_cluster_id_bytes: usize,
+    /// Largest metadata key or value (ImpersonatedIdentity included).
+    #[arg(long, env = "MESHCA_MAX_METADATA_VALUE_BYTES", default_value_t = 2048)]
+    pub max_metadata_value_bytes: usize,
+    /// Most metadata keys in one request.
+    #[arg(long, env = "MESHCA_MAX_METADATA_KEYS", default_value_t = 16)]
+    pub max_metadata_keys: usize,
+    /// Open admin-port connections.
+    #[arg(long, env = "MESHCA_ADMIN_MAX_CONNECTIONS", default_value_t = 64)]
+    pub admin_max_connections: usize,
+    /// Time to receive an admin request's headers.
+    #[arg(long, env = "MESHCA_ADMIN_HEADER_TIMEOUT", default_value = "5s")]
+    pub admin_header_timeout: String,
+    /// Longest an admin connection stays open.
+    #[arg(long, env = "MESHCA_ADMIN_CONNECTION_TIMEOUT", default_value = "30s")]
+    pub admin_connection_timeout: String,
+}
+
+/// Longest certificate lifetime accepted by the TTL flags: far inside the
+/// `time` crate's range (year 9999), so `now + ttl` cannot overflow.
+pub const MAX_TTL_LIMIT: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+/// Upper bound of the period and timeout flags: a day is already absurd for
+/// any of them; beyond, `Instant + d` could overflow.
+const MAX_PERIOD: Duration = Duration::from_secs(24 * 3600);
+
+/// A duration flag within `(0, max]`, or `[0, max]` when `zero_ok`.
+fn bounded_duration(
+    name: &'static str,
+    v: &str,
+    zero_ok: bool,
+    max: Duration,
+) -> Result<Duration, ConfigError> {
+    let d = parse_go_duration(v).map_err(|e| err(name, v, e))?;
+    if d.is_zero() && !zero_ok {
+        return Err(err(name, v, "must be positive"));
+    }
+    if d > max {
+        return Err(err(
+            name,
+            v,
+            format!(
+                "must be at most {}",
+                crate::ca::ttl::go_duration(max.as_secs())
+            ),
+        ));
+    }
+    Ok(d)
+}
+
+/// A count or size flag within `[min, max]`.
+fn bounded<T: PartialOrd + std::fmt::Display + Copy>(
+    name: &'static str,
+    v: T,
+    min: T,
+    max: T,
+) -> Result<T, ConfigError> {
+    if v < min || v > max {
+        return Err(err(
+            name,
+            &v.to_string(),
+            format!("must be between {min} and {max}"),
+        ));
+    }
+    Ok(v)
+}
+
+impl LimitArgs {
+    /// Parses and validates the limits; every error names its variable.
+    pub fn parse(&self) -> Result<(TransportLimits, InputLimits, AdminLimits), ConfigError> {
+        const MIB: usize = 1024 * 1024;
+        let d = bounded_duration;
+        // HTTP/2 caps a window at 2^31-1 and a header list at u32; h2 needs a
+        // window of at least one max-size frame to make progress.
+        let window = |name, v: u32| bounded(name, v, 16 * 1024, (1 << 31) - 1);
+        let t = TransportLimits {
+            max_connections: bounded("MESHCA_MAX_CONNECTIONS", self.max_connections, 1, 1 << 20)?,
+            max_connections_per_ip: bounded(
+                "MESHCA_MAX_CONNECTIONS_PER_IP",
+                self.max_connections_per_ip,
+                1,
+                1 << 20,
+            )?,
+            max_pending_handshakes: bounded(
+                "MESHCA_MAX_PENDING_HANDSHAKES",
+                self.max_pending_handshakes,
+                1,
+                1 << 16,
+            )?,
+            handshake_timeout: d(
+                "MESHCA_HANDSHAKE_TIMEOUT",
+                &self.handshake_timeout,
+                false,
+                Duration::from_secs(300),
+            )?,
+            max_concurrent_streams: bounded(
+                "MESHCA_MAX_CONCURRENT_STREAMS",
+                self.max_concurrent_streams,
+                1,
+                1 << 20,
+            )?,
+            // Semaphore permits are capped far below this.
+            max_inflight_requests: bounded(
+                "MESHCA_MAX_INFLIGHT_REQUESTS",
+                self.max_inflight_requests,
+                1,
+                1 << 20,
+            )?,
+            max_queued_requests: bounded(
+                "MESHCA_MAX_QUEUED_REQUESTS",
+                self.max_queued_requests,
+                0,
+                1 << 20,
+            )?,
+            request_timeout: d(
+                "MESHCA_REQUEST_TIMEOUT",
+                &self.request_timeout,
+                false,
+                Duration::from_secs(3600),
+            )?,
+            max_header_list_bytes: bounded(
+                "MESHCA_MAX_HEADER_LIST_BYTES",
+                self.max_header_list_bytes,
+                4096,
+                16 << 20,
+            )?,
+            stream_window_bytes: window(
+                "MESHCA_HTTP2_STREAM_WINDOW_BYTES",
+                self.http2_stream_window_bytes,
+            )?,
+            connection_window_bytes: window(
+                "MESHCA_HTTP2_CONNECTION_WINDOW_BYTES",
+                self.http2_connection_window_bytes,
+            )?,
+            keepalive_interval: d(
+                "MESHCA_KEEPALIVE_INTERVAL",
+                &self.keepalive_interval,
+                true,
+                MAX_PERIOD,
+            )?,
+            keepalive_timeout: d(
+                "MESHCA_KEEPALIVE_TIMEOUT",
+                &self.keepalive_timeout,
+                false,
+                Duration::from_secs(3600),
+            )?,
+            max_connection_age: d(
+                "MESHCA_MAX_CONNECTION_AGE",
+                &self.max_connection_age,
+                true,
+                Duration::from_secs(30 * 24 * 3600),
+            )?,
+            max_connection_age_grace: d(
+                "MESHCA_MAX_CONNECTION_AGE_GRACE",
+                &self.max_connection_age_grace,
+                true,
+                Duration::from_secs(3600),
+            )?,
+            max_cancelled_streams_per_sec: bounded(
+                "MESHCA_MAX_CANCELLED_STREAMS_PER_SECOND",
+                self.max_cancelled_streams_per_second,
+                1,
+                1 << 20,
+            )?,
+        };
+        let i = InputLimits {
+            // istiod's own ceiling is 4 MiB; below 64 KiB + framing no CSR fits.
+            max_message_bytes: bounded(
+                "MESHCA_MAX_REQUEST_BYTES",
+                self.max_request_bytes,
+                crate::ca::csr::MAX_CSR_BYTES + 1024,
+                4 * MIB,
+            )?,
+            max_token_bytes: bounded("MESHCA_MAX_TOKEN_BYTES", self.max_token_bytes, 1024, MIB)?,
+            max_cluster_id_bytes: bounded(
+                "MESHCA_MAX_CLUSTER_ID_BYTES",
+                self.max_cluster_id_bytes,
+                1,
+                64 * 1024,
+            )?,
+            max_metadata_value_bytes: bounded(
+                "MESHCA_MAX_METADATA_VALUE_BYTES",
+                self.max_metadata_value_bytes,
+                256,
+                MIB,
+            )?,
+            max_metadata_keys: bounded(
+                "MESHCA_MAX_METADATA_KEYS",
+                self.max_metadata_keys,
+                2,
+                4096,
+            )?,
+        };
+        // A token the header list cannot carry would be refused by HTTP/2
+        // with a less precise error; say so now.
+        if i.max_token_bytes >= t.max_header_list_bytes as usize {
+            return Err(err(
+                "MESHCA_MAX_TOKEN_BYTES",
+                &i.max_token_bytes.to_string(),
+                "must be below MESHCA_MAX_HEADER_LIST_BYTES",
+            ));
+        }
+        let a = AdminLimits {
+            max_connections: bounded(
+                "MESHCA_ADMIN_MAX_CONNECTIONS",
+                self.admin_max_connections,
+                1,
+                1 << 16,
+            )?,
+            header_timeout: d(
+                "MESHCA_ADMIN_HEADER_TIMEOUT",
+                &self.admin_header_timeout,
+                false,
+                Duration::from_secs(300),
+            )?,
+            connection_timeout: d(
+                "MESHCA_ADMIN_CONNECTION_TIMEOUT",
+                &self.admin_connection_timeout,
+                false,
+                Duration::from_secs(3600),
+            )?,
+        };
+        Ok((t, i, a))
+    }
 }
 
 /// Where audit records go.
@@ -260,6 +555,9 @@ pub struct Config {
     pub audit: AuditSettings,
     /// Present when root publishing is on (requires Kubernetes).
     pub root_publisher: Option<crate::rootpub::RootPublisherSettings>,
+    pub transport: TransportLimits,
+    pub input: InputLimits,
+    pub admin: AdminLimits,
 }
 
 impl Config {
@@ -285,34 +583,24 @@ impl Config {
         let trust_domain_aliases = list(&a.trust_domain_aliases)
             .map(|s| TrustDomain::new(s).map_err(|e| err("TRUST_DOMAIN_ALIASES", s, e.to_string())))
             .collect::<Result<_, _>>()?;
-        let duration = |name, v: &str| parse_go_duration(v).map_err(|e| err(name, v, e));
+        // Every duration is bounded: an unbounded one overflows `now + d`
+        // at the first request (TTLs) or in a background task (periods).
+        let duration = |name, v: &str| bounded_duration(name, v, false, MAX_PERIOD);
         let ttl = TtlPolicy {
-            default: duration("DEFAULT_WORKLOAD_CERT_TTL", &a.default_ttl)?,
-            max: duration("MAX_WORKLOAD_CERT_TTL", &a.max_ttl)?,
+            default: bounded_duration(
+                "DEFAULT_WORKLOAD_CERT_TTL",
+                &a.default_ttl,
+                false,
+                MAX_TTL_LIMIT,
+            )?,
+            max: bounded_duration("MAX_WORKLOAD_CERT_TTL", &a.max_ttl, false, MAX_TTL_LIMIT)?,
             jitter: {
                 let band = JitterBand::parse(&a.lifetime_jitter_band)
                     .map_err(|e| err("MESHCA_LIFETIME_JITTER_BAND", &a.lifetime_jitter_band, e))?;
                 a.lifetime_jitter.then_some(band)
             },
         };
-        if ttl.default.is_zero() {
-            return Err(err(
-                "DEFAULT_WORKLOAD_CERT_TTL",
-                &a.default_ttl,
-                "must be positive",
-            ));
-        }
-        if ttl.max.is_zero() {
-            return Err(err("MAX_WORKLOAD_CERT_TTL", &a.max_ttl, "must be positive"));
-        }
         let reload_poll = duration("MESHCA_RELOAD_POLL", &a.reload_poll)?;
-        if reload_poll.is_zero() {
-            return Err(err(
-                "MESHCA_RELOAD_POLL",
-                &a.reload_poll,
-                "must be positive",
-            ));
-        }
         let mut serving_names: Vec<String> = list(&a.serving_names).map(str::to_string).collect();
         // Istio's CA client verifies istiod.istio-system.svc when CA_ADDR contains "localhost".
         if a.dev && !serving_names.iter().any(|n| n == "istiod.istio-system.svc") {
@@ -341,7 +629,12 @@ impl Config {
         let kube = if kube_on {
             Some(KubeSettings {
                 kubeconfig: a.kubeconfig.clone(),
-                token_cache_ttl: duration("MESHCA_TOKEN_CACHE_TTL", &a.token_cache_ttl)?,
+                token_cache_ttl: bounded_duration(
+                    "MESHCA_TOKEN_CACHE_TTL",
+                    &a.token_cache_ttl,
+                    true,
+                    MAX_PERIOD,
+                )?,
                 tokenreview_timeout: duration(
                     "MESHCA_TOKENREVIEW_TIMEOUT",
                     &a.tokenreview_timeout,
@@ -355,7 +648,9 @@ impl Config {
             "MESHCA_AUDIT_CHECKPOINT_INTERVAL",
             &a.audit_checkpoint_interval,
         )?;
-        if checkpoint_interval.is_zero() || a.audit_checkpoint_every == 0 {
+        // Rotation renames every kept file in a loop: keep the count sane.
+        bounded("MESHCA_AUDIT_MAX_FILES", a.audit_max_files, 1, 10_000)?;
+        if a.audit_checkpoint_every == 0 {
             return Err(err(
                 "MESHCA_AUDIT_CHECKPOINT_EVERY",
                 &a.audit_checkpoint_every.to_string(),
@@ -411,7 +706,11 @@ impl Config {
         } else {
             None
         };
+        let (transport, input, admin) = a.limits.parse()?;
         Ok(Self {
+            transport,
+            input,
+            admin,
             root_publisher,
             audit,
             admin_listen,
@@ -441,7 +740,8 @@ fn review_limits(a: &ServeArgs) -> Result<ReviewLimits, ConfigError> {
             Ok(v)
         }
     };
-    let duration = |name, v: &str| parse_go_duration(v).map_err(|e| err(name, v, e));
+    // Bounded like every other duration: `Instant + d` must not overflow.
+    let duration = |name, v: &str| bounded_duration(name, v, true, MAX_PERIOD);
     if a.token_negative_cache_size == 0 {
         return Err(err(
             "MESHCA_TOKEN_NEGATIVE_CACHE_SIZE",
@@ -603,6 +903,8 @@ mod tests {
     #[test_case(&["--kubernetes", "on", "--tokenreview-qps", "0"], "MESHCA_TOKENREVIEW_QPS" ; "zero qps")]
     #[test_case(&["--kubernetes", "on", "--tokenreview-max-inflight", "0"], "MESHCA_TOKENREVIEW_MAX_INFLIGHT" ; "zero inflight")]
     #[test_case(&["--kubernetes", "on", "--tokenreview-max-wait", "soon"], "MESHCA_TOKENREVIEW_MAX_WAIT" ; "bad wait")]
+    #[test_case(&["--kubernetes", "on", "--tokenreview-max-wait", "1000000000h"], "MESHCA_TOKENREVIEW_MAX_WAIT" ; "wait beyond a day")]
+    #[test_case(&["--kubernetes", "on", "--token-negative-cache-ttl", "1000000000h"], "MESHCA_TOKEN_NEGATIVE_CACHE_TTL" ; "negative ttl beyond a day")]
     #[test_case(&["--kubernetes", "on", "--token-negative-cache-size", "0"], "MESHCA_TOKEN_NEGATIVE_CACHE_SIZE" ; "zero negative cache")]
     #[test_case(&["--lifetime-jitter-band", "10-100"], "MESHCA_LIFETIME_JITTER_BAND" ; "band too wide")]
     #[test_case(&["--lifetime-jitter", "false", "--lifetime-jitter-band", "x"], "MESHCA_LIFETIME_JITTER_BAND" ; "bad band even when off")]
@@ -612,5 +914,110 @@ mod tests {
     #[test_case(&["--publish-root", "true", "--kubernetes", "on", "--publish-root-namespace-selector", "a in (b"], "MESHCA_PUBLISH_ROOT_NAMESPACE_SELECTOR" ; "bad selector")]
     fn rejects_with_variable_name(args: &[&str], name: &str) {
         assert_eq!(parse(args).unwrap_err().name, name);
+    }
+}
+
+#[cfg(test)]
+mod limit_tests {
+    use super::*;
+    use clap::Parser;
+    use test_case::test_case;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        serve: ServeArgs,
+    }
+
+    fn parse(args: &[&str]) -> Result<Config, ConfigError> {
+        let cli = Cli::try_parse_from(std::iter::once("meshca").chain(args.iter().copied()))
+            .expect("clap accepts the syntax");
+        Config::from_args(&cli.serve, "/tmp/ca".into(), false)
+    }
+
+    #[test]
+    fn limit_defaults_are_the_documented_ones() {
+        let c = parse(&[]).unwrap();
+        assert_eq!(c.transport, TransportLimits::default());
+        assert_eq!(c.input, InputLimits::default());
+        assert_eq!(c.admin, AdminLimits::default());
+    }
+
+    #[test]
+    fn zero_disables_keepalive_and_connection_age() {
+        let c = parse(&["--keepalive-interval", "0s", "--max-connection-age", "0s"]).unwrap();
+        assert!(
+            c.transport.keepalive_interval.is_zero() && c.transport.max_connection_age.is_zero()
+        );
+    }
+
+    // Each would panic or overflow at a later request or in a background task,
+    // or make the server unusable: refused at startup, naming the variable.
+    #[test_case(&["--max-ttl", "1000000000h"], "MAX_WORKLOAD_CERT_TTL" ; "max ttl beyond time range")]
+    #[test_case(&["--max-ttl", "876001h"], "MAX_WORKLOAD_CERT_TTL" ; "max ttl over 100 years")]
+    #[test_case(&["--default-ttl", "99999999999h"], "DEFAULT_WORKLOAD_CERT_TTL" ; "default ttl beyond time range")]
+    #[test_case(&["--default-ttl", "0s"], "DEFAULT_WORKLOAD_CERT_TTL" ; "zero default ttl")]
+    #[test_case(&["--default-ttl", "5124095576030431h"], "DEFAULT_WORKLOAD_CERT_TTL" ; "overflowing u64 seconds")]
+    #[test_case(&["--reload-poll", "0s"], "MESHCA_RELOAD_POLL" ; "zero reload poll")]
+    #[test_case(&["--reload-poll", "100000h"], "MESHCA_RELOAD_POLL" ; "huge reload poll")]
+    #[test_case(&["--kubernetes", "on", "--token-cache-ttl", "1000000000h"], "MESHCA_TOKEN_CACHE_TTL" ; "huge token cache ttl")]
+    #[test_case(&["--kubernetes", "on", "--tokenreview-timeout", "0s"], "MESHCA_TOKENREVIEW_TIMEOUT" ; "zero tokenreview timeout")]
+    #[test_case(&["--kubernetes", "on", "--tokenreview-timeout", "1000000h"], "MESHCA_TOKENREVIEW_TIMEOUT" ; "huge tokenreview timeout")]
+    #[test_case(&["--audit-checkpoint-interval", "0s"], "MESHCA_AUDIT_CHECKPOINT_INTERVAL" ; "zero checkpoint interval")]
+    #[test_case(&["--audit-checkpoint-interval", "1000000h"], "MESHCA_AUDIT_CHECKPOINT_INTERVAL" ; "huge checkpoint interval")]
+    #[test_case(&["--audit-checkpoint-every", "0"], "MESHCA_AUDIT_CHECKPOINT_EVERY" ; "zero checkpoint every")]
+    #[test_case(&["--audit-max-files", "0"], "MESHCA_AUDIT_MAX_FILES" ; "zero audit files")]
+    #[test_case(&["--audit-max-files", "4294967295"], "MESHCA_AUDIT_MAX_FILES" ; "audit files loop forever")]
+    #[test_case(&["--publish-root", "true", "--kubernetes", "on", "--publish-root-resync", "1000000h"], "MESHCA_PUBLISH_ROOT_RESYNC" ; "huge resync")]
+    #[test_case(&["--max-connections", "0"], "MESHCA_MAX_CONNECTIONS" ; "zero connections")]
+    #[test_case(&["--max-connections-per-ip", "0"], "MESHCA_MAX_CONNECTIONS_PER_IP" ; "zero per ip")]
+    #[test_case(&["--max-pending-handshakes", "0"], "MESHCA_MAX_PENDING_HANDSHAKES" ; "zero handshakes")]
+    #[test_case(&["--max-pending-handshakes", "100000000"], "MESHCA_MAX_PENDING_HANDSHAKES" ; "handshakes over semaphore range")]
+    #[test_case(&["--handshake-timeout", "0s"], "MESHCA_HANDSHAKE_TIMEOUT" ; "zero handshake timeout")]
+    #[test_case(&["--handshake-timeout", "1h"], "MESHCA_HANDSHAKE_TIMEOUT" ; "long handshake timeout")]
+    #[test_case(&["--max-concurrent-streams", "0"], "MESHCA_MAX_CONCURRENT_STREAMS" ; "zero streams")]
+    #[test_case(&["--max-inflight-requests", "0"], "MESHCA_MAX_INFLIGHT_REQUESTS" ; "zero inflight")]
+    #[test_case(&["--max-inflight-requests", "100000000"], "MESHCA_MAX_INFLIGHT_REQUESTS" ; "inflight over semaphore range")]
+    #[test_case(&["--max-queued-requests", "100000000"], "MESHCA_MAX_QUEUED_REQUESTS" ; "huge queue")]
+    #[test_case(&["--request-timeout", "0s"], "MESHCA_REQUEST_TIMEOUT" ; "zero request timeout")]
+    #[test_case(&["--request-timeout", "1000000h"], "MESHCA_REQUEST_TIMEOUT" ; "huge request timeout")]
+    #[test_case(&["--max-header-list-bytes", "100"], "MESHCA_MAX_HEADER_LIST_BYTES" ; "tiny header list")]
+    #[test_case(&["--http2-stream-window-bytes", "0"], "MESHCA_HTTP2_STREAM_WINDOW_BYTES" ; "zero stream window")]
+    #[test_case(&["--http2-stream-window-bytes", "4294967295"], "MESHCA_HTTP2_STREAM_WINDOW_BYTES" ; "stream window over http2 max")]
+    #[test_case(&["--http2-connection-window-bytes", "2147483648"], "MESHCA_HTTP2_CONNECTION_WINDOW_BYTES" ; "connection window over http2 max")]
+    #[test_case(&["--keepalive-interval", "1000000h"], "MESHCA_KEEPALIVE_INTERVAL" ; "huge keepalive")]
+    #[test_case(&["--keepalive-timeout", "0s"], "MESHCA_KEEPALIVE_TIMEOUT" ; "zero keepalive timeout")]
+    #[test_case(&["--max-connection-age", "1000000h"], "MESHCA_MAX_CONNECTION_AGE" ; "huge connection age")]
+    #[test_case(&["--max-connection-age-grace", "1000000h"], "MESHCA_MAX_CONNECTION_AGE_GRACE" ; "huge grace")]
+    #[test_case(&["--max-cancelled-streams-per-second", "0"], "MESHCA_MAX_CANCELLED_STREAMS_PER_SECOND" ; "zero cancels")]
+    #[test_case(&["--max-request-bytes", "1000"], "MESHCA_MAX_REQUEST_BYTES" ; "message smaller than a csr")]
+    #[test_case(&["--max-request-bytes", "104857600"], "MESHCA_MAX_REQUEST_BYTES" ; "message over istiod max")]
+    #[test_case(&["--max-token-bytes", "10"], "MESHCA_MAX_TOKEN_BYTES" ; "tiny token")]
+    #[test_case(&["--max-token-bytes", "40000"], "MESHCA_MAX_TOKEN_BYTES" ; "token over header list")]
+    #[test_case(&["--max-cluster-id-bytes", "0"], "MESHCA_MAX_CLUSTER_ID_BYTES" ; "zero cluster id")]
+    #[test_case(&["--max-metadata-value-bytes", "10"], "MESHCA_MAX_METADATA_VALUE_BYTES" ; "metadata below a spiffe id")]
+    #[test_case(&["--max-metadata-keys", "1"], "MESHCA_MAX_METADATA_KEYS" ; "fewer keys than istio sends")]
+    #[test_case(&["--admin-max-connections", "0"], "MESHCA_ADMIN_MAX_CONNECTIONS" ; "zero admin connections")]
+    #[test_case(&["--admin-header-timeout", "0s"], "MESHCA_ADMIN_HEADER_TIMEOUT" ; "zero admin header timeout")]
+    #[test_case(&["--admin-connection-timeout", "1000000h"], "MESHCA_ADMIN_CONNECTION_TIMEOUT" ; "huge admin timeout")]
+    fn refuses_at_startup_naming_the_variable(args: &[&str], name: &str) {
+        let e = parse(args).unwrap_err();
+        assert_eq!(e.name, name, "{e}");
+        assert!(e.to_string().contains(name));
+    }
+
+    #[test]
+    fn the_largest_accepted_ttl_cannot_overflow_a_validity() {
+        let c = parse(&["--max-ttl", "876000h", "--default-ttl", "876000h"]).unwrap();
+        let end = time::OffsetDateTime::now_utc() + time::Duration::days(365 * 200);
+        let v = crate::ca::ttl::validity(
+            time::OffsetDateTime::now_utc(),
+            c.ttl.max.as_secs() as i64,
+            &c.ttl,
+            end,
+        )
+        .unwrap();
+        assert!(!v.clamped);
+        crate::ca::ttl::validity(time::OffsetDateTime::now_utc(), 0, &c.ttl, end).unwrap();
     }
 }

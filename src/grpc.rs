@@ -1,35 +1,33 @@
 //! The gRPC surface: `istio.v1.auth.IstioCertificateService` over TLS. The only
 //! module that knows `tonic::Status`.
 
-use std::net::SocketAddr;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use prost::Message as _;
 use prost_types::value::Kind;
-use rustls_pki_types::CertificateDer;
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::net::{TcpListener, TcpStream};
-use tonic::transport::server::Connected;
+use tokio::sync::Semaphore;
+use tonic::codegen::http;
 use tonic::{Request, Response, Status};
 
-use crate::authn::Credentials;
+use crate::authn::{AuthnError, Credentials};
 use crate::ca::TtlError;
 use crate::issue::{CertificateIssuer, IssueError, IssueRequest, RequestError};
+use crate::metrics::Metrics;
 use crate::proto::istio_certificate_service_server::{
     IstioCertificateService, IstioCertificateServiceServer,
 };
 use crate::proto::{IstioCertificateRequest, IstioCertificateResponse};
-use crate::tls::ServingTls;
+use crate::transport::limits::{admit_request, RequestAdmission};
+pub use crate::transport::{ConnInfo, InputLimits, Refusal, TransportLimits};
 
 /// Metadata key a node proxy uses to ask for another workload's identity.
 pub const IMPERSONATED_IDENTITY: &str = "ImpersonatedIdentity";
 /// Metadata key selecting a signer; accepted and ignored (as istiod's built-in CA).
 pub const CERT_SIGNER: &str = "CertSigner";
-/// Largest gRPC message accepted (istiod: 4 MiB; a CSR is capped at 64 KiB anyway).
-const MAX_MESSAGE_BYTES: usize = 4 * 1024 * 1024;
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Opaque messages, as istiod: the precise reason is only in the audit log.
 const AUTHN_FAILURE: &str = "request authenticate failure";
@@ -60,10 +58,56 @@ impl From<IssueError> for Status {
     }
 }
 
+/// [`decode_request_with`] under the default [`InputLimits`].
+pub fn decode_request(msg: IstioCertificateRequest) -> Result<IssueRequest, RequestError> {
+    decode_request_with(msg, &InputLimits::default())
+}
+
+/// Refuses metadata beyond the limits before anything reads it: too many
+/// keys, a long key, or a long value (strings by their length, other values
+/// by their encoded size). Errors carry sizes only, never the caller's bytes.
+pub fn check_metadata(
+    meta: Option<&prost_types::Struct>,
+    limits: &InputLimits,
+) -> Result<(), RequestError> {
+    let Some(meta) = meta else { return Ok(()) };
+    let max = limits.max_metadata_value_bytes;
+    if meta.fields.len() > limits.max_metadata_keys {
+        return Err(RequestError::MetadataTooManyKeys {
+            count: meta.fields.len(),
+            max: limits.max_metadata_keys,
+        });
+    }
+    for (key, value) in &meta.fields {
+        if key.len() > max {
+            return Err(RequestError::MetadataKeyTooLarge {
+                len: key.len(),
+                max,
+            });
+        }
+        let len = match &value.kind {
+            Some(Kind::StringValue(s)) => s.len(),
+            _ => value.encoded_len(),
+        };
+        if len > max {
+            return Err(if key == IMPERSONATED_IDENTITY {
+                RequestError::ImpersonatedIdentityTooLarge { len, max }
+            } else {
+                RequestError::MetadataValueTooLarge { len, max }
+            });
+        }
+    }
+    Ok(())
+}
+
 /// Decodes the request message. Empty strings count as absent (the
 /// istio-agent always sends `CertSigner: ""`); a non-string value is refused
-/// rather than silently ignored.
-pub fn decode_request(msg: IstioCertificateRequest) -> Result<IssueRequest, RequestError> {
+/// rather than silently ignored; oversized metadata is refused first.
+pub fn decode_request_with(
+    msg: IstioCertificateRequest,
+    limits: &InputLimits,
+) -> Result<IssueRequest, RequestError> {
+    check_metadata(msg.metadata.as_ref(), limits)?;
     // Returns the non-empty string value of `key`, refusing other types.
     let string = |key: &'static str| -> Result<Option<String>, RequestError> {
         let value = msg
@@ -87,18 +131,37 @@ pub fn decode_request(msg: IstioCertificateRequest) -> Result<IssueRequest, Requ
     })
 }
 
-/// Reads credentials from the connection and headers.
-pub fn credentials<T>(req: &Request<T>) -> Credentials {
+/// Reads credentials from the connection and headers. An oversized token or
+/// `clusterid` is not copied: it is dropped and recorded in `refused`, so
+/// authentication fails before any TokenReview.
+pub fn credentials<T>(req: &Request<T>, limits: &InputLimits) -> Credentials {
     let conn = req.extensions().get::<ConnInfo>();
     let meta = req.metadata();
+    let mut refused = None;
     let bearer = meta
         .get_all("authorization")
         .iter()
         .filter_map(|v| v.to_str().ok())
-        .find_map(|v| v.strip_prefix("Bearer "))
-        .map(str::to_string);
+        .find_map(|v| v.strip_prefix("Bearer "));
+    let bearer = match bearer {
+        Some(t) if t.len() > limits.max_token_bytes => {
+            refused = Some(AuthnError::TokenTooLarge {
+                len: t.len(),
+                max: limits.max_token_bytes,
+            });
+            None
+        }
+        t => t.map(str::to_string),
+    };
     let cluster_ids: Vec<_> = meta.get_all("clusterid").iter().collect();
     let cluster_id = match cluster_ids.as_slice() {
+        [one] if one.len() > limits.max_cluster_id_bytes => {
+            refused.get_or_insert(AuthnError::ClusterIdTooLarge {
+                len: one.len(),
+                max: limits.max_cluster_id_bytes,
+            });
+            None
+        }
         [one] => one.to_str().ok().map(str::to_string),
         _ => None,
     };
@@ -107,6 +170,7 @@ pub fn credentials<T>(req: &Request<T>) -> Credentials {
         peer_chain: conn.and_then(|c| c.peer_chain.clone()),
         bearer,
         cluster_id,
+        refused,
     }
 }
 
@@ -114,15 +178,23 @@ pub fn credentials<T>(req: &Request<T>) -> Credentials {
 #[derive(Debug, Clone)]
 pub struct CaService {
     issuer: Arc<CertificateIssuer>,
+    limits: InputLimits,
 }
 
 impl CaService {
     pub fn new(issuer: Arc<CertificateIssuer>) -> Self {
-        Self { issuer }
+        Self::with_limits(issuer, InputLimits::default())
     }
 
+    pub fn with_limits(issuer: Arc<CertificateIssuer>, limits: InputLimits) -> Self {
+        Self { issuer, limits }
+    }
+
+    /// tonic checks the declared length before buffering a message, so the
+    /// limit also bounds what an unauthenticated stream can make us hold.
     pub fn into_server(self) -> IstioCertificateServiceServer<Self> {
-        IstioCertificateServiceServer::new(self).max_decoding_message_size(MAX_MESSAGE_BYTES)
+        let max = self.limits.max_message_bytes;
+        IstioCertificateServiceServer::new(self).max_decoding_message_size(max)
     }
 }
 
@@ -132,117 +204,347 @@ impl IstioCertificateService for CaService {
         &self,
         request: Request<IstioCertificateRequest>,
     ) -> Result<Response<IstioCertificateResponse>, Status> {
-        let creds = credentials(&request);
-        let req = decode_request(request.into_inner());
+        let creds = credentials(&request, &self.limits);
+        let req = decode_request_with(request.into_inner(), &self.limits);
         let cert_chain = self.issuer.issue(&creds, req).await?;
         Ok(Response::new(IstioCertificateResponse { cert_chain }))
     }
 }
 
-/// What a connection carries into each request's extensions.
+/// Bounds the requests being handled and waiting, and each request's total
+/// time. Applied around tonic's routes, so it runs before the message is
+/// read: a waiting stream holds only its headers and flow-control window.
 #[derive(Debug, Clone)]
-pub struct ConnInfo {
-    pub remote_addr: SocketAddr,
-    pub peer_chain: Option<Arc<[CertificateDer<'static>]>>,
+pub struct RequestGateLayer {
+    gate: Arc<RequestGate>,
 }
 
-/// A TLS connection handed to tonic.
-pub struct TlsConn {
-    inner: tokio_rustls::server::TlsStream<TcpStream>,
-    info: ConnInfo,
+#[derive(Debug)]
+struct RequestGate {
+    slots: Arc<Semaphore>,
+    max_inflight: usize,
+    queued: AtomicUsize,
+    max_queued: usize,
+    timeout: Duration,
+    metrics: Option<Arc<Metrics>>,
 }
 
-impl Connected for TlsConn {
-    type ConnectInfo = ConnInfo;
-    fn connect_info(&self) -> ConnInfo {
-        self.info.clone()
-    }
-}
-
-impl AsyncRead for TlsConn {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.inner).poll_read(cx, buf)
-    }
-}
-
-impl AsyncWrite for TlsConn {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write(cx, buf)
-    }
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.inner).poll_flush(cx)
-    }
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.inner).poll_shutdown(cx)
-    }
-    fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[std::io::IoSlice<'_>],
-    ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
-    }
-    fn is_write_vectored(&self) -> bool {
-        self.inner.is_write_vectored()
-    }
-}
-
-/// Accepts TCP connections and completes TLS handshakes off the accept loop;
-/// yields finished connections. Handshake failures are logged, not fatal.
-pub fn tls_incoming(
-    listener: TcpListener,
-    tls: Arc<ServingTls>,
-) -> tokio_stream::wrappers::ReceiverStream<Result<TlsConn, std::io::Error>> {
-    let (tx, rx) = tokio::sync::mpsc::channel(128);
-    tokio::spawn(async move {
-        loop {
-            let (tcp, remote_addr) = match listener.accept().await {
-                Ok(c) => c,
-                Err(e) => {
-                    tracing::warn!(error = %e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            };
-            let _ = tcp.set_nodelay(true);
-            if tx.is_closed() {
-                return;
-            }
-            let acceptor = tokio_rustls::TlsAcceptor::from(tls.current());
-            let tx = tx.clone();
-            tokio::spawn(async move {
-                match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
-                    Ok(Ok(stream)) => {
-                        let peer_chain = stream.get_ref().1.peer_certificates().map(|c| {
-                            c.iter()
-                                .map(|c| c.clone().into_owned())
-                                .collect::<Vec<_>>()
-                                .into()
-                        });
-                        let conn = TlsConn {
-                            inner: stream,
-                            info: ConnInfo {
-                                remote_addr,
-                                peer_chain,
-                            },
-                        };
-                        let _ = tx.send(Ok(conn)).await;
-                    }
-                    Ok(Err(e)) => {
-                        tracing::info!(peer = %remote_addr, error = %e, "TLS handshake failed")
-                    }
-                    Err(_) => tracing::info!(peer = %remote_addr, "TLS handshake timed out"),
-                }
-            });
+impl RequestGateLayer {
+    pub fn new(limits: &TransportLimits, metrics: Option<Arc<Metrics>>) -> Self {
+        Self {
+            gate: Arc::new(RequestGate {
+                slots: Arc::new(Semaphore::new(limits.max_inflight_requests)),
+                max_inflight: limits.max_inflight_requests,
+                queued: AtomicUsize::new(0),
+                max_queued: limits.max_queued_requests,
+                timeout: limits.request_timeout,
+                metrics,
+            }),
         }
-    });
-    tokio_stream::wrappers::ReceiverStream::new(rx)
+    }
+}
+
+impl<S> tower_layer::Layer<S> for RequestGateLayer {
+    type Service = RequestGateService<S>;
+    fn layer(&self, inner: S) -> Self::Service {
+        RequestGateService {
+            inner,
+            gate: self.gate.clone(),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct RequestGateService<S> {
+    inner: S,
+    gate: Arc<RequestGate>,
+}
+
+/// Counts the request as cancelled by the client if dropped before it
+/// finished (hyper drops it on RST_STREAM).
+struct CancelGuard {
+    control: Option<Arc<crate::transport::ConnControl>>,
+    metrics: Option<Arc<Metrics>>,
+    done: bool,
+}
+
+impl CancelGuard {
+    fn cancelled(&mut self) {
+        self.done = true;
+        if let Some(c) = &self.control {
+            if c.stream_cancelled() {
+                tracing::info!(
+                    reason = Refusal::StreamResetFlood.reason(),
+                    "closing a connection that cancels too many streams"
+                );
+                if let Some(m) = &self.metrics {
+                    m.refused(Refusal::StreamResetFlood);
+                }
+            }
+        }
+    }
+}
+
+impl Drop for CancelGuard {
+    fn drop(&mut self) {
+        if !self.done {
+            self.cancelled();
+        }
+    }
+}
+
+/// Leaves the queue when dropped, also when the request is cancelled.
+struct Queued<'a>(&'a AtomicUsize);
+
+impl Drop for Queued<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+impl RequestGate {
+    fn refuse(&self, r: Refusal) -> http::Response<tonic::body::Body> {
+        if let Some(m) = &self.metrics {
+            m.refused(r);
+        }
+        // Codes as grpc-go (istiod) gives them for the same conditions.
+        match r {
+            Refusal::RequestTimeout => Status::deadline_exceeded("request timed out"),
+            Refusal::MessageTooLarge => {
+                Status::resource_exhausted("grpc: received message larger than max")
+            }
+            _ => Status::resource_exhausted("server busy"),
+        }
+        .into_http()
+    }
+
+    async fn slot(&self) -> Result<tokio::sync::OwnedSemaphorePermit, Refusal> {
+        let inflight = self.max_inflight - self.slots.available_permits().min(self.max_inflight);
+        let queued = self.queued.load(Ordering::Acquire);
+        match admit_request(inflight, queued, self.max_inflight, self.max_queued) {
+            RequestAdmission::Refuse(r) => Err(r),
+            RequestAdmission::Run | RequestAdmission::Queue => {
+                if let Ok(p) = self.slots.clone().try_acquire_owned() {
+                    return Ok(p);
+                }
+                self.queued.fetch_add(1, Ordering::AcqRel);
+                let _queued = Queued(&self.queued);
+                // The semaphore is never closed.
+                self.slots
+                    .clone()
+                    .acquire_owned()
+                    .await
+                    .map_err(|_| Refusal::RequestQueueFull)
+            }
+        }
+    }
+}
+
+/// A request body that notes whether reading it failed.
+struct WatchedBody {
+    inner: tonic::body::Body,
+    failed: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl http_body::Body for WatchedBody {
+    type Data = bytes::Bytes;
+    type Error = tonic::Status;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        let r = Pin::new(&mut self.inner).poll_frame(cx);
+        if let Poll::Ready(Some(Err(_))) = &r {
+            self.failed.store(true, Ordering::Release);
+        }
+        r
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+type B = tonic::body::Body;
+
+impl<S> tower_service::Service<http::Request<B>> for RequestGateService<S>
+where
+    S: tower_service::Service<http::Request<B>, Response = http::Response<tonic::body::Body>>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future =
+        Pin<Box<dyn std::future::Future<Output = Result<Self::Response, Self::Error>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: http::Request<B>) -> Self::Future {
+        // The ready service handles this call; a fresh clone takes its place.
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let gate = self.gate.clone();
+        let cancel = CancelGuard {
+            control: req
+                .extensions()
+                .get::<ConnInfo>()
+                .map(|c| c.control.clone()),
+            metrics: gate.metrics.clone(),
+            done: false,
+        };
+        let body_failed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let failed = body_failed.clone();
+        let req = req.map(|inner| B::new(WatchedBody { inner, failed }));
+        Box::pin(async move {
+            // Moved whole into the future: dropped with it on RST_STREAM.
+            let mut cancel = cancel;
+            let work = async {
+                let _slot = match gate.slot().await {
+                    Ok(s) => s,
+                    Err(r) => return Ok(gate.refuse(r)),
+                };
+                let resp = inner.call(req).await?;
+                if body_failed.load(Ordering::Acquire) {
+                    // The client reset the stream (or the connection broke)
+                    // mid-message: tonic answered without our handler.
+                    cancel.cancelled();
+                }
+                // tonic refuses an over-limit message before our handler
+                // runs, with OUT_OF_RANGE; our handler never uses that code.
+                if Status::from_header_map(resp.headers()).map(|s| s.code())
+                    == Some(tonic::Code::OutOfRange)
+                {
+                    return Ok(gate.refuse(Refusal::MessageTooLarge));
+                }
+                Ok(resp)
+            };
+            let result = match tokio::time::timeout(gate.timeout, work).await {
+                Ok(r) => r,
+                Err(_) => Ok(gate.refuse(Refusal::RequestTimeout)),
+            };
+            cancel.done = true;
+            result
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::string_value;
+    use test_case::test_case;
+
+    fn limits() -> InputLimits {
+        InputLimits {
+            max_message_bytes: 128 * 1024,
+            max_token_bytes: 100,
+            max_cluster_id_bytes: 10,
+            max_metadata_value_bytes: 20,
+            max_metadata_keys: 3,
+        }
+    }
+
+    fn msg(fields: &[(&str, prost_types::Value)]) -> IstioCertificateRequest {
+        IstioCertificateRequest {
+            csr: "csr".into(),
+            validity_duration: 0,
+            metadata: Some(prost_types::Struct {
+                fields: fields
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.clone()))
+                    .collect(),
+            }),
+        }
+    }
+
+    fn list_value(n: usize) -> prost_types::Value {
+        prost_types::Value {
+            kind: Some(Kind::ListValue(prost_types::ListValue {
+                values: vec![string_value("x"); n],
+            })),
+        }
+    }
+
+    #[test_case(&[(IMPERSONATED_IDENTITY, string_value(&"a".repeat(21)))], "impersonated_identity_too_large" ; "long impersonation")]
+    #[test_case(&[(CERT_SIGNER, string_value(&"a".repeat(21)))], "metadata_value_too_large" ; "long signer")]
+    #[test_case(&[("other", list_value(10))], "metadata_value_too_large" ; "big non string value")]
+    #[test_case(&[(&"k".repeat(21), string_value(""))], "metadata_key_too_large" ; "long key")]
+    #[test_case(&[("a", string_value("")), ("b", string_value("")), ("c", string_value("")), ("d", string_value(""))], "metadata_too_many_keys" ; "too many keys")]
+    #[test_case(&[(IMPERSONATED_IDENTITY, list_value(1))], "metadata_wrong_type" ; "wrong type still refused")]
+    fn refuses_oversized_metadata(fields: &[(&str, prost_types::Value)], reason: &str) {
+        let err = decode_request_with(msg(fields), &limits()).unwrap_err();
+        assert_eq!(err.reason(), reason);
+        // The message never carries the caller's bytes.
+        assert!(!err.to_string().contains("aaaa") && !err.to_string().contains("kkkk"));
+        let status = Status::from(IssueError::Request(err));
+        assert_eq!(status.code(), tonic::Code::InvalidArgument);
+    }
+
+    #[test_case(&[(IMPERSONATED_IDENTITY, string_value(&"a".repeat(20)))] ; "impersonation at the limit")]
+    #[test_case(&[("a", string_value("")), ("b", string_value("")), ("c", string_value(""))] ; "keys at the limit")]
+    #[test_case(&[] ; "no metadata")]
+    fn accepts_metadata_within_limits(fields: &[(&str, prost_types::Value)]) {
+        decode_request_with(msg(fields), &limits()).unwrap();
+    }
+
+    fn request(headers: &[(&'static str, String)]) -> Request<()> {
+        let mut r = Request::new(());
+        for (k, v) in headers {
+            r.metadata_mut().append(*k, v.parse().unwrap());
+        }
+        r
+    }
+
+    #[test_case(&[("authorization", format!("Bearer {}", "t".repeat(101)))], Some("authn_token_too_large") ; "long token")]
+    #[test_case(&[("authorization", format!("Bearer {}", "t".repeat(100)))], None ; "token at the limit")]
+    #[test_case(&[("clusterid", "c".repeat(11))], Some("authn_clusterid_too_large") ; "long clusterid")]
+    #[test_case(&[("clusterid", "c".repeat(10))], None ; "clusterid at the limit")]
+    fn bounds_credential_headers(headers: &[(&'static str, String)], refused: Option<&str>) {
+        let creds = credentials(&request(headers), &limits());
+        assert_eq!(creds.refused.as_ref().map(|e| e.reason()), refused);
+        if refused.is_some() {
+            // Nothing of the oversized value is kept.
+            assert!(creds.bearer.is_none() && creds.cluster_id.is_none());
+            let status = Status::from(IssueError::Unauthenticated(creds.refused.unwrap()));
+            assert_eq!(status.code(), tonic::Code::Unauthenticated);
+            assert_eq!(status.message(), AUTHN_FAILURE);
+        }
+    }
+
+    #[tokio::test]
+    async fn a_refused_credential_fails_authentication_before_the_token_authenticator() {
+        #[derive(Debug)]
+        struct Panics;
+        #[tonic::async_trait]
+        impl crate::authn::TokenAuthenticator for Panics {
+            async fn authenticate(
+                &self,
+                _: &str,
+                _: Option<&str>,
+            ) -> Result<crate::authn::Caller, AuthnError> {
+                panic!("the token authenticator must not be called")
+            }
+        }
+        let creds = credentials(
+            &request(&[
+                ("authorization", format!("Bearer {}", "t".repeat(50))),
+                ("clusterid", "c".repeat(11)),
+            ]),
+            &limits(),
+        );
+        let err = crate::authn::authenticate(&creds, Some(&Panics))
+            .await
+            .unwrap_err();
+        assert_eq!(err.reason(), "authn_clusterid_too_large");
+    }
 }

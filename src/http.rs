@@ -3,6 +3,10 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
+
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::sync::Semaphore;
 
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -16,6 +20,7 @@ use crate::authn::token::KubeTokenAuthenticator;
 use crate::ca::CaStore;
 use crate::metrics::{Metrics, Snapshot};
 use crate::podindex::PodIndex;
+use crate::transport::{AdminLimits, Refusal};
 
 /// What readiness depends on.
 #[derive(Debug, Clone)]
@@ -41,7 +46,9 @@ impl Health {
     }
 }
 
-async fn metrics(State(h): State<Health>) -> ([(axum::http::HeaderName, &'static str); 1], String) {
+async fn metrics_handler(
+    State(h): State<Health>,
+) -> ([(axum::http::HeaderName, &'static str); 1], String) {
     let bundle = h.ca.snapshot();
     let snap = Snapshot {
         root_not_after: Some(bundle.root_not_after().unix_timestamp()),
@@ -84,21 +91,65 @@ async fn readyz(State(h): State<Health>) -> (StatusCode, String) {
     }
 }
 
-/// Binds the admin listener and serves it until the task is dropped.
+/// Binds the admin listener and serves it until the task is dropped. Each
+/// connection must send its headers within `header_timeout` and is closed
+/// after `connection_timeout` whatever it does; beyond `max_connections`
+/// new connections are closed at once. (axum::serve has none of these.)
 pub async fn bind(
     addr: SocketAddr,
     health: Health,
+    limits: AdminLimits,
+    metrics: Option<Arc<Metrics>>,
 ) -> std::io::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
     let listener = TcpListener::bind(addr).await?;
     let local = listener.local_addr()?;
     let app = Router::new()
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics))
+        .route("/metrics", get(metrics_handler))
         .with_state(health);
+    let slots = Arc::new(Semaphore::new(limits.max_connections));
     let task = tokio::spawn(async move {
-        if let Err(e) = axum::serve(listener, app).await {
-            tracing::error!(error = %e, "admin server stopped");
+        loop {
+            let (tcp, peer) = match listener.accept().await {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::warn!(error = %e, "admin accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            };
+            let refuse = |r: Refusal| {
+                tracing::debug!(%peer, reason = r.reason(), "admin connection refused");
+                if let Some(m) = &metrics {
+                    m.refused(r);
+                }
+            };
+            let Ok(slot) = slots.clone().try_acquire_owned() else {
+                refuse(Refusal::AdminConnectionLimit);
+                continue;
+            };
+            let app = app.clone();
+            let metrics = metrics.clone();
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(move |req| {
+                    let mut app = app.clone();
+                    tower_service::Service::call(&mut app, req)
+                });
+                let conn = hyper::server::conn::http1::Builder::new()
+                    .timer(TokioTimer::new())
+                    .header_read_timeout(limits.header_timeout)
+                    .serve_connection(TokioIo::new(tcp), service);
+                if tokio::time::timeout(limits.connection_timeout, conn)
+                    .await
+                    .is_err()
+                {
+                    if let Some(m) = &metrics {
+                        m.refused(Refusal::AdminTimeout);
+                    }
+                }
+                drop(slot);
+            });
         }
     });
     Ok((local, task))

@@ -25,6 +25,26 @@ pub struct IssueRequest {
 pub enum RequestError {
     #[error("metadata key {0} must be a string")]
     MetadataWrongType(&'static str),
+    #[error("metadata has {count} keys, over the limit of {max}")]
+    MetadataTooManyKeys { count: usize, max: usize },
+    #[error("a metadata key is {len} bytes, over the limit of {max}")]
+    MetadataKeyTooLarge { len: usize, max: usize },
+    #[error("a metadata value is {len} bytes, over the limit of {max}")]
+    MetadataValueTooLarge { len: usize, max: usize },
+    #[error("metadata ImpersonatedIdentity is {len} bytes, over the limit of {max}")]
+    ImpersonatedIdentityTooLarge { len: usize, max: usize },
+}
+
+impl RequestError {
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Self::MetadataWrongType(_) => "metadata_wrong_type",
+            Self::MetadataTooManyKeys { .. } => "metadata_too_many_keys",
+            Self::MetadataKeyTooLarge { .. } => "metadata_key_too_large",
+            Self::MetadataValueTooLarge { .. } => "metadata_value_too_large",
+            Self::ImpersonatedIdentityTooLarge { .. } => "impersonated_identity_too_large",
+        }
+    }
 }
 
 /// Every way a request can fail, each with a stable reason code.
@@ -52,7 +72,7 @@ impl IssueError {
         match self {
             Self::Unauthenticated(e) => e.reason(),
             Self::Impersonation(e) => e.reason(),
-            Self::Request(RequestError::MetadataWrongType(_)) => "metadata_wrong_type",
+            Self::Request(e) => e.reason(),
             Self::Csr(e) => e.reason(),
             Self::Ttl(e) => e.reason(),
             Self::Sign(e) => e.reason(),

@@ -22,6 +22,7 @@ pub mod podindex;
 pub mod proto;
 pub mod rootpub;
 pub mod tls;
+pub mod transport;
 
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;

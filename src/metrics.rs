@@ -46,6 +46,11 @@ pub struct LatencyLabels {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RefusalLabels {
+    pub reason: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ResultLabels {
     pub result: String,
 }
@@ -86,6 +91,10 @@ pub struct Metrics {
     pub tokenreview_inflight: Gauge,
     pub ca_reloads: Family<ResultLabels, Counter>,
     pub audit_write_errors: Counter,
+    /// Connections and requests turned away by a transport limit.
+    pub transport_refusals: Family<RefusalLabels, Counter>,
+    pub open_connections: Gauge,
+    pub pending_handshakes: Gauge,
     registry: Registry,
 }
 
@@ -182,7 +191,32 @@ impl Metrics {
             "Audit records that could not be written",
             audit_write_errors.clone(),
         );
+        let transport_refusals = Family::<RefusalLabels, Counter>::default();
+        registry.register(
+            "meshca_transport_refusals",
+            "Connections and requests refused by a transport limit, by reason",
+            transport_refusals.clone(),
+        );
+        // Every reason is exported from the start, so a rate() sees the first refusal.
+        for r in crate::transport::Refusal::ALL {
+            let _ = transport_refusals.get_or_create(&RefusalLabels { reason: r.reason() });
+        }
+        let open_connections = Gauge::default();
+        registry.register(
+            "meshca_open_connections",
+            "Admitted gRPC connections (handshaking or established)",
+            open_connections.clone(),
+        );
+        let pending_handshakes = Gauge::default();
+        registry.register(
+            "meshca_pending_tls_handshakes",
+            "TLS handshakes in progress on the gRPC port",
+            pending_handshakes.clone(),
+        );
         Self {
+            transport_refusals,
+            open_connections,
+            pending_handshakes,
             citadel: Citadel::default(),
             decisions,
             request_duration,
@@ -198,6 +232,13 @@ impl Metrics {
             audit_write_errors,
             registry,
         }
+    }
+
+    /// Counts a connection or request refused by a transport limit.
+    pub fn refused(&self, r: crate::transport::Refusal) {
+        self.transport_refusals
+            .get_or_create(&RefusalLabels { reason: r.reason() })
+            .inc();
     }
 
     /// Records one finished request (called exactly once per request, by the audit guard).

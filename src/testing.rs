@@ -205,6 +205,9 @@ pub fn test_config(ca_dir: PathBuf) -> crate::config::Config {
             checkpoint_interval: std::time::Duration::from_secs(60),
         },
         root_publisher: None,
+        transport: Default::default(),
+        input: Default::default(),
+        admin: Default::default(),
     }
 }
 

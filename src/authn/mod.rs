@@ -57,6 +57,9 @@ pub struct Credentials {
     pub bearer: Option<String>,
     /// The single `clusterid` header value, if exactly one was sent.
     pub cluster_id: Option<String>,
+    /// A credential header refused while reading it (over its size limit):
+    /// authentication fails with this before any other work.
+    pub refused: Option<AuthnError>,
 }
 
 /// Why authentication failed. The client only ever sees istiod's opaque
@@ -81,6 +84,10 @@ pub enum AuthnError {
         detail: String,
         retry_after: std::time::Duration,
     },
+    #[error("bearer token is {len} bytes, over the limit of {max}")]
+    TokenTooLarge { len: usize, max: usize },
+    #[error("clusterid header is {len} bytes, over the limit of {max}")]
+    ClusterIdTooLarge { len: usize, max: usize },
 }
 
 impl AuthnError {
@@ -92,6 +99,8 @@ impl AuthnError {
             Self::Token(_, reason) => reason,
             Self::Unavailable(_) => "authn_tokenreview_unavailable",
             Self::Overloaded { reason, .. } => reason,
+            Self::TokenTooLarge { .. } => "authn_token_too_large",
+            Self::ClusterIdTooLarge { .. } => "authn_clusterid_too_large",
         }
     }
 
@@ -118,6 +127,9 @@ pub async fn authenticate(
     creds: &Credentials,
     tokens: Option<&dyn TokenAuthenticator>,
 ) -> Result<Caller, AuthnError> {
+    if let Some(e) = &creds.refused {
+        return Err(e.clone());
+    }
     if let Some(chain) = creds.peer_chain.as_deref().filter(|c| !c.is_empty()) {
         let identity = mtls::identity_of(&chain[0], None)?;
         return Ok(Caller {

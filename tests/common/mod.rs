@@ -2,6 +2,8 @@
 //! kube-apiserver started by `scripts/kube-testenv up` (see scripts/test).
 #![allow(dead_code, clippy::unwrap_used)]
 
+pub mod attack;
+
 use std::path::PathBuf;
 use std::time::Duration;
 

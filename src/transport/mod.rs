@@ -1,0 +1,380 @@
+//! Connection handling of the gRPC port: admission (global and per-IP caps),
+//! bounded TLS handshakes with a timeout, and a hard end to connections that
+//! outlive `max_connection_age` + grace. HTTP/2 settings are applied by the
+//! caller through tonic's builder; this module owns what tonic lacks.
+
+pub mod limits;
+
+use std::future::Future;
+use std::net::{IpAddr, SocketAddr};
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use rustls_pki_types::CertificateDer;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
+use tonic::transport::server::Connected;
+
+pub use limits::{AdminLimits, ConnCounts, InputLimits, Refusal, TransportLimits};
+
+use crate::metrics::Metrics;
+use crate::tls::ServingTls;
+
+/// What a connection carries into each request's extensions.
+#[derive(Debug, Clone)]
+pub struct ConnInfo {
+    pub remote_addr: SocketAddr,
+    pub peer_chain: Option<Arc<[CertificateDer<'static>]>>,
+    /// Lets request handling close the connection it arrived on.
+    pub control: Arc<ConnControl>,
+}
+
+/// Per-connection state shared between the connection and its requests.
+#[derive(Debug)]
+pub struct ConnControl {
+    born: std::time::Instant,
+    closed: std::sync::atomic::AtomicBool,
+    waker: futures::task::AtomicWaker,
+    cancels: Mutex<limits::CancelWindow>,
+    max_cancels_per_sec: u32,
+}
+
+impl ConnControl {
+    pub fn new(max_cancels_per_sec: u32) -> Arc<Self> {
+        Arc::new(Self {
+            born: std::time::Instant::now(),
+            closed: Default::default(),
+            waker: Default::default(),
+            cancels: Mutex::new(limits::CancelWindow {
+                start_ms: 0,
+                count: 0,
+            }),
+            max_cancels_per_sec,
+        })
+    }
+
+    /// Makes the connection's next read or write fail, which ends it.
+    pub fn close(&self) {
+        self.closed
+            .store(true, std::sync::atomic::Ordering::Release);
+        self.waker.wake();
+    }
+
+    pub fn is_closed(&self) -> bool {
+        self.closed.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Counts a request the client cancelled; closes the connection (and
+    /// returns true) once it goes over its budget.
+    pub fn stream_cancelled(&self) -> bool {
+        let now_ms = u64::try_from(self.born.elapsed().as_millis()).unwrap_or(u64::MAX);
+        let over = {
+            let mut w = self.cancels.lock().unwrap_or_else(|p| p.into_inner());
+            let (next, over) = limits::count_cancel(*w, now_ms, self.max_cancels_per_sec);
+            *w = next;
+            over
+        };
+        if over && !self.is_closed() {
+            self.close();
+            return true;
+        }
+        false
+    }
+
+    fn poll_closed(&self, cx: &mut Context<'_>) -> bool {
+        self.waker.register(cx.waker());
+        self.is_closed()
+    }
+}
+
+/// Open-connection counts shared by the accept loop and live connections.
+#[derive(Debug)]
+pub struct ConnTracker {
+    counts: Mutex<ConnCounts>,
+    max_total: usize,
+    max_per_ip: usize,
+    metrics: Option<Arc<Metrics>>,
+}
+
+impl ConnTracker {
+    pub fn new(max_total: usize, max_per_ip: usize, metrics: Option<Arc<Metrics>>) -> Arc<Self> {
+        Arc::new(Self {
+            counts: Mutex::new(ConnCounts::default()),
+            max_total,
+            max_per_ip,
+            metrics,
+        })
+    }
+
+    /// Admits a connection from `ip`; the permit counts it until dropped.
+    pub fn open(self: &Arc<Self>, ip: IpAddr) -> Result<ConnPermit, Refusal> {
+        let total = {
+            let mut c = self.counts.lock().unwrap_or_else(|p| p.into_inner());
+            c.open(ip, self.max_total, self.max_per_ip)?;
+            c.total
+        };
+        self.set_gauge(total);
+        Ok(ConnPermit {
+            tracker: self.clone(),
+            ip,
+        })
+    }
+
+    pub fn open_connections(&self) -> usize {
+        self.counts.lock().unwrap_or_else(|p| p.into_inner()).total
+    }
+
+    fn set_gauge(&self, total: usize) {
+        if let Some(m) = &self.metrics {
+            m.open_connections.set(total as i64);
+        }
+    }
+}
+
+/// One admitted connection; counted out on drop.
+#[derive(Debug)]
+pub struct ConnPermit {
+    tracker: Arc<ConnTracker>,
+    ip: IpAddr,
+}
+
+impl Drop for ConnPermit {
+    fn drop(&mut self) {
+        let total = {
+            let mut c = self
+                .tracker
+                .counts
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            c.close(self.ip);
+            c.total
+        };
+        self.tracker.set_gauge(total);
+    }
+}
+
+fn refuse(metrics: Option<&Metrics>, r: Refusal, peer: SocketAddr) {
+    tracing::debug!(%peer, reason = r.reason(), "connection refused");
+    if let Some(m) = metrics {
+        m.refused(r);
+    }
+}
+
+/// A TLS connection handed to tonic. Holds its admission permit, and fails
+/// I/O once past its hard deadline (`max_connection_age` + grace): tonic's
+/// own grace handling skips the graceful GOAWAY, so tonic only gets the age
+/// and this wrapper enforces the grace.
+pub struct TlsConn {
+    inner: tokio_rustls::server::TlsStream<TcpStream>,
+    info: ConnInfo,
+    deadline: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// The first bytes (the HTTP/2 preface) must arrive by then: hyper has
+    /// no timeout of its own before the preface.
+    first_read: Option<Pin<Box<tokio::time::Sleep>>>,
+    metrics: Option<Arc<Metrics>>,
+    _permit: ConnPermit,
+}
+
+impl TlsConn {
+    /// Whether the client sent nothing in time after the handshake.
+    fn silent(&mut self, cx: &mut Context<'_>) -> bool {
+        let Some(d) = self.first_read.as_mut() else {
+            return false;
+        };
+        if d.as_mut().poll(cx).is_pending() {
+            return false;
+        }
+        self.first_read = None;
+        refuse(
+            self.metrics.as_deref(),
+            Refusal::HandshakeTimeout,
+            self.info.remote_addr,
+        );
+        true
+    }
+
+    fn expired(&mut self, cx: &mut Context<'_>) -> bool {
+        if self.info.control.poll_closed(cx) {
+            return true;
+        }
+        match self.deadline.as_mut() {
+            Some(d) => d.as_mut().poll(cx).is_ready(),
+            None => false,
+        }
+    }
+}
+
+fn age_exceeded() -> std::io::Error {
+    std::io::Error::new(
+        std::io::ErrorKind::TimedOut,
+        "connection exceeded its max age and grace, or was closed for abuse",
+    )
+}
+
+impl Connected for TlsConn {
+    type ConnectInfo = ConnInfo;
+    fn connect_info(&self) -> ConnInfo {
+        self.info.clone()
+    }
+}
+
+impl AsyncRead for TlsConn {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        if self.expired(cx) {
+            return Poll::Ready(Err(age_exceeded()));
+        }
+        if self.silent(cx) {
+            return Poll::Ready(Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "no HTTP/2 preface within the handshake timeout",
+            )));
+        }
+        let before = buf.filled().len();
+        let r = Pin::new(&mut self.inner).poll_read(cx, buf);
+        if buf.filled().len() > before {
+            self.first_read = None;
+        }
+        r
+    }
+}
+
+impl AsyncWrite for TlsConn {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        if self.expired(cx) {
+            return Poll::Ready(Err(age_exceeded()));
+        }
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        if self.expired(cx) {
+            return Poll::Ready(Err(age_exceeded()));
+        }
+        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+}
+
+/// The hard end of a connection opened now, if connections age out.
+pub fn hard_deadline(limits: &TransportLimits) -> Option<Duration> {
+    (!limits.max_connection_age.is_zero())
+        .then(|| limits.max_connection_age + limits.max_connection_age_grace)
+}
+
+/// Accepts TCP connections, admits them against the connection caps, and
+/// completes TLS handshakes (at most `max_pending_handshakes` at once, each
+/// within `handshake_timeout`) off the accept loop; yields finished
+/// connections. Refusals are counted, not logged above debug: under attack
+/// they are the common case.
+pub fn tls_incoming(
+    listener: TcpListener,
+    tls: Arc<ServingTls>,
+    limits: &TransportLimits,
+    metrics: Option<Arc<Metrics>>,
+) -> tokio_stream::wrappers::ReceiverStream<Result<TlsConn, std::io::Error>> {
+    let (tx, rx) = tokio::sync::mpsc::channel(128);
+    let tracker = ConnTracker::new(
+        limits.max_connections,
+        limits.max_connections_per_ip,
+        metrics.clone(),
+    );
+    let handshakes = Arc::new(Semaphore::new(limits.max_pending_handshakes));
+    let handshake_timeout = limits.handshake_timeout;
+    let deadline = hard_deadline(limits);
+    let max_cancels = limits.max_cancelled_streams_per_sec;
+    tokio::spawn(async move {
+        loop {
+            let (tcp, remote_addr) = match listener.accept().await {
+                Ok(c) => c,
+                Err(e) => {
+                    // Out of file descriptors and the like: back off, keep serving.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            };
+            if tx.is_closed() {
+                return;
+            }
+            let m = metrics.as_deref();
+            let permit = match tracker.open(remote_addr.ip()) {
+                Ok(p) => p,
+                Err(r) => {
+                    refuse(m, r, remote_addr);
+                    continue;
+                }
+            };
+            let Ok(slot) = handshakes.clone().try_acquire_owned() else {
+                refuse(m, Refusal::HandshakeLimit, remote_addr);
+                continue;
+            };
+            let _ = tcp.set_nodelay(true);
+            let acceptor = tokio_rustls::TlsAcceptor::from(tls.current());
+            let (tx, metrics) = (tx.clone(), metrics.clone());
+            tokio::spawn(async move {
+                if let Some(m) = &metrics {
+                    m.pending_handshakes.inc();
+                }
+                let result = tokio::time::timeout(handshake_timeout, acceptor.accept(tcp)).await;
+                drop(slot);
+                if let Some(m) = &metrics {
+                    m.pending_handshakes.dec();
+                }
+                let stream = match result {
+                    Ok(Ok(stream)) => stream,
+                    Ok(Err(e)) => {
+                        tracing::debug!(peer = %remote_addr, error = %e, "TLS handshake failed");
+                        refuse(metrics.as_deref(), Refusal::HandshakeFailed, remote_addr);
+                        return;
+                    }
+                    Err(_) => {
+                        refuse(metrics.as_deref(), Refusal::HandshakeTimeout, remote_addr);
+                        return;
+                    }
+                };
+                let peer_chain = stream.get_ref().1.peer_certificates().map(|c| {
+                    c.iter()
+                        .map(|c| c.clone().into_owned())
+                        .collect::<Vec<_>>()
+                        .into()
+                });
+                let conn = TlsConn {
+                    inner: stream,
+                    info: ConnInfo {
+                        remote_addr,
+                        peer_chain,
+                        control: ConnControl::new(max_cancels),
+                    },
+                    deadline: deadline.map(|d| Box::pin(tokio::time::sleep(d))),
+                    first_read: Some(Box::pin(tokio::time::sleep(handshake_timeout))),
+                    metrics,
+                    _permit: permit,
+                };
+                let _ = tx.send(Ok(conn)).await;
+            });
+        }
+    });
+    tokio_stream::wrappers::ReceiverStream::new(rx)
+}
