@@ -24,4 +24,6 @@ pub mod rootpub;
 pub mod tls;
 
 #[cfg(any(test, feature = "testing"))]
+pub mod fuzzing;
+#[cfg(any(test, feature = "testing"))]
 pub mod testing;

@@ -114,6 +114,21 @@ pub fn token_expiry_unverified(token: &str) -> Option<i64> {
     claims.get("exp")?.as_i64()
 }
 
+/// How long a successful review of `token` may be reused at `now` (unix
+/// seconds): the configured TTL, cut to the token's own `exp`; `None` when
+/// the token has already expired.
+pub fn cache_ttl(token: &str, configured: Duration, now: i64) -> Option<Duration> {
+    let Some(exp) = token_expiry_unverified(token) else {
+        return Some(configured);
+    };
+    // `exp` is attacker-chosen JSON: any i64, so no plain subtraction.
+    let left = exp.saturating_sub(now);
+    if left <= 0 {
+        return None;
+    }
+    Some(configured.min(Duration::from_secs(left as u64)))
+}
+
 #[derive(Debug, Clone)]
 struct CacheEntry {
     caller: Caller,
@@ -206,14 +221,13 @@ impl KubeTokenAuthenticator {
         if self.settings.cache_ttl.is_zero() {
             return;
         }
-        let mut ttl = self.settings.cache_ttl;
-        if let Some(exp) = token_expiry_unverified(token) {
-            let left = exp - time::OffsetDateTime::now_utc().unix_timestamp();
-            if left <= 0 {
-                return;
-            }
-            ttl = ttl.min(Duration::from_secs(left as u64));
-        }
+        let Some(ttl) = cache_ttl(
+            token,
+            self.settings.cache_ttl,
+            time::OffsetDateTime::now_utc().unix_timestamp(),
+        ) else {
+            return;
+        };
         let Ok(mut cache) = self.cache.lock() else {
             return;
         };
@@ -428,5 +442,22 @@ mod tests {
             Some(1_700_000_000)
         );
         assert_eq!(token_expiry_unverified("not-a-jwt"), None);
+    }
+
+    fn jwt_with_exp(exp: i64) -> String {
+        let payload =
+            base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(format!(r#"{{"exp":{exp}}}"#));
+        format!("e30.{payload}.sig")
+    }
+
+    // Found by the property test token_expiry_any_exp: `exp - now`
+    // overflowed (a panic in debug builds) for an `exp` near i64::MIN.
+    #[test_case(i64::MIN, None ; "far past")]
+    #[test_case(1_699_999_999, None ; "expired")]
+    #[test_case(1_700_000_004, Some(4) ; "expires before the cache ttl")]
+    #[test_case(i64::MAX, Some(10) ; "far future")]
+    fn cache_ttl_follows_exp_without_overflow(exp: i64, want: Option<u64>) {
+        let got = cache_ttl(&jwt_with_exp(exp), Duration::from_secs(10), 1_700_000_000);
+        assert_eq!(got, want.map(Duration::from_secs));
     }
 }
