@@ -25,4 +25,6 @@ pub mod tls;
 pub mod transport;
 
 #[cfg(any(test, feature = "testing"))]
+pub mod fuzzing;
+#[cfg(any(test, feature = "testing"))]
 pub mod testing;

@@ -267,6 +267,19 @@ impl CaBundle {
         if now >= signing_not_after {
             return Err(MaterialError::Expired(signing_not_after));
         }
+        // rcgen re-encodes this subject as every leaf's issuer and panics on
+        // an attribute type that has no DER encoding.
+        if let Some(bad) = parsed
+            .subject()
+            .iter_attributes()
+            .map(|a| a.attr_type())
+            .find(|oid| !encodable_oid(oid))
+        {
+            return Err(MaterialError::BadCertificate {
+                file: "signing certificate".into(),
+                detail: format!("subject attribute type {bad} cannot be encoded"),
+            });
+        }
         let spki = parsed.public_key();
         let (alg, key_algorithm) = signing_algorithm(spki)?;
         let key_der = PrivateKeyDer::from_pem_slice(files.signing_key.as_bytes())
@@ -302,6 +315,20 @@ impl CaBundle {
         let chain_not_after = chain.first().and_then(not_after_of);
         let mut intermediates = vec![signing_cert.clone()];
         intermediates.extend(chain.iter().cloned());
+        // The probe may chain only through the signing certificate itself:
+        // another certificate for the signing key (a good copy in
+        // cert-chain.pem) would otherwise vouch for a tampered ca-cert.pem.
+        let probe_path: Vec<_> = intermediates
+            .iter()
+            .enumerate()
+            .filter(|(i, c)| {
+                *i == 0
+                    || X509Certificate::from_der(c).map_or(true, |(_, p)| {
+                        p.public_key().subject_public_key.data != spki.subject_public_key.data
+                    })
+            })
+            .map(|(_, c)| c.clone())
+            .collect();
 
         let bundle = Self {
             issuer,
@@ -318,13 +345,17 @@ impl CaBundle {
             fingerprint,
             source: files.source,
         };
-        bundle.probe(now)?;
+        bundle.probe(now, &probe_path)?;
         Ok(bundle)
     }
 
     /// Signs a throwaway leaf and verifies it with webpki against the roots:
     /// proves key, issuer name encoding and chain all fit together.
-    fn probe(&self, now: OffsetDateTime) -> Result<(), MaterialError> {
+    fn probe(
+        &self,
+        now: OffsetDateTime,
+        intermediates: &[CertificateDer<'static>],
+    ) -> Result<(), MaterialError> {
         let key = KeyPair::generate().map_err(|e| MaterialError::BadKey(e.to_string()))?;
         let id: SpiffeId = "spiffe://meshca.probe/ns/probe/sa/probe"
             .parse()
@@ -340,7 +371,7 @@ impl CaBundle {
         let leaf = self
             .sign_leaf_spki(&spki, &id, false, &validity)
             .map_err(|e| MaterialError::ChainInvalid(e.to_string()))?;
-        self.verify_leaf(&leaf.der, now)
+        self.verify_leaf_via(&leaf.der, now, intermediates)
             .map_err(MaterialError::ChainInvalid)
     }
 
@@ -349,6 +380,15 @@ impl CaBundle {
         &self,
         leaf: &CertificateDer<'_>,
         now: OffsetDateTime,
+    ) -> Result<(), String> {
+        self.verify_leaf_via(leaf, now, &self.intermediates)
+    }
+
+    fn verify_leaf_via(
+        &self,
+        leaf: &CertificateDer<'_>,
+        now: OffsetDateTime,
+        intermediates: &[CertificateDer<'static>],
     ) -> Result<(), String> {
         let anchors: Vec<_> = self
             .roots
@@ -360,7 +400,7 @@ impl CaBundle {
         ee.verify_for_usage(
             webpki::ALL_VERIFICATION_ALGS,
             &anchors,
-            &self.intermediates,
+            intermediates,
             UnixTime::since_unix_epoch(std::time::Duration::from_secs(secs)),
             webpki::KeyUsage::client_auth(),
             None,
@@ -536,5 +576,79 @@ fn signing_algorithm(
         KeyKind::Ed25519 => Err(MaterialError::BadKey(
             "Ed25519 signing keys are not supported (use ECDSA P-256/P-384 or RSA)".into(),
         )),
+    }
+}
+
+/// Whether an OID can be written in DER (yasna's rule: at least two arcs,
+/// the first below 3, the second below 40 unless the first is 2).
+fn encodable_oid(oid: &x509_parser::oid_registry::Oid<'_>) -> bool {
+    let Some(arcs) = oid.iter() else {
+        return false;
+    };
+    match arcs.take(2).collect::<Vec<_>>()[..] {
+        [a, b] => a < 3 && (a == 2 || b < 40) && b < u64::MAX - 80,
+        _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ca::generate::{generate, pem_encode, InitOptions};
+
+    fn files(ca: &crate::ca::generate::GeneratedCa) -> BundleFiles {
+        BundleFiles {
+            signing_cert: ca.ca_cert.clone(),
+            signing_key: ca.ca_key.clone(),
+            cert_chain: ca.cert_chain(),
+            root_bundle: ca.root_cert.clone(),
+            source: "test".into(),
+        }
+    }
+
+    // Found by the property test bundle_signing_cert_byte_change_is_refused:
+    // the probe leaf used to chain through the intact copy of the signing
+    // certificate in cert-chain.pem, so a ca-cert.pem whose signed bytes
+    // were changed (here its serial) still loaded.
+    #[test]
+    fn tampered_signing_cert_is_refused_despite_a_good_copy_in_the_chain() {
+        let now = OffsetDateTime::now_utc();
+        let ca = generate(&InitOptions::default(), now).unwrap();
+        CaBundle::from_files(files(&ca), now).unwrap();
+        let mut der = CertificateDer::from_pem_slice(ca.ca_cert.as_bytes())
+            .unwrap()
+            .to_vec();
+        let serial = X509Certificate::from_der(&der)
+            .unwrap()
+            .1
+            .raw_serial()
+            .to_vec();
+        let at = der.windows(serial.len()).position(|w| w == serial).unwrap() + serial.len() - 1;
+        der[at] ^= 0x01;
+        let mut f = files(&ca);
+        f.signing_cert = pem_encode("CERTIFICATE", &der);
+        let err = CaBundle::from_files(f, now).unwrap_err();
+        assert_eq!(err.reason(), "ca_chain_invalid", "{err}");
+    }
+
+    // Found by the same property test: a subject attribute type that parses
+    // but has no DER encoding (first sub-identifier 0x7d, read as arcs 3.5)
+    // made rcgen's encoder (yasna) panic while signing the probe leaf.
+    #[test]
+    fn unencodable_subject_oid_is_an_error_not_a_panic() {
+        let now = OffsetDateTime::now_utc();
+        let ca = generate(&InitOptions::default(), now).unwrap();
+        let mut der = CertificateDer::from_pem_slice(ca.ca_cert.as_bytes())
+            .unwrap()
+            .to_vec();
+        let cn = [0x06, 0x03, 0x55, 0x04, 0x03];
+        // The second CN in the TBS is the subject's (the first is the issuer's).
+        let first = der.windows(5).position(|w| w == cn).unwrap();
+        let at = first + 5 + der[first + 5..].windows(5).position(|w| w == cn).unwrap();
+        der[at + 2] = 0x7d;
+        let mut f = files(&ca);
+        f.signing_cert = pem_encode("CERTIFICATE", &der);
+        let err = CaBundle::from_files(f, now).unwrap_err();
+        assert_eq!(err.reason(), "ca_bad_certificate", "{err}");
     }
 }
