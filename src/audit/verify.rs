@@ -145,6 +145,11 @@ pub(crate) fn parse_line(line: &[u8]) -> Result<Parsed, (Option<u64>, String)> {
     if line.iter().all(u8::is_ascii_whitespace) {
         return Err((None, "empty line inserted".into()));
     }
+    // The writer never pads a line; padding on the last line would escape
+    // the hash chain, which only covers a line through its successor.
+    if line.first() != Some(&b'{') || line.last() != Some(&b'}') {
+        return Err((None, "whitespace or bytes around the JSON object".into()));
+    }
     let head: Head = serde_json::from_slice(line).map_err(|e| {
         (
             None,
@@ -246,6 +251,22 @@ pub fn verify_lines<L: AsRef<[u8]>>(
             }
         };
         if let Some(cp) = checkpoint {
+            // `alg` and `key_id` are not in the signed message: bind them to
+            // the given key, or an edit of the last checkpoint would pass.
+            if let Some(k) = key {
+                if cp.alg != k.alg || cp.key_id.as_deref() != Some(k.key_id().as_str()) {
+                    return Err(fail(
+                        seq,
+                        format!(
+                            "checkpoint names alg {} key {}, but the given key is {} {}",
+                            cp.alg,
+                            cp.key_id.as_deref().unwrap_or("(none)"),
+                            k.alg,
+                            k.key_id()
+                        ),
+                    ));
+                }
+            }
             match (key, &cp.sig) {
                 (Some(k), Some(sig)) => {
                     let sig = base64::engine::general_purpose::STANDARD

@@ -906,6 +906,8 @@ mod tests {
     #[test_case(Outcome::Authenticated, None, CacheAction::Positive(MIN) ; "success without exp")]
     #[test_case(Outcome::Authenticated, Some(NOW_UNIX + 30), CacheAction::Positive(Duration::from_secs(30)) ; "success never past exp")]
     #[test_case(Outcome::Authenticated, Some(NOW_UNIX), CacheAction::Nothing ; "success at exp")]
+    #[test_case(Outcome::Authenticated, Some(i64::MIN), CacheAction::Nothing ; "exp at i64 min does not overflow")]
+    #[test_case(Outcome::Authenticated, Some(i64::MAX), CacheAction::Positive(MIN) ; "exp at i64 max keeps the configured ttl")]
     #[test_case(Outcome::Rejected, None, CacheAction::Negative(TEN) ; "rejection")]
     #[test_case(Outcome::Rejected, Some(NOW_UNIX + 3600), CacheAction::Negative(TEN) ; "rejection of live token")]
     #[test_case(Outcome::NotAnswered, None, CacheAction::Nothing ; "timeout or transport error")]
