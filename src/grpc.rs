@@ -606,6 +606,46 @@ mod tests {
         }
     }
 
+    fn gate(inflight: usize, per_ip: usize, queued: usize) -> Arc<RequestGate> {
+        let limits = TransportLimits {
+            max_inflight_requests: inflight,
+            max_inflight_requests_per_ip: per_ip,
+            max_queued_requests: queued,
+            ..TransportLimits::default()
+        };
+        RequestGateLayer::new(&limits, None).gate
+    }
+
+    /// A source's entry leaves the map with its last user, also when a
+    /// waiting request is cancelled: the map never outgrows live requests.
+    #[tokio::test]
+    async fn per_source_entries_leave_with_their_last_request() {
+        let g = gate(4, 1, 4);
+        let (a, b) = ("10.0.0.1".parse().unwrap(), "10.0.0.2".parse().unwrap());
+        let first = g.slot(Some(a)).await.unwrap();
+        // A second request from the same source waits although slots are free.
+        let mut waiting = Box::pin(g.slot(Some(a)));
+        assert!(futures::poll!(waiting.as_mut()).is_pending());
+        assert_eq!(g.queued.load(Ordering::Acquire), 1);
+        // Another source runs at once.
+        let other = g.slot(Some(b)).await.unwrap();
+        drop(other);
+        // Cancel the waiting request, then finish the first.
+        drop(waiting);
+        assert_eq!(g.queued.load(Ordering::Acquire), 0);
+        drop(first);
+        assert!(g.per_ip.lock().unwrap().is_empty());
+        assert_eq!(g.slots.available_permits(), 4);
+        // With the queue full, a source at its cap is refused with its own reason.
+        let g = gate(4, 1, 0);
+        let _first = g.slot(Some(a)).await.unwrap();
+        assert_eq!(
+            g.slot(Some(a)).await.err(),
+            Some(Refusal::RequestPerIpLimit)
+        );
+        assert_eq!(g.per_ip.lock().unwrap().len(), 1);
+    }
+
     #[tokio::test]
     async fn a_refused_credential_fails_authentication_before_the_token_authenticator() {
         #[derive(Debug)]
