@@ -217,6 +217,13 @@ pub struct LimitArgs {
     /// TLS handshakes in progress; connections beyond are closed at once.
     #[arg(long, env = "MESHCA_MAX_PENDING_HANDSHAKES", default_value_t = 128)]
     pub max_pending_handshakes: usize,
+    /// TLS handshakes in progress from one source IP.
+    #[arg(
+        long,
+        env = "MESHCA_MAX_PENDING_HANDSHAKES_PER_IP",
+        default_value_t = 16
+    )]
+    pub max_pending_handshakes_per_ip: usize,
     /// Time a client has to complete the TLS handshake, and again to send
     /// the HTTP/2 preface after it.
     #[arg(long, env = "MESHCA_HANDSHAKE_TIMEOUT", default_value = "5s")]
@@ -227,6 +234,13 @@ pub struct LimitArgs {
     /// Requests handled at once; more wait in a queue.
     #[arg(long, env = "MESHCA_MAX_INFLIGHT_REQUESTS", default_value_t = 256)]
     pub max_inflight_requests: usize,
+    /// Requests handled at once for one source IP; more wait in the queue.
+    #[arg(
+        long,
+        env = "MESHCA_MAX_INFLIGHT_REQUESTS_PER_IP",
+        default_value_t = 32
+    )]
+    pub max_inflight_requests_per_ip: usize,
     /// Requests waiting for a handler; beyond, RESOURCE_EXHAUSTED.
     #[arg(long, env = "MESHCA_MAX_QUEUED_REQUESTS", default_value_t = 1024)]
     pub max_queued_requests: usize,
@@ -281,6 +295,9 @@ pub struct LimitArgs {
     /// Open admin-port connections.
     #[arg(long, env = "MESHCA_ADMIN_MAX_CONNECTIONS", default_value_t = 64)]
     pub admin_max_connections: usize,
+    /// Open admin-port connections from one source IP.
+    #[arg(long, env = "MESHCA_ADMIN_MAX_CONNECTIONS_PER_IP", default_value_t = 8)]
+    pub admin_max_connections_per_ip: usize,
     /// Time to receive an admin request's headers.
     #[arg(long, env = "MESHCA_ADMIN_HEADER_TIMEOUT", default_value = "5s")]
     pub admin_header_timeout: String,
@@ -359,6 +376,12 @@ impl LimitArgs {
                 1,
                 1 << 16,
             )?,
+            max_pending_handshakes_per_ip: bounded(
+                "MESHCA_MAX_PENDING_HANDSHAKES_PER_IP",
+                self.max_pending_handshakes_per_ip,
+                1,
+                1 << 16,
+            )?,
             handshake_timeout: d(
                 "MESHCA_HANDSHAKE_TIMEOUT",
                 &self.handshake_timeout,
@@ -375,6 +398,12 @@ impl LimitArgs {
             max_inflight_requests: bounded(
                 "MESHCA_MAX_INFLIGHT_REQUESTS",
                 self.max_inflight_requests,
+                1,
+                1 << 20,
+            )?,
+            max_inflight_requests_per_ip: bounded(
+                "MESHCA_MAX_INFLIGHT_REQUESTS_PER_IP",
+                self.max_inflight_requests_per_ip,
                 1,
                 1 << 20,
             )?,
@@ -476,6 +505,12 @@ impl LimitArgs {
             max_connections: bounded(
                 "MESHCA_ADMIN_MAX_CONNECTIONS",
                 self.admin_max_connections,
+                1,
+                1 << 16,
+            )?,
+            max_connections_per_ip: bounded(
+                "MESHCA_ADMIN_MAX_CONNECTIONS_PER_IP",
+                self.admin_max_connections_per_ip,
                 1,
                 1 << 16,
             )?,
@@ -973,6 +1008,9 @@ mod limit_tests {
     #[test_case(&["--max-connections-per-ip", "0"], "MESHCA_MAX_CONNECTIONS_PER_IP" ; "zero per ip")]
     #[test_case(&["--max-pending-handshakes", "0"], "MESHCA_MAX_PENDING_HANDSHAKES" ; "zero handshakes")]
     #[test_case(&["--max-pending-handshakes", "100000000"], "MESHCA_MAX_PENDING_HANDSHAKES" ; "handshakes over semaphore range")]
+    #[test_case(&["--max-pending-handshakes-per-ip", "0"], "MESHCA_MAX_PENDING_HANDSHAKES_PER_IP" ; "zero handshakes per ip")]
+    #[test_case(&["--max-inflight-requests-per-ip", "0"], "MESHCA_MAX_INFLIGHT_REQUESTS_PER_IP" ; "zero inflight per ip")]
+    #[test_case(&["--admin-max-connections-per-ip", "0"], "MESHCA_ADMIN_MAX_CONNECTIONS_PER_IP" ; "zero admin per ip")]
     #[test_case(&["--handshake-timeout", "0s"], "MESHCA_HANDSHAKE_TIMEOUT" ; "zero handshake timeout")]
     #[test_case(&["--handshake-timeout", "1h"], "MESHCA_HANDSHAKE_TIMEOUT" ; "long handshake timeout")]
     #[test_case(&["--max-concurrent-streams", "0"], "MESHCA_MAX_CONCURRENT_STREAMS" ; "zero streams")]

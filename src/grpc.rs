@@ -21,7 +21,7 @@ use crate::proto::istio_certificate_service_server::{
     IstioCertificateService, IstioCertificateServiceServer,
 };
 use crate::proto::{IstioCertificateRequest, IstioCertificateResponse};
-use crate::transport::limits::{admit_request, RequestAdmission};
+use crate::transport::limits::{admit_request, canonical_ip, RequestAdmission, RequestCaps};
 pub use crate::transport::{ConnInfo, InputLimits, Refusal, TransportLimits};
 
 /// Metadata key a node proxy uses to ask for another workload's identity.
@@ -214,6 +214,15 @@ impl IstioCertificateService for CaService {
 /// Bounds the requests being handled and waiting, and each request's total
 /// time. Applied around tonic's routes, so it runs before the message is
 /// read: a waiting stream holds only its headers and flow-control window.
+///
+/// Per-source fairness: a slot is taken before the body is read, so a
+/// stream that never sends its body holds its slot until the request
+/// timeout. Rather than reading the body before taking a slot (that would
+/// need a second, unbounded buffer of up to `max_message_bytes` per waiting
+/// stream, breaking the memory arithmetic in `transport::limits`), each
+/// source IP may hold at most `max_inflight_requests_per_ip` slots; its
+/// other requests wait in the shared, bounded queue. A few hostile IPs then
+/// hold only their share and the remaining slots serve everyone else.
 #[derive(Debug, Clone)]
 pub struct RequestGateLayer {
     gate: Arc<RequestGate>,
@@ -222,9 +231,11 @@ pub struct RequestGateLayer {
 #[derive(Debug)]
 struct RequestGate {
     slots: Arc<Semaphore>,
-    max_inflight: usize,
+    caps: RequestCaps,
+    /// One semaphore per source IP with requests running or waiting; an
+    /// entry leaves the map with its last user.
+    per_ip: std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, Arc<Semaphore>>>,
     queued: AtomicUsize,
-    max_queued: usize,
     timeout: Duration,
     metrics: Option<Arc<Metrics>>,
 }
@@ -234,9 +245,13 @@ impl RequestGateLayer {
         Self {
             gate: Arc::new(RequestGate {
                 slots: Arc::new(Semaphore::new(limits.max_inflight_requests)),
-                max_inflight: limits.max_inflight_requests,
+                caps: RequestCaps {
+                    inflight: limits.max_inflight_requests,
+                    inflight_per_ip: limits.max_inflight_requests_per_ip,
+                    queued: limits.max_queued_requests,
+                },
+                per_ip: Default::default(),
                 queued: AtomicUsize::new(0),
-                max_queued: limits.max_queued_requests,
                 timeout: limits.request_timeout,
                 metrics,
             }),
@@ -318,24 +333,90 @@ impl RequestGate {
         .into_http()
     }
 
-    async fn slot(&self) -> Result<tokio::sync::OwnedSemaphorePermit, Refusal> {
-        let inflight = self.max_inflight - self.slots.available_permits().min(self.max_inflight);
+    /// The source's semaphore, created on first use.
+    fn source(&self, ip: std::net::IpAddr) -> Arc<Semaphore> {
+        let mut map = self.per_ip.lock().unwrap_or_else(|p| p.into_inner());
+        map.entry(canonical_ip(ip))
+            .or_insert_with(|| Arc::new(Semaphore::new(self.caps.inflight_per_ip)))
+            .clone()
+    }
+
+    /// Drops the source's entry once nobody holds or waits on it. Callers
+    /// clone the semaphore under the same lock, so a count of one (the map's
+    /// own) means it is unused.
+    fn release_source(&self, ip: std::net::IpAddr) {
+        let ip = canonical_ip(ip);
+        let mut map = self.per_ip.lock().unwrap_or_else(|p| p.into_inner());
+        if map.get(&ip).is_some_and(|s| Arc::strong_count(s) == 1) {
+            map.remove(&ip);
+        }
+    }
+
+    async fn slot(&self, ip: Option<std::net::IpAddr>) -> Result<Slot<'_>, Refusal> {
+        let source = ip.map(|ip| (ip, self.source(ip)));
+        let mut slot = Slot {
+            gate: self,
+            ip: source.as_ref().map(|(ip, _)| *ip),
+            source: None,
+            global: None,
+        };
+        let inflight = self.caps.inflight - self.slots.available_permits().min(self.caps.inflight);
+        let ip_inflight = source.as_ref().map_or(0, |(_, s)| {
+            self.caps.inflight_per_ip - s.available_permits().min(self.caps.inflight_per_ip)
+        });
         let queued = self.queued.load(Ordering::Acquire);
-        match admit_request(inflight, queued, self.max_inflight, self.max_queued) {
-            RequestAdmission::Refuse(r) => Err(r),
-            RequestAdmission::Run | RequestAdmission::Queue => {
-                if let Ok(p) = self.slots.clone().try_acquire_owned() {
-                    return Ok(p);
-                }
-                self.queued.fetch_add(1, Ordering::AcqRel);
-                let _queued = Queued(&self.queued);
-                // The semaphore is never closed.
-                self.slots
-                    .clone()
-                    .acquire_owned()
+        if let RequestAdmission::Refuse(r) =
+            admit_request(inflight, ip_inflight, queued, &self.caps)
+        {
+            drop(source);
+            return Err(r);
+        }
+        let source = source.map(|(_, s)| s);
+        // Fast path: both permits free, no queueing.
+        if let Some(s) = &source {
+            slot.source = s.clone().try_acquire_owned().ok();
+        }
+        if slot.source.is_some() || source.is_none() {
+            slot.global = self.slots.clone().try_acquire_owned().ok();
+        }
+        if slot.global.is_some() {
+            return Ok(slot);
+        }
+        self.queued.fetch_add(1, Ordering::AcqRel);
+        let _queued = Queued(&self.queued);
+        // The semaphores are never closed.
+        if let (Some(s), None) = (source, &slot.source) {
+            slot.source = Some(
+                s.acquire_owned()
                     .await
-                    .map_err(|_| Refusal::RequestQueueFull)
-            }
+                    .map_err(|_| Refusal::RequestQueueFull)?,
+            );
+        }
+        slot.global = Some(
+            self.slots
+                .clone()
+                .acquire_owned()
+                .await
+                .map_err(|_| Refusal::RequestQueueFull)?,
+        );
+        Ok(slot)
+    }
+}
+
+/// A request's handler slot and its source's share; released on drop.
+struct Slot<'a> {
+    gate: &'a RequestGate,
+    ip: Option<std::net::IpAddr>,
+    source: Option<tokio::sync::OwnedSemaphorePermit>,
+    global: Option<tokio::sync::OwnedSemaphorePermit>,
+}
+
+impl Drop for Slot<'_> {
+    fn drop(&mut self) {
+        self.global = None;
+        self.source = None;
+        if let Some(ip) = self.ip {
+            self.gate.release_source(ip);
         }
     }
 }
@@ -402,6 +483,10 @@ where
             metrics: gate.metrics.clone(),
             done: false,
         };
+        let ip = req
+            .extensions()
+            .get::<ConnInfo>()
+            .map(|c| c.remote_addr.ip());
         let body_failed = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let failed = body_failed.clone();
         let req = req.map(|inner| B::new(WatchedBody { inner, failed }));
@@ -409,7 +494,7 @@ where
             // Moved whole into the future: dropped with it on RST_STREAM.
             let mut cancel = cancel;
             let work = async {
-                let _slot = match gate.slot().await {
+                let _slot = match gate.slot(ip).await {
                     Ok(s) => s,
                     Err(r) => return Ok(gate.refuse(r)),
                 };
@@ -519,6 +604,46 @@ mod tests {
             assert_eq!(status.code(), tonic::Code::Unauthenticated);
             assert_eq!(status.message(), AUTHN_FAILURE);
         }
+    }
+
+    fn gate(inflight: usize, per_ip: usize, queued: usize) -> Arc<RequestGate> {
+        let limits = TransportLimits {
+            max_inflight_requests: inflight,
+            max_inflight_requests_per_ip: per_ip,
+            max_queued_requests: queued,
+            ..TransportLimits::default()
+        };
+        RequestGateLayer::new(&limits, None).gate
+    }
+
+    /// A source's entry leaves the map with its last user, also when a
+    /// waiting request is cancelled: the map never outgrows live requests.
+    #[tokio::test]
+    async fn per_source_entries_leave_with_their_last_request() {
+        let g = gate(4, 1, 4);
+        let (a, b) = ("10.0.0.1".parse().unwrap(), "10.0.0.2".parse().unwrap());
+        let first = g.slot(Some(a)).await.unwrap();
+        // A second request from the same source waits although slots are free.
+        let mut waiting = Box::pin(g.slot(Some(a)));
+        assert!(futures::poll!(waiting.as_mut()).is_pending());
+        assert_eq!(g.queued.load(Ordering::Acquire), 1);
+        // Another source runs at once.
+        let other = g.slot(Some(b)).await.unwrap();
+        drop(other);
+        // Cancel the waiting request, then finish the first.
+        drop(waiting);
+        assert_eq!(g.queued.load(Ordering::Acquire), 0);
+        drop(first);
+        assert!(g.per_ip.lock().unwrap().is_empty());
+        assert_eq!(g.slots.available_permits(), 4);
+        // With the queue full, a source at its cap is refused with its own reason.
+        let g = gate(4, 1, 0);
+        let _first = g.slot(Some(a)).await.unwrap();
+        assert_eq!(
+            g.slot(Some(a)).await.err(),
+            Some(Refusal::RequestPerIpLimit)
+        );
+        assert_eq!(g.per_ip.lock().unwrap().len(), 1);
     }
 
     #[tokio::test]

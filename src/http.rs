@@ -6,7 +6,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use hyper_util::rt::{TokioIo, TokioTimer};
-use tokio::sync::Semaphore;
 
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -20,7 +19,7 @@ use crate::authn::token::KubeTokenAuthenticator;
 use crate::ca::CaStore;
 use crate::metrics::{Metrics, Snapshot};
 use crate::podindex::PodIndex;
-use crate::transport::{AdminLimits, Refusal};
+use crate::transport::{AdminLimits, ConnTracker, Pool, Refusal};
 
 /// What readiness depends on.
 #[derive(Debug, Clone)]
@@ -94,7 +93,9 @@ async fn readyz(State(h): State<Health>) -> (StatusCode, String) {
 /// Binds the admin listener and serves it until the task is dropped. Each
 /// connection must send its headers within `header_timeout` and is closed
 /// after `connection_timeout` whatever it does; beyond `max_connections`
-/// new connections are closed at once. (axum::serve has none of these.)
+/// (or `max_connections_per_ip` from one source, so a few trickling IPs
+/// cannot refuse kubelet's probes) new connections are closed at once.
+/// (axum::serve has none of these.)
 pub async fn bind(
     addr: SocketAddr,
     health: Health,
@@ -108,7 +109,12 @@ pub async fn bind(
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics_handler))
         .with_state(health);
-    let slots = Arc::new(Semaphore::new(limits.max_connections));
+    let slots = ConnTracker::for_pool(
+        Pool::Admin,
+        limits.max_connections,
+        limits.max_connections_per_ip,
+        None,
+    );
     let task = tokio::spawn(async move {
         loop {
             let (tcp, peer) = match listener.accept().await {
@@ -125,9 +131,12 @@ pub async fn bind(
                     m.refused(r);
                 }
             };
-            let Ok(slot) = slots.clone().try_acquire_owned() else {
-                refuse(Refusal::AdminConnectionLimit);
-                continue;
+            let slot = match slots.open(peer.ip()) {
+                Ok(s) => s,
+                Err(r) => {
+                    refuse(r);
+                    continue;
+                }
             };
             let app = app.clone();
             let metrics = metrics.clone();

@@ -477,3 +477,86 @@ async fn a_connection_that_cancels_streams_in_a_flood_is_closed() {
     }
     assert_eq!(s.refusals("stream_reset_flood").await, 1);
 }
+
+/// A TCP connection from `src` (a 127.0.0.0/8 address) to `dst`.
+async fn connect_from(src: &str, dst: SocketAddr) -> TcpStream {
+    let sock = tokio::net::TcpSocket::new_v4().unwrap();
+    sock.bind(SocketAddr::new(src.parse().unwrap(), 0)).unwrap();
+    sock.connect(dst).await.unwrap()
+}
+
+/// Per-source fairness: one source IP at its handshake, request and admin
+/// caps is refused (or queued) with its own reason, while a client from
+/// another IP is served at once.
+#[tokio::test]
+async fn one_source_cannot_take_every_slot() {
+    let s = start(|c| {
+        c.transport.max_pending_handshakes_per_ip = 1;
+        c.transport.max_inflight_requests_per_ip = 1;
+        c.transport.max_queued_requests = 1;
+        c.transport.request_timeout = Duration::from_secs(2);
+        c.admin.max_connections_per_ip = 1;
+    })
+    .await;
+    let csr = || csr_for(&rcgen::KeyPair::generate().unwrap(), CLIENT_ID);
+
+    // Handshakes: a silent connection from 127.0.0.2 holds its source's one
+    // slot; a second from it is closed, one from 127.0.0.1 is served.
+    let silent = connect_from("127.0.0.2", s.app.addr).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let mut second = connect_from("127.0.0.2", s.app.addr).await;
+    assert!(closed_within(&mut second, Duration::from_millis(500)).await);
+    assert_eq!(s.refusals("handshake_limit_per_ip").await, 1);
+    let mut good = s.mtls_client().await;
+    good.create_certificate(request(csr(), 0, &[]))
+        .await
+        .unwrap();
+    // Closing it frees the slot (the handshake fails on EOF).
+    drop(silent);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+
+    // Requests: 127.0.0.2 runs one stuck request; its second waits in the
+    // queue although global slots are free; its third finds the queue full.
+    let tls = s
+        .tls()
+        .connect(
+            "localhost".try_into().unwrap(),
+            connect_from("127.0.0.2", s.app.addr).await,
+        )
+        .await
+        .unwrap();
+    let (send, conn) = h2::client::handshake(tls).await.unwrap();
+    let _conn = tokio::spawn(conn);
+    let mut send = send.ready().await.unwrap();
+    let (running, _b1) = stuck_request(&mut send);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let mut send = send.ready().await.unwrap();
+    let (queued, _b2) = stuck_request(&mut send);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let mut send = send.ready().await.unwrap();
+    let (refused, _b3) = stuck_request(&mut send);
+    // 8 = RESOURCE_EXHAUSTED, at once.
+    assert_eq!(grpc_status(refused).await.as_deref(), Some("8"));
+    assert_eq!(s.refusals("request_limit_per_ip").await, 1);
+    // 127.0.0.1 is served while 127.0.0.2 waits.
+    let t = Instant::now();
+    good.create_certificate(request(csr(), 0, &[]))
+        .await
+        .unwrap();
+    assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+    // 4 = DEADLINE_EXCEEDED for both of 127.0.0.2's stuck requests.
+    assert_eq!(grpc_status(running).await.as_deref(), Some("4"));
+    assert_eq!(grpc_status(queued).await.as_deref(), Some("4"));
+
+    // Admin: a trickling connection from 127.0.0.2 holds its source's one
+    // slot; a second from it is closed; /healthz from 127.0.0.1 answers.
+    let admin = s.app.admin_addr;
+    let mut slow = connect_from("127.0.0.2", admin).await;
+    slow.write_all(b"GET /heal").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let mut second = connect_from("127.0.0.2", admin).await;
+    assert!(closed_within(&mut second, Duration::from_millis(500)).await);
+    let (status, body) = testing::http_get(admin, "/healthz").await;
+    assert_eq!((status, body.as_str()), (200, "ok\n"));
+    assert_eq!(s.refusals("admin_connection_limit_per_ip").await, 1);
+}

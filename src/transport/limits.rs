@@ -14,8 +14,11 @@
 //! - handshakes in flight: 128 x about 40 KiB of rustls state = 5 MiB.
 //!
 //! About 190 MiB with a baseline of about 20 MiB, under the chart's 256 MiB
-//! limit. (Measured: an idle established connection costs about 30 KiB.) `max_concurrent_streams` does not enter the sum: the global request
-//! bounds do.
+//! limit. (Measured: an idle established connection costs about 30 KiB.)
+//! `max_concurrent_streams` does not enter the sum: the global request
+//! bounds do. Nor do the per-source-IP caps (handshakes, requests, admin
+//! connections): they only share the global pools out fairly, and a request
+//! waiting for its source's share counts against the same global queue.
 
 use std::collections::HashMap;
 use std::net::IpAddr;
@@ -30,11 +33,17 @@ pub struct TransportLimits {
     pub max_connections_per_ip: usize,
     /// TLS handshakes in progress; more are refused until one finishes.
     pub max_pending_handshakes: usize,
+    /// TLS handshakes in progress from one source IP: a few IPs cannot
+    /// take every handshake slot.
+    pub max_pending_handshakes_per_ip: usize,
     pub handshake_timeout: Duration,
     /// HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS per connection.
     pub max_concurrent_streams: u32,
     /// Requests being handled (message decoded, authenticating, signing).
     pub max_inflight_requests: usize,
+    /// Requests being handled for one source IP; more wait in the queue, so
+    /// a few IPs cannot hold every handler slot.
+    pub max_inflight_requests_per_ip: usize,
     /// Requests waiting for a handler slot; beyond this they are refused.
     pub max_queued_requests: usize,
     /// Whole-request deadline, from headers to response.
@@ -60,9 +69,11 @@ impl Default for TransportLimits {
             max_connections: 1024,
             max_connections_per_ip: 64,
             max_pending_handshakes: 128,
+            max_pending_handshakes_per_ip: 16,
             handshake_timeout: Duration::from_secs(5),
             max_concurrent_streams: 100,
             max_inflight_requests: 256,
+            max_inflight_requests_per_ip: 32,
             max_queued_requests: 1024,
             request_timeout: Duration::from_secs(15),
             max_header_list_bytes: 32 * 1024,
@@ -108,6 +119,9 @@ impl Default for InputLimits {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AdminLimits {
     pub max_connections: usize,
+    /// Open admin connections from one source IP: kubelet's probes keep a
+    /// slot however many other IPs trickle.
+    pub max_connections_per_ip: usize,
     /// Time to receive a request's headers.
     pub header_timeout: Duration,
     /// Longest an admin connection stays open, whatever it does.
@@ -118,6 +132,7 @@ impl Default for AdminLimits {
     fn default() -> Self {
         Self {
             max_connections: 64,
+            max_connections_per_ip: 8,
             header_timeout: Duration::from_secs(5),
             connection_timeout: Duration::from_secs(30),
         }
@@ -133,18 +148,24 @@ pub enum Refusal {
     PerIpLimit,
     #[error("too many TLS handshakes in progress")]
     HandshakeLimit,
+    #[error("too many TLS handshakes in progress from one source IP")]
+    HandshakePerIpLimit,
     #[error("TLS handshake timed out")]
     HandshakeTimeout,
     #[error("TLS handshake failed")]
     HandshakeFailed,
     #[error("too many requests waiting")]
     RequestQueueFull,
+    #[error("too many requests from one source IP, and the queue is full")]
+    RequestPerIpLimit,
     #[error("request timed out")]
     RequestTimeout,
     #[error("request message too large")]
     MessageTooLarge,
     #[error("admin connection limit reached")]
     AdminConnectionLimit,
+    #[error("per-source-IP admin connection limit reached")]
+    AdminPerIpLimit,
     #[error("admin connection timed out")]
     AdminTimeout,
     #[error("connection cancelled too many streams")]
@@ -157,36 +178,66 @@ impl Refusal {
             Self::ConnectionLimit => "connection_limit",
             Self::PerIpLimit => "connection_limit_per_ip",
             Self::HandshakeLimit => "handshake_limit",
+            Self::HandshakePerIpLimit => "handshake_limit_per_ip",
             Self::HandshakeTimeout => "handshake_timeout",
             Self::HandshakeFailed => "handshake_failed",
             Self::RequestQueueFull => "request_queue_full",
+            Self::RequestPerIpLimit => "request_limit_per_ip",
             Self::RequestTimeout => "request_timeout",
             Self::MessageTooLarge => "message_too_large",
             Self::AdminConnectionLimit => "admin_connection_limit",
+            Self::AdminPerIpLimit => "admin_connection_limit_per_ip",
             Self::AdminTimeout => "admin_timeout",
             Self::StreamResetFlood => "stream_reset_flood",
         }
     }
 
     /// Every refusal, for tests and metric pre-registration.
-    pub const ALL: [Refusal; 11] = [
+    pub const ALL: [Refusal; 14] = [
         Self::ConnectionLimit,
         Self::PerIpLimit,
         Self::HandshakeLimit,
+        Self::HandshakePerIpLimit,
         Self::HandshakeTimeout,
         Self::HandshakeFailed,
         Self::RequestQueueFull,
+        Self::RequestPerIpLimit,
         Self::RequestTimeout,
         Self::MessageTooLarge,
         Self::AdminConnectionLimit,
+        Self::AdminPerIpLimit,
         Self::AdminTimeout,
         Self::StreamResetFlood,
     ];
 }
 
-/// Open connections, in total and per source IP.
+/// What a [`ConnCounts`] counts: each pool has its own caps and reasons.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Pool {
+    /// Open gRPC connections.
+    #[default]
+    Connections,
+    /// gRPC connections still in their TLS handshake.
+    Handshakes,
+    /// Open admin-port connections.
+    Admin,
+}
+
+impl Pool {
+    /// The refusals for a full pool: (all sources, one source IP).
+    pub fn refusals(self) -> (Refusal, Refusal) {
+        match self {
+            Self::Connections => (Refusal::ConnectionLimit, Refusal::PerIpLimit),
+            Self::Handshakes => (Refusal::HandshakeLimit, Refusal::HandshakePerIpLimit),
+            Self::Admin => (Refusal::AdminConnectionLimit, Refusal::AdminPerIpLimit),
+        }
+    }
+}
+
+/// Open connections (or handshakes), in total and per source IP.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ConnCounts {
+    pub pool: Pool,
     pub total: usize,
     pub per_ip: HashMap<IpAddr, usize>,
 }
@@ -203,16 +254,24 @@ pub fn admit(
     max_total: usize,
     max_per_ip: usize,
 ) -> Result<(), Refusal> {
+    let (all, one) = counts.pool.refusals();
     if counts.total >= max_total {
-        return Err(Refusal::ConnectionLimit);
+        return Err(all);
     }
     if counts.per_ip.get(&canonical_ip(ip)).copied().unwrap_or(0) >= max_per_ip {
-        return Err(Refusal::PerIpLimit);
+        return Err(one);
     }
     Ok(())
 }
 
 impl ConnCounts {
+    pub fn new(pool: Pool) -> Self {
+        Self {
+            pool,
+            ..Self::default()
+        }
+    }
+
     /// Counts a connection in if `admit` allows it.
     pub fn open(&mut self, ip: IpAddr, max_total: usize, max_per_ip: usize) -> Result<(), Refusal> {
         admit(self, ip, max_total, max_per_ip)?;
@@ -235,8 +294,15 @@ impl ConnCounts {
     }
 }
 
-/// What to do with a request arriving when `inflight` handlers run and
-/// `queued` requests wait.
+/// What to do with a request arriving when `inflight` handlers run (of
+/// which `ip_inflight` for its source IP) and `queued` requests wait.
+///
+/// Per-source fairness: a source at its own cap waits in the shared queue
+/// even when global slots are free, so header-only streams from a few IPs
+/// hold at most their per-IP share of the slots (their bodies never come:
+/// they time out holding a slot, and the rest stays free for other
+/// sources). Waiting requests count against the one global queue, so the
+/// memory arithmetic above is unchanged.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RequestAdmission {
     /// A handler slot is free.
@@ -248,17 +314,28 @@ pub enum RequestAdmission {
 
 pub fn admit_request(
     inflight: usize,
+    ip_inflight: usize,
     queued: usize,
-    max_inflight: usize,
-    max_queued: usize,
+    max: &RequestCaps,
 ) -> RequestAdmission {
-    if inflight < max_inflight {
+    let ip_full = ip_inflight >= max.inflight_per_ip;
+    if inflight < max.inflight && !ip_full {
         RequestAdmission::Run
-    } else if queued < max_queued {
+    } else if queued < max.queued {
         RequestAdmission::Queue
+    } else if ip_full {
+        RequestAdmission::Refuse(Refusal::RequestPerIpLimit)
     } else {
         RequestAdmission::Refuse(Refusal::RequestQueueFull)
     }
+}
+
+/// The caps [`admit_request`] applies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RequestCaps {
+    pub inflight: usize,
+    pub inflight_per_ip: usize,
+    pub queued: usize,
 }
 
 /// Cancelled streams of one connection, counted in one-second windows.
@@ -340,20 +417,68 @@ mod tests {
         assert_eq!(c, ConnCounts::default());
     }
 
-    #[test_case(0, 0, 2, 2, RequestAdmission::Run ; "idle")]
-    #[test_case(1, 0, 2, 2, RequestAdmission::Run ; "one slot left")]
-    #[test_case(2, 0, 2, 2, RequestAdmission::Queue ; "slots full queue empty")]
-    #[test_case(2, 1, 2, 2, RequestAdmission::Queue ; "queue has room")]
-    #[test_case(2, 2, 2, 2, RequestAdmission::Refuse(Refusal::RequestQueueFull) ; "queue full")]
-    #[test_case(0, 0, 0, 0, RequestAdmission::Refuse(Refusal::RequestQueueFull) ; "no capacity")]
+    const CAPS: RequestCaps = RequestCaps {
+        inflight: 4,
+        inflight_per_ip: 2,
+        queued: 2,
+    };
+
+    #[test_case(0, 0, 0, RequestAdmission::Run ; "idle")]
+    #[test_case(3, 1, 0, RequestAdmission::Run ; "one slot left")]
+    #[test_case(4, 0, 0, RequestAdmission::Queue ; "slots full queue empty")]
+    #[test_case(4, 0, 1, RequestAdmission::Queue ; "queue has room")]
+    #[test_case(4, 0, 2, RequestAdmission::Refuse(Refusal::RequestQueueFull) ; "queue full")]
+    #[test_case(2, 2, 0, RequestAdmission::Queue ; "source at its cap waits although slots are free")]
+    #[test_case(2, 2, 2, RequestAdmission::Refuse(Refusal::RequestPerIpLimit) ; "source at its cap and queue full")]
+    #[test_case(4, 2, 2, RequestAdmission::Refuse(Refusal::RequestPerIpLimit) ; "both full names the source cap")]
+    #[test_case(2, 1, 2, RequestAdmission::Run ; "other source runs while one waits")]
     fn request_admission(
         inflight: usize,
+        ip_inflight: usize,
         queued: usize,
-        max_i: usize,
-        max_q: usize,
         want: RequestAdmission,
     ) {
-        assert_eq!(admit_request(inflight, queued, max_i, max_q), want);
+        assert_eq!(admit_request(inflight, ip_inflight, queued, &CAPS), want);
+    }
+
+    #[test]
+    fn no_capacity_refuses() {
+        let none = RequestCaps {
+            inflight: 0,
+            inflight_per_ip: 0,
+            queued: 0,
+        };
+        assert_eq!(
+            admit_request(0, 0, 0, &none),
+            RequestAdmission::Refuse(Refusal::RequestPerIpLimit)
+        );
+    }
+
+    #[test_case(Pool::Connections, &[("10.0.0.1", 1)], "10.0.0.1", Err(Refusal::PerIpLimit) ; "connections per ip")]
+    #[test_case(Pool::Handshakes, &[("10.0.0.1", 1)], "10.0.0.1", Err(Refusal::HandshakePerIpLimit) ; "handshakes per ip")]
+    #[test_case(Pool::Handshakes, &[("10.0.0.1", 1), ("10.0.0.2", 1), ("10.0.0.3", 1)], "127.0.0.1", Err(Refusal::HandshakeLimit) ; "handshakes global")]
+    #[test_case(Pool::Handshakes, &[("10.0.0.1", 1), ("10.0.0.2", 1)], "127.0.0.1", Ok(()) ; "handshakes other source admitted")]
+    #[test_case(Pool::Admin, &[("10.0.0.1", 1)], "::ffff:10.0.0.1", Err(Refusal::AdminPerIpLimit) ; "admin per ip")]
+    #[test_case(Pool::Admin, &[("10.0.0.1", 1), ("10.0.0.2", 1), ("10.0.0.3", 1)], "127.0.0.1", Err(Refusal::AdminConnectionLimit) ; "admin global")]
+    fn pools_refuse_with_their_own_reasons(
+        pool: Pool,
+        existing: &[(&str, usize)],
+        peer: &str,
+        want: Result<(), Refusal>,
+    ) {
+        let mut c = counts(existing);
+        c.pool = pool;
+        assert_eq!(admit(&c, ip(peer), 3, 1), want);
+    }
+
+    /// The defaults leave room for well-behaved sources while four hostile
+    /// IPs (as in the adversarial suite) sit at their per-IP caps.
+    #[test]
+    fn four_sources_cannot_fill_a_global_pool() {
+        let (t, a) = (TransportLimits::default(), AdminLimits::default());
+        assert!(4 * t.max_pending_handshakes_per_ip < t.max_pending_handshakes);
+        assert!(4 * t.max_inflight_requests_per_ip < t.max_inflight_requests);
+        assert!(4 * a.max_connections_per_ip < a.max_connections);
     }
 
     #[test_case(CancelWindow { start_ms: 0, count: 0 }, 10, 2, (CancelWindow { start_ms: 0, count: 1 }, false) ; "first")]

@@ -15,10 +15,9 @@ use std::time::Duration;
 use rustls_pki_types::CertificateDer;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::Semaphore;
 use tonic::transport::server::Connected;
 
-pub use limits::{AdminLimits, ConnCounts, InputLimits, Refusal, TransportLimits};
+pub use limits::{AdminLimits, ConnCounts, InputLimits, Pool, Refusal, TransportLimits};
 
 use crate::metrics::Metrics;
 use crate::tls::ServingTls;
@@ -90,7 +89,8 @@ impl ConnControl {
     }
 }
 
-/// Open-connection counts shared by the accept loop and live connections.
+/// Open-connection (or pending-handshake) counts shared by the accept loop
+/// and live connections.
 #[derive(Debug)]
 pub struct ConnTracker {
     counts: Mutex<ConnCounts>,
@@ -101,8 +101,17 @@ pub struct ConnTracker {
 
 impl ConnTracker {
     pub fn new(max_total: usize, max_per_ip: usize, metrics: Option<Arc<Metrics>>) -> Arc<Self> {
+        Self::for_pool(Pool::Connections, max_total, max_per_ip, metrics)
+    }
+
+    pub fn for_pool(
+        pool: Pool,
+        max_total: usize,
+        max_per_ip: usize,
+        metrics: Option<Arc<Metrics>>,
+    ) -> Arc<Self> {
         Arc::new(Self {
-            counts: Mutex::new(ConnCounts::default()),
+            counts: Mutex::new(ConnCounts::new(pool)),
             max_total,
             max_per_ip,
             metrics,
@@ -128,8 +137,16 @@ impl ConnTracker {
     }
 
     fn set_gauge(&self, total: usize) {
-        if let Some(m) = &self.metrics {
-            m.open_connections.set(total as i64);
+        let Some(m) = &self.metrics else { return };
+        let pool = self.counts.lock().unwrap_or_else(|p| p.into_inner()).pool;
+        match pool {
+            Pool::Connections => {
+                m.open_connections.set(total as i64);
+            }
+            Pool::Handshakes => {
+                m.pending_handshakes.set(total as i64);
+            }
+            Pool::Admin => {}
         }
     }
 }
@@ -300,7 +317,14 @@ pub fn tls_incoming(
         limits.max_connections_per_ip,
         metrics.clone(),
     );
-    let handshakes = Arc::new(Semaphore::new(limits.max_pending_handshakes));
+    // Per-source fairness: one IP can hold at most its share of the
+    // handshake slots, so a few slowloris sources cannot refuse everyone.
+    let handshakes = ConnTracker::for_pool(
+        Pool::Handshakes,
+        limits.max_pending_handshakes,
+        limits.max_pending_handshakes_per_ip,
+        metrics.clone(),
+    );
     let handshake_timeout = limits.handshake_timeout;
     let deadline = hard_deadline(limits);
     let max_cancels = limits.max_cancelled_streams_per_sec;
@@ -326,22 +350,19 @@ pub fn tls_incoming(
                     continue;
                 }
             };
-            let Ok(slot) = handshakes.clone().try_acquire_owned() else {
-                refuse(m, Refusal::HandshakeLimit, remote_addr);
-                continue;
+            let slot = match handshakes.open(remote_addr.ip()) {
+                Ok(s) => s,
+                Err(r) => {
+                    refuse(m, r, remote_addr);
+                    continue;
+                }
             };
             let _ = tcp.set_nodelay(true);
             let acceptor = tokio_rustls::TlsAcceptor::from(tls.current());
             let (tx, metrics) = (tx.clone(), metrics.clone());
             tokio::spawn(async move {
-                if let Some(m) = &metrics {
-                    m.pending_handshakes.inc();
-                }
                 let result = tokio::time::timeout(handshake_timeout, acceptor.accept(tcp)).await;
                 drop(slot);
-                if let Some(m) = &metrics {
-                    m.pending_handshakes.dec();
-                }
                 let stream = match result {
                     Ok(Ok(stream)) => stream,
                     Ok(Err(e)) => {
