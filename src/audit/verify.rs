@@ -147,8 +147,14 @@ pub(crate) fn parse_line(line: &[u8]) -> Result<Parsed, (Option<u64>, String)> {
     }
     // The writer never pads a line; padding on the last line would escape
     // the hash chain, which only covers a line through its successor.
-    if line.first() != Some(&b'{') || line.last() != Some(&b'}') {
-        return Err((None, "whitespace or bytes around the JSON object".into()));
+    // (Anything else around the object fails the JSON parse below.)
+    if line.first().is_some_and(u8::is_ascii_whitespace)
+        || line.last().is_some_and(u8::is_ascii_whitespace)
+    {
+        return Err((
+            None,
+            "whitespace around the line (edited: the writer never pads)".into(),
+        ));
     }
     let head: Head = serde_json::from_slice(line).map_err(|e| {
         (
