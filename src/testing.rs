@@ -244,3 +244,38 @@ pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
         .unwrap_or_default();
     (status, body)
 }
+
+/// Reads a `meshca serve` process's stderr until its `listening on A (gRPC),
+/// B (health)` line and returns both addresses; the rest of the stream is
+/// drained in the background so the process never blocks on a full pipe.
+/// Panics, with the lines seen, if the process exits first or takes longer
+/// than `within`.
+pub async fn await_listening<R>(
+    stderr: R,
+    within: std::time::Duration,
+) -> (std::net::SocketAddr, std::net::SocketAddr)
+where
+    R: tokio::io::AsyncRead + Unpin + Send + 'static,
+{
+    use tokio::io::AsyncBufReadExt;
+    let mut lines = tokio::io::BufReader::new(stderr).lines();
+    let mut seen = Vec::new();
+    let addrs = tokio::time::timeout(within, async {
+        while let Ok(Some(line)) = lines.next_line().await {
+            if let Some(rest) = line.strip_prefix("listening on ") {
+                let mut words = rest.split(' ');
+                let grpc = words.next().and_then(|a| a.parse().ok());
+                let admin = words.nth(1).and_then(|a| a.parse().ok());
+                if let (Some(grpc), Some(admin)) = (grpc, admin) {
+                    return (grpc, admin);
+                }
+            }
+            seen.push(line);
+        }
+        panic!("meshca exited before listening:\n{}", seen.join("\n"));
+    })
+    .await
+    .unwrap_or_else(|_| panic!("meshca did not listen within {within:?}"));
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    addrs
+}

@@ -11,9 +11,12 @@ use meshca::audit::{AuditRecord, AuditSink, Decision};
 use time::OffsetDateTime;
 
 fn record(i: u64, decision: Decision, node: &str) -> AuditRecord {
+    let reason = if decision == Decision::Allow {
+        "issued"
+    } else {
+        "impersonation_no_pod_on_node"
+    };
     AuditRecord {
-        time: OffsetDateTime::now_utc(),
-        request_id: format!("req-{i}"),
         peer: Some("127.0.0.1:5000".into()),
         authn_method: Some("token-review".into()),
         caller_identity: Some("spiffe://cluster.local/ns/istio-system/sa/ztunnel".into()),
@@ -22,24 +25,14 @@ fn record(i: u64, decision: Decision, node: &str) -> AuditRecord {
         node: Some(node.into()),
         requested_identity: Some(format!("spiffe://cluster.local/ns/app/sa/sa-{i}")),
         impersonated: true,
-        decision,
-        reason: if decision == Decision::Allow {
-            "issued".into()
-        } else {
-            "impersonation_no_pod_on_node".into()
-        },
-        detail: None,
-        evidence: None,
         serial: Some(format!("{i:032x}")),
-        spki_sha256: None,
-        csr_sha256: None,
-        csr_sans: None,
-        not_before: None,
-        not_after: None,
-        issuer_key_id: None,
-        lifetime: None,
         latency_ms: 1.0,
-        reduced: None,
+        ..AuditRecord::new(
+            OffsetDateTime::now_utc(),
+            format!("req-{i}"),
+            decision,
+            reason.into(),
+        )
     }
 }
 
@@ -407,7 +400,6 @@ async fn serve_dev_with(
     log: &Path,
     env: &[(&str, &str)],
 ) -> (tokio::process::Child, std::net::SocketAddr) {
-    use tokio::io::{AsyncBufReadExt, BufReader};
     let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_meshca"));
     cmd.envs(env.iter().copied());
     let key = data.join("checkpoint.key");
@@ -434,20 +426,11 @@ async fn serve_dev_with(
         .kill_on_drop(true)
         .spawn()
         .unwrap();
-    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
-    let mut seen = Vec::new();
-    let addr = tokio::time::timeout(std::time::Duration::from_secs(30), async {
-        while let Some(line) = lines.next_line().await.unwrap() {
-            if let Some(rest) = line.strip_prefix("listening on ") {
-                return rest.split(' ').next().unwrap().parse().unwrap();
-            }
-            seen.push(line);
-        }
-        panic!("meshca exited before listening:\n{}", seen.join("\n"));
-    })
-    .await
-    .unwrap();
-    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    let (addr, _) = meshca::testing::await_listening(
+        child.stderr.take().unwrap(),
+        std::time::Duration::from_secs(30),
+    )
+    .await;
     (child, addr)
 }
 

@@ -8,7 +8,6 @@ use std::time::Duration;
 use meshca::ca::CaBundle;
 use rcgen::KeyPair;
 use time::OffsetDateTime;
-use tokio::io::{AsyncBufReadExt, BufReader};
 
 #[test]
 fn init_writes_a_cacerts_bundle_meshca_loads() {
@@ -76,18 +75,9 @@ async fn serve_dev(data: &std::path::Path) -> (tokio::process::Child, std::net::
         .kill_on_drop(true)
         .spawn()
         .unwrap();
-    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
-    let addr = tokio::time::timeout(Duration::from_secs(30), async {
-        while let Some(line) = lines.next_line().await.unwrap() {
-            if let Some(rest) = line.strip_prefix("listening on ") {
-                return rest.split(' ').next().unwrap().parse().unwrap();
-            }
-        }
-        panic!("meshca exited before listening");
-    })
-    .await
-    .unwrap();
-    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    let (addr, _) =
+        meshca::testing::await_listening(child.stderr.take().unwrap(), Duration::from_secs(30))
+            .await;
     (child, addr)
 }
 
@@ -185,18 +175,9 @@ async fn readme_first_two_commands_give_a_certificate() {
         .stderr(std::process::Stdio::piped())
         .kill_on_drop(true);
     let mut child = cmd.spawn().unwrap();
-    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
-    let addr: std::net::SocketAddr = tokio::time::timeout(Duration::from_secs(30), async {
-        while let Some(line) = lines.next_line().await.unwrap() {
-            if let Some(rest) = line.strip_prefix("listening on ") {
-                return rest.split(' ').next().unwrap().parse().unwrap();
-            }
-        }
-        panic!("README's first command exited before listening");
-    })
-    .await
-    .unwrap();
-    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    let (addr, _) =
+        meshca::testing::await_listening(child.stderr.take().unwrap(), Duration::from_secs(30))
+            .await;
 
     let mut cmd = tokio::process::Command::new("bash");
     user_env(&mut cmd);

@@ -67,18 +67,9 @@ async fn serve(args: &[&str]) -> Server {
         .kill_on_drop(true)
         .spawn()
         .unwrap();
-    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
-    let addr = tokio::time::timeout(Duration::from_secs(30), async {
-        while let Some(line) = lines.next_line().await.unwrap() {
-            if let Some(rest) = line.strip_prefix("listening on ") {
-                return rest.split(' ').next().unwrap().parse().unwrap();
-            }
-        }
-        panic!("meshca exited before listening");
-    })
-    .await
-    .unwrap();
-    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    let (addr, _) =
+        meshca::testing::await_listening(child.stderr.take().unwrap(), Duration::from_secs(30))
+            .await;
     let (tx, audit) = tokio::sync::mpsc::unbounded_channel();
     let mut out = BufReader::new(child.stdout.take().unwrap()).lines();
     tokio::spawn(async move {

@@ -1029,30 +1029,16 @@ impl ChainedSink {
             return Ok(line);
         }
         let minimal = AuditRecord {
-            time: reduced.time,
-            request_id: String::new(),
-            peer: None,
-            authn_method: None,
-            caller_identity: None,
-            caller_pod: None,
-            caller_pod_uid: None,
-            node: None,
-            requested_identity: None,
             impersonated: reduced.impersonated,
-            decision: reduced.decision,
-            reason: reduced.reason.chars().take(64).collect(),
-            detail: None,
-            evidence: None,
-            serial: None,
-            spki_sha256: None,
-            csr_sha256: None,
-            csr_sans: None,
-            not_before: None,
-            not_after: None,
-            issuer_key_id: None,
             lifetime: reduced.lifetime,
             latency_ms: reduced.latency_ms,
             reduced: reduced.reduced,
+            ..AuditRecord::new(
+                reduced.time,
+                String::new(),
+                reduced.decision,
+                reduced.reason.chars().take(64).collect(),
+            )
         };
         let line = render(&minimal)?;
         if line.len() < cap {
@@ -1096,30 +1082,14 @@ mod tests {
 
     fn record(i: u64) -> AuditRecord {
         AuditRecord {
-            time: OffsetDateTime::now_utc(),
-            request_id: format!("req-{i}"),
-            peer: None,
-            authn_method: None,
             caller_identity: Some("spiffe://cluster.local/ns/a/sa/é".into()),
-            caller_pod: None,
-            caller_pod_uid: None,
-            node: None,
-            requested_identity: None,
-            impersonated: false,
-            decision: Decision::Allow,
-            reason: "issued".into(),
-            detail: None,
-            evidence: None,
-            serial: None,
-            spki_sha256: None,
-            csr_sha256: None,
-            csr_sans: None,
-            not_before: None,
-            not_after: None,
-            issuer_key_id: None,
-            lifetime: None,
             latency_ms: 1.0,
-            reduced: None,
+            ..AuditRecord::new(
+                OffsetDateTime::now_utc(),
+                format!("req-{i}"),
+                Decision::Allow,
+                "issued".into(),
+            )
         }
     }
 

@@ -78,6 +78,42 @@ pub struct Reduced {
 }
 
 impl AuditRecord {
+    /// A record with only the required fields set; everything else is filled
+    /// in as the request goes.
+    pub fn new(
+        time: OffsetDateTime,
+        request_id: String,
+        decision: Decision,
+        reason: String,
+    ) -> Self {
+        Self {
+            time,
+            request_id,
+            peer: None,
+            authn_method: None,
+            caller_identity: None,
+            caller_pod: None,
+            caller_pod_uid: None,
+            node: None,
+            requested_identity: None,
+            impersonated: false,
+            decision,
+            reason,
+            detail: None,
+            evidence: None,
+            serial: None,
+            spki_sha256: None,
+            csr_sha256: None,
+            csr_sans: None,
+            not_before: None,
+            not_after: None,
+            issuer_key_id: None,
+            lifetime: None,
+            latency_ms: 0.0,
+            reduced: None,
+        }
+    }
+
     /// Bounds every string a caller can influence (see [`bounded`]). Applied
     /// once, when the record is finalized, so no path can skip it.
     pub fn bound(&mut self) {
@@ -161,30 +197,13 @@ impl AuditGuard {
         let _ = aws_lc_rs::rand::fill(&mut id);
         Self {
             record: AuditRecord {
-                time: OffsetDateTime::now_utc(),
-                request_id: hex::encode(id),
                 peer: peer.map(|p| p.to_string()),
-                authn_method: None,
-                caller_identity: None,
-                caller_pod: None,
-                caller_pod_uid: None,
-                node: None,
-                requested_identity: None,
-                impersonated: false,
-                decision: Decision::Deny,
-                reason: "request_abandoned".into(),
-                detail: None,
-                evidence: None,
-                serial: None,
-                spki_sha256: None,
-                csr_sha256: None,
-                csr_sans: None,
-                not_before: None,
-                not_after: None,
-                issuer_key_id: None,
-                lifetime: None,
-                latency_ms: 0.0,
-                reduced: None,
+                ..AuditRecord::new(
+                    OffsetDateTime::now_utc(),
+                    hex::encode(id),
+                    Decision::Deny,
+                    "request_abandoned".into(),
+                )
             },
             reason: "request_abandoned",
             class: None,
