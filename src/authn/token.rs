@@ -675,6 +675,14 @@ impl TokenAuthenticator for KubeTokenAuthenticator {
                 ))
             }
         }
+        let key = sha256(token.as_bytes());
+        if let Some(caller) = core.cached(&key) {
+            self.hits.fetch_add(1, Ordering::Relaxed);
+            return Ok(caller);
+        }
+        // Only tokens not already cached are pre-checked: a cached success
+        // passed the pre-check when it was reviewed and never outlives `exp`,
+        // so warm callers skip the base64 and JSON parsing.
         if let Err(e) = precheck(token, time::OffsetDateTime::now_utc().unix_timestamp()) {
             if let Some(m) = core.metrics() {
                 m.tokenreview_precheck_rejected
@@ -684,11 +692,6 @@ impl TokenAuthenticator for KubeTokenAuthenticator {
                     .inc();
             }
             return Err(e);
-        }
-        let key = sha256(token.as_bytes());
-        if let Some(caller) = core.cached(&key) {
-            self.hits.fetch_add(1, Ordering::Relaxed);
-            return Ok(caller);
         }
         self.misses.fetch_add(1, Ordering::Relaxed);
         let negative_hit = |e: AuthnError| {
