@@ -10,7 +10,8 @@ use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
-use crate::audit::chain::{ChainedSink, CheckpointKey};
+use crate::audit::chain::{ChainedSink, CheckpointKey, RunInfo};
+use crate::audit::writer::AuditWriter;
 use crate::audit::AuditSink;
 use crate::authn::token::{KubeTokenAuthenticator, TokenReviewSettings};
 use crate::authn::TokenAuthenticator;
@@ -35,8 +36,8 @@ pub struct Deps {
     pub node_authz: Option<Arc<dyn NodeAuthorizer>>,
 }
 
-/// Builds the configured chained audit sink.
-pub fn audit_sink(a: &AuditSettings) -> anyhow::Result<Arc<ChainedSink>> {
+/// Builds the configured chained audit sink (its start checkpoint written).
+pub fn audit_sink(a: &AuditSettings) -> anyhow::Result<ChainedSink> {
     let key = match &a.checkpoint_key {
         Some(p) => Some(CheckpointKey::from_pem(
             &std::fs::read(p).with_context(|| format!("reading {}", p.display()))?,
@@ -46,21 +47,27 @@ pub fn audit_sink(a: &AuditSettings) -> anyhow::Result<Arc<ChainedSink>> {
             None
         }
     };
+    let run = RunInfo::from_env();
     let sink = match a.sink {
         AuditSinkKind::Stdout => {
-            ChainedSink::stdout_capped(key, a.checkpoint_every, a.max_line_bytes)?
+            ChainedSink::stdout_linked(key, a.checkpoint_every, a.max_line_bytes, run, None)?
         }
-        AuditSinkKind::File => ChainedSink::file_capped(
+        AuditSinkKind::File => ChainedSink::file_run(
             &a.file,
             a.max_bytes,
             a.max_files,
             key,
             a.checkpoint_every,
             a.max_line_bytes,
+            run,
         )?,
     };
-    Ok(Arc::new(sink))
+    Ok(sink)
 }
+
+/// How long the shutdown checkpoint may take after the drain (a stalled
+/// stdout reader must not hold the process forever).
+const SHUTDOWN_CHECKPOINT_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// A running server.
 #[derive(Debug)]
@@ -74,8 +81,8 @@ pub struct App {
     /// The TokenReview authenticator, when Kubernetes is on.
     pub token_reviewer: Option<Arc<KubeTokenAuthenticator>>,
     pub metrics: Arc<Metrics>,
-    /// The chained audit writer, unless the caller supplied its own sink.
-    pub audit_chain: Option<Arc<ChainedSink>>,
+    /// The audit writer thread, unless the caller supplied its own sink.
+    pub audit_writer: Option<Arc<AuditWriter>>,
     shutdown: Option<oneshot::Sender<()>>,
     server: JoinHandle<Result<(), tonic::transport::Error>>,
     background: Vec<JoinHandle<()>>,
@@ -90,13 +97,16 @@ impl App {
             CaStore::from_dir(&cfg.ca_dir, cfg.allow_root_change).context("loading CA material")?,
         );
         let metrics = Arc::new(Metrics::new());
-        let mut audit_chain = None;
+        let mut audit_writer = None;
         let audit: Arc<dyn AuditSink> = match deps.audit.take() {
             Some(a) => a,
             None => {
-                let chain = audit_sink(&cfg.audit)?;
-                audit_chain = Some(chain.clone());
-                chain
+                let writer = Arc::new(
+                    AuditWriter::start(audit_sink(&cfg.audit)?, cfg.audit.writer, None)
+                        .context("starting the audit writer thread")?,
+                );
+                audit_writer = Some(writer.clone());
+                writer
             }
         };
         let mut background = Vec::new();
@@ -216,17 +226,7 @@ impl App {
         background.push(tokio::spawn(
             ca.clone().watch(cfg.reload_poll, Some(metrics.clone())),
         ));
-        if let Some(chain) = &audit_chain {
-            let (chain, every) = (chain.clone(), cfg.audit.checkpoint_interval);
-            background.push(tokio::spawn(async move {
-                loop {
-                    tokio::time::sleep(every).await;
-                    if let Err(e) = chain.checkpoint_if_pending("periodic") {
-                        tracing::error!(error = %e, "audit checkpoint failed");
-                    }
-                }
-            }));
-        }
+        // Time-based checkpoints are written by the audit writer thread.
         background.push(tokio::spawn(tls.clone().follow(ca.clone())));
         let health = crate::http::Health {
             ca: ca.clone(),
@@ -246,7 +246,7 @@ impl App {
             pod_index,
             token_reviewer,
             metrics,
-            audit_chain,
+            audit_writer,
             ca,
             tls,
             shutdown: Some(tx),
@@ -255,19 +255,41 @@ impl App {
         })
     }
 
-    /// Stops accepting, lets in-flight requests finish, stops background tasks.
-    pub async fn shutdown(mut self) -> anyhow::Result<()> {
+    /// Stops accepting, lets in-flight requests finish, stops background
+    /// tasks, and writes the shutdown checkpoint.
+    pub async fn shutdown(self) -> anyhow::Result<()> {
+        self.shutdown_within(None).await
+    }
+
+    /// As [`Self::shutdown`], with the drain of in-flight streams cut after
+    /// `drain`. The cut applies to the streams only: the shutdown checkpoint
+    /// is written after it either way.
+    pub async fn shutdown_within(
+        mut self,
+        drain: Option<std::time::Duration>,
+    ) -> anyhow::Result<()> {
         if let Some(tx) = self.shutdown.take() {
             let _ = tx.send(());
         }
         for t in &self.background {
             t.abort();
         }
-        (&mut self.server).await??;
-        if let Some(chain) = &self.audit_chain {
-            chain.checkpoint("shutdown")?;
+        let served = match drain {
+            None => Some((&mut self.server).await),
+            Some(d) => tokio::time::timeout(d, &mut self.server).await.ok(),
+        };
+        if served.is_none() {
+            tracing::warn!("drain timed out: cutting the remaining streams");
+            self.server.abort();
         }
-        Ok(())
+        if let Some(w) = self.audit_writer.clone() {
+            tokio::task::spawn_blocking(move || w.shutdown_blocking(SHUTDOWN_CHECKPOINT_WAIT))
+                .await??;
+        }
+        match served {
+            Some(r) => Ok(r??),
+            None => Ok(()),
+        }
     }
 }
 

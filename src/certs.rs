@@ -325,30 +325,7 @@ pub fn table(rows: &[CertRow]) -> String {
     render_table(&out)
 }
 
-/// Left-aligned columns separated by at least three spaces.
-pub fn render_table(rows: &[Vec<String>]) -> String {
-    let cols = rows.iter().map(Vec::len).max().unwrap_or(0);
-    let widths: Vec<usize> = (0..cols)
-        .map(|c| {
-            rows.iter()
-                .filter_map(|r| r.get(c))
-                .map(String::len)
-                .max()
-                .unwrap_or(0)
-        })
-        .collect();
-    let mut out = String::new();
-    for row in rows {
-        let cells: Vec<String> = row
-            .iter()
-            .enumerate()
-            .map(|(i, cell)| format!("{cell:<w$}", w = widths[i]))
-            .collect();
-        out.push_str(cells.join("   ").trim_end());
-        out.push('\n');
-    }
-    out
-}
+pub use crate::table::render_table;
 
 #[cfg(test)]
 mod tests {

@@ -179,6 +179,20 @@ pub struct ServeArgs {
     /// Also write a checkpoint this often when records are pending.
     #[arg(long, env = "MESHCA_AUDIT_CHECKPOINT_INTERVAL", default_value = "60s")]
     pub audit_checkpoint_interval: String,
+    /// When an audit record counts as written, before its certificate
+    /// leaves: `always` (fsync each), `batch` (group commit: one fsync per
+    /// batch interval covers every record in it) or `never` (in the kernel).
+    /// The stdout sink flushes instead of fsync. docs/AUDIT.md says what each
+    /// survives.
+    #[arg(long, env = "MESHCA_AUDIT_FSYNC", value_enum, default_value_t = crate::audit::writer::FsyncPolicy::Batch)]
+    pub audit_fsync: crate::audit::writer::FsyncPolicy,
+    /// Longest a batch collects records before its fsync (`--audit-fsync batch`).
+    #[arg(long, env = "MESHCA_AUDIT_FSYNC_BATCH_INTERVAL", default_value = "2ms")]
+    pub audit_fsync_batch_interval: String,
+    /// Records that may wait for the audit writer; beyond it requests are
+    /// shed with UNAVAILABLE (reason audit_queue_full).
+    #[arg(long, env = "MESHCA_AUDIT_QUEUE", default_value_t = 4096)]
+    pub audit_queue: usize,
     /// Publish the root bundle as a ConfigMap into namespaces (as istiod and
     /// istio-csr do) so workloads can verify meshca's serving certificate.
     #[arg(long, env = "MESHCA_PUBLISH_ROOT", default_value_t = false, action = clap::ArgAction::Set)]
@@ -549,6 +563,8 @@ pub struct AuditSettings {
     pub checkpoint_key: Option<PathBuf>,
     pub checkpoint_every: u64,
     pub checkpoint_interval: Duration,
+    /// Writer thread: queue, fsync policy, batch interval.
+    pub writer: crate::audit::writer::WriterSettings,
 }
 
 /// Whether to talk to Kubernetes.
@@ -702,6 +718,14 @@ impl Config {
                 ));
             }
         }
+        // Every issued certificate may wait this long: at most a second.
+        let batch_interval = bounded_duration(
+            "MESHCA_AUDIT_FSYNC_BATCH_INTERVAL",
+            &a.audit_fsync_batch_interval,
+            true,
+            Duration::from_secs(1),
+        )?;
+        bounded("MESHCA_AUDIT_QUEUE", a.audit_queue, 1, 1 << 20)?;
         let audit = AuditSettings {
             sink: a.audit_sink,
             file: a.audit_file.clone(),
@@ -711,6 +735,12 @@ impl Config {
             checkpoint_key: a.audit_checkpoint_key.clone(),
             checkpoint_every: a.audit_checkpoint_every,
             checkpoint_interval,
+            writer: crate::audit::writer::WriterSettings {
+                queue: a.audit_queue,
+                fsync: a.audit_fsync,
+                batch_interval,
+                checkpoint_interval,
+            },
         };
         let root_publisher = if a.publish_root {
             if kube.is_none() {

@@ -54,6 +54,7 @@ impl From<IssueError> for Status {
             }
             IssueError::Sign(e) => Status::internal(format!("CSR signing error ({e})")),
             IssueError::Audit(_) => Status::internal("CSR signing error (audit log unavailable)"),
+            IssueError::AuditShed(_) => Status::unavailable("CSR signing error (audit log busy)"),
         }
     }
 }

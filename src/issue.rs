@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use time::OffsetDateTime;
 
-use crate::audit::{AuditError, AuditGuard, AuditSink};
+use crate::audit::{AuditError, AuditGuard, AuditRefusal, AuditSink};
 use crate::authn::{self, AuthnError, Credentials, TokenAuthenticator};
 use crate::authz::{ImpersonationError, NodeAuthorizer};
 use crate::ca::{csr, ttl, CaStore, CsrError, CsrPolicy, SignError, TtlError, TtlPolicy};
@@ -65,6 +65,10 @@ pub enum IssueError {
     /// Fail closed: a certificate is never returned without its audit record.
     #[error("{0}")]
     Audit(#[from] AuditError),
+    /// The audit writer could not take the record now (reason code): the
+    /// request is shed, nothing was issued.
+    #[error("audit writer busy ({0})")]
+    AuditShed(&'static str),
 }
 
 impl IssueError {
@@ -77,6 +81,7 @@ impl IssueError {
             Self::Ttl(e) => e.reason(),
             Self::Sign(e) => e.reason(),
             Self::Audit(_) => "audit_write_failed",
+            Self::AuditShed(r) => r,
         }
     }
 
@@ -92,9 +97,10 @@ impl IssueError {
                 ),
             },
             Self::Ttl(TtlError::TooLong { .. }) => ErrorClass::Ttl,
-            Self::Ttl(TtlError::SignerExpired(_)) | Self::Sign(_) | Self::Audit(_) => {
-                ErrorClass::CertGen
-            }
+            Self::Ttl(TtlError::SignerExpired(_))
+            | Self::Sign(_)
+            | Self::Audit(_)
+            | Self::AuditShed(_) => ErrorClass::CertGen,
         }
     }
 }
@@ -118,7 +124,11 @@ impl CertificateIssuer {
         creds: &Credentials,
         req: Result<IssueRequest, RequestError>,
     ) -> Result<Vec<String>, IssueError> {
-        let mut audit = AuditGuard::new(self.audit.clone(), self.metrics.clone(), creds.peer_addr);
+        let mut audit = AuditGuard::new(
+            self.audit.clone(),
+            self.metrics.clone().map(|m| m as _),
+            creds.peer_addr,
+        );
         let result = self.issue_inner(creds, req, &mut audit).await;
         match &result {
             Ok(_) => audit.allow(),
@@ -131,8 +141,10 @@ impl CertificateIssuer {
                 audit.deny(e.reason(), Some(e.class()), detail);
             }
         }
-        match (audit.finish(), result) {
-            (Err(e), Ok(_)) => Err(IssueError::Audit(e)),
+        // The certificate leaves only once its record is acknowledged.
+        match (audit.finish_acked().await, result) {
+            (Err(AuditRefusal::Write(e)), Ok(_)) => Err(IssueError::Audit(e)),
+            (Err(AuditRefusal::Shed(r)), Ok(_)) => Err(IssueError::AuditShed(r)),
             (_, result) => result,
         }
     }

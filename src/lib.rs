@@ -18,9 +18,11 @@ pub mod http;
 pub mod identity;
 pub mod issue;
 pub mod metrics;
+pub mod outcome;
 pub mod podindex;
 pub mod proto;
 pub mod rootpub;
+pub mod table;
 pub mod tls;
 pub mod transport;
 

@@ -16,22 +16,8 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
-use crate::audit::Decision;
-
-/// How a failed request counts in istiod's metrics.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ErrorClass {
-    /// `citadel_server_authentication_failure_count`.
-    Authentication,
-    /// `citadel_server_csr_sign_err_count{error="CSR_ERROR"}` (parsing errors also count in csr_parsing_err_count).
-    Csr { parsing: bool },
-    /// `error="TTL_ERROR"`.
-    Ttl,
-    /// `error="CERT_GEN_ERROR"`.
-    CertGen,
-    /// `error="CA_NOT_READY"`.
-    CaNotReady,
-}
+use crate::outcome::OutcomeObserver;
+pub use crate::outcome::{Decision, ErrorClass};
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct DecisionLabels {
@@ -91,11 +77,35 @@ pub struct Metrics {
     pub tokenreview_inflight: Gauge,
     pub ca_reloads: Family<ResultLabels, Counter>,
     pub audit_write_errors: Counter,
+    /// Requests refused because the audit writer could not take their record.
+    pub audit_shed: Family<RefusalLabels, Counter>,
     /// Connections and requests turned away by a transport limit.
     pub transport_refusals: Family<RefusalLabels, Counter>,
     pub open_connections: Gauge,
     pub pending_handshakes: Gauge,
     registry: Registry,
+}
+
+impl OutcomeObserver for Metrics {
+    fn outcome(
+        &self,
+        decision: Decision,
+        reason: &'static str,
+        class: Option<ErrorClass>,
+        seconds: f64,
+    ) {
+        self.record(decision, reason, class, seconds);
+    }
+
+    fn audit_write_error(&self) {
+        self.audit_write_errors.inc();
+    }
+
+    fn audit_shed(&self, reason: &'static str) {
+        self.audit_shed
+            .get_or_create(&RefusalLabels { reason })
+            .inc();
+    }
 }
 
 /// Values read at scrape time from live state (never a lock on the signing path).
@@ -191,6 +201,15 @@ impl Metrics {
             "Audit records that could not be written",
             audit_write_errors.clone(),
         );
+        let audit_shed = Family::<RefusalLabels, Counter>::default();
+        registry.register(
+            "meshca_audit_shed",
+            "Requests refused because the audit writer could not take their record, by reason",
+            audit_shed.clone(),
+        );
+        for r in crate::audit::writer::SHED_REASONS {
+            let _ = audit_shed.get_or_create(&RefusalLabels { reason: r });
+        }
         let transport_refusals = Family::<RefusalLabels, Counter>::default();
         registry.register(
             "meshca_transport_refusals",
@@ -230,6 +249,7 @@ impl Metrics {
             tokenreview_inflight,
             ca_reloads,
             audit_write_errors,
+            audit_shed,
             registry,
         }
     }

@@ -203,6 +203,12 @@ pub fn test_config(ca_dir: PathBuf) -> crate::config::Config {
             checkpoint_key: None,
             checkpoint_every: 1000,
             checkpoint_interval: std::time::Duration::from_secs(60),
+            writer: crate::audit::writer::WriterSettings {
+                queue: 4096,
+                fsync: crate::audit::writer::FsyncPolicy::Batch,
+                batch_interval: std::time::Duration::from_millis(2),
+                checkpoint_interval: std::time::Duration::from_secs(60),
+            },
         },
         root_publisher: None,
         transport: Default::default(),

@@ -9,7 +9,7 @@
 
 use std::borrow::Cow;
 
-use crate::ca::csr::sha256;
+use super::sha256;
 
 /// Cap for each string field of a record (JSON bytes, marker included).
 pub const FIELD_MAX: usize = 1024;

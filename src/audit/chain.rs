@@ -6,7 +6,8 @@
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use aws_lc_rs::signature::{self, EcdsaKeyPair, Ed25519KeyPair, KeyPair, UnparsedPublicKey};
 use base64::Engine;
@@ -16,9 +17,9 @@ use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
 
 use super::bounded::{bound_opt, bound_string, MIN_MAX};
+use super::sha256;
 use super::verify::parse_line;
 use super::{AuditError, AuditRecord, AuditSink, Reduced};
-use crate::ca::csr::sha256;
 
 /// Default cap on one audit line (`MESHCA_AUDIT_MAX_LINE_BYTES`).
 pub const DEFAULT_MAX_LINE_BYTES: u64 = 16 * 1024;
@@ -66,6 +67,64 @@ pub struct Checkpoint {
     /// Present on `recovery` checkpoints: what damage was found.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub recovery: Option<Recovery>,
+    // Format v2 (all present together; signed with alg and key_id): which
+    // replica and run wrote the checkpoint, how many records since the
+    // previous checkpoint, the run's predecessor, and requests shed.
+    /// The replica (pod name) whose log this is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replica: Option<String>,
+    /// Random id of this process run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run: Option<String>,
+    /// Audit records written since this run's previous checkpoint.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub count: Option<u64>,
+    /// On a run's `start` checkpoint: the head the run continues from (the
+    /// previous run's last line), when one was known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub previous: Option<PreviousHead>,
+    /// Requests this run refused because the audit writer could not take
+    /// their record (no certificate left for them).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shed: Option<u64>,
+}
+
+/// The head a run continues from: the seq and line hash of the previous
+/// run's last line (read from the file, or from the anchor for stdout).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct PreviousHead {
+    pub seq: u64,
+    pub hash: String,
+    /// Where it was read from: `file` or `anchor`.
+    pub from: String,
+}
+
+/// Who writes a log: the replica (stable across restarts) and this run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunInfo {
+    pub replica: String,
+    pub run: String,
+}
+
+impl RunInfo {
+    /// A new run of `replica` with a random id.
+    pub fn new(replica: impl Into<String>) -> Self {
+        let mut id = [0u8; 8];
+        let _ = aws_lc_rs::rand::fill(&mut id);
+        Self {
+            replica: replica.into(),
+            run: hex::encode(id),
+        }
+    }
+
+    /// The replica named by `POD_NAME` (the chart sets it) or `HOSTNAME`.
+    pub fn from_env() -> Self {
+        let replica = ["POD_NAME", "HOSTNAME"]
+            .iter()
+            .find_map(|v| std::env::var(v).ok().filter(|s| !s.is_empty()))
+            .unwrap_or_else(|| "meshca".into());
+        Self::new(replica)
+    }
 }
 
 /// What a `recovery` checkpoint says about the damage it follows. Damaged
@@ -96,12 +155,31 @@ pub struct Recovery {
 }
 
 impl Checkpoint {
-    /// The bytes a checkpoint signature covers.
+    /// The bytes a checkpoint signature covers. v2 (a checkpoint naming
+    /// its run) also covers alg, key_id, replica, run, count, previous and
+    /// shed, so none of them can be edited or swapped.
     pub fn message(&self) -> Vec<u8> {
         let mut m = format!(
             "meshca-audit-checkpoint-v1\n{}\n{}\n{}\n{}\n{}",
             self.seq, self.prev, self.time, self.reason, self.records
         );
+        if let Some(run) = &self.run {
+            m = format!(
+                "meshca-audit-checkpoint-v2\n{}\n{}\n{}\n{}\n{}\n{}\n{}\n{}\n{}\n{}\n{}\n{}",
+                self.seq,
+                self.prev,
+                self.time,
+                self.reason,
+                self.records,
+                self.alg,
+                self.key_id.as_deref().unwrap_or("-"),
+                serde_json::to_string(&self.replica).unwrap_or_default(),
+                serde_json::to_string(run).unwrap_or_default(),
+                self.count.unwrap_or(0),
+                serde_json::to_string(&self.previous).unwrap_or_default(),
+                self.shed.unwrap_or(0),
+            );
+        }
         if let Some(r) = &self.recovery {
             m.push_str("\nrecovery ");
             m.push_str(&serde_json::to_string(r).unwrap_or_default());
@@ -151,7 +229,7 @@ impl CheckpointKey {
             &aws_lc_rs::rand::SystemRandom::new(),
         )
         .map_err(|_| AuditError("key generation failed".into()))?;
-        Ok(crate::ca::generate::pem_encode("PRIVATE KEY", doc.as_ref()))
+        Ok(super::pem_encode("PRIVATE KEY", doc.as_ref()))
     }
 
     pub fn alg(&self) -> &'static str {
@@ -242,7 +320,7 @@ impl VerifyKey {
             ]
             .concat(),
         };
-        crate::ca::generate::pem_encode("PUBLIC KEY", &spki)
+        super::pem_encode("PUBLIC KEY", &spki)
     }
 
     pub fn verify(&self, msg: &[u8], sig: &[u8]) -> bool {
@@ -366,6 +444,21 @@ struct State {
     records: u64,
     since_checkpoint: u64,
     damage: Option<Damage>,
+    /// Set until the run's start checkpoint is written.
+    previous: Option<PreviousHead>,
+    last_checkpoint: Option<String>,
+}
+
+/// The chain position before a batch of writes, to undo them when the
+/// fsync that should cover them fails (see [`ChainedSink::rollback`]).
+#[derive(Debug, Clone)]
+pub struct Mark {
+    seq: u64,
+    prev: String,
+    records: u64,
+    since_checkpoint: u64,
+    size: Option<u64>,
+    rotations: u64,
 }
 
 /// The hash-chaining sink.
@@ -375,10 +468,16 @@ pub struct ChainedSink {
     key: Option<CheckpointKey>,
     checkpoint_every: u64,
     max_line_bytes: u64,
+    run: RunInfo,
+    /// Requests shed by the writer in front of this sink (see `writer`).
+    shed: Arc<AtomicU64>,
+    /// Files rotated by this sink (a rollback cannot cross one).
+    rotations: AtomicU64,
 }
 
 impl ChainedSink {
     /// A sink writing to `out`; continues the chain from (`seq`, `prev`).
+    #[allow(clippy::too_many_arguments)]
     fn new(
         out: Output,
         seq: u64,
@@ -387,7 +486,14 @@ impl ChainedSink {
         key: Option<CheckpointKey>,
         checkpoint_every: u64,
         max_line_bytes: u64,
+        run: RunInfo,
+        previous_from: &str,
     ) -> Result<Self, AuditError> {
+        let previous = (prev != GENESIS && seq > 0).then(|| PreviousHead {
+            seq: seq - 1,
+            hash: prev.clone(),
+            from: previous_from.into(),
+        });
         let sink = Self {
             state: Mutex::new(State {
                 out,
@@ -396,10 +502,15 @@ impl ChainedSink {
                 records: 0,
                 since_checkpoint: 0,
                 damage,
+                previous,
+                last_checkpoint: None,
             }),
             key,
             checkpoint_every: checkpoint_every.max(1),
             max_line_bytes: max_line_bytes.clamp(MIN_MAX_LINE_BYTES, MAX_MAX_LINE_BYTES),
+            run,
+            shed: Arc::new(AtomicU64::new(0)),
+            rotations: AtomicU64::new(0),
         };
         // Every start is marked, so restarts are visible in the log (a
         // pending recovery is written first).
@@ -417,14 +528,35 @@ impl ChainedSink {
         checkpoint_every: u64,
         max_line_bytes: u64,
     ) -> Result<Self, AuditError> {
+        Self::stdout_linked(
+            key,
+            checkpoint_every,
+            max_line_bytes,
+            RunInfo::from_env(),
+            None,
+        )
+    }
+
+    /// Standard output continuing from `head` (the previous run's last
+    /// line, as anchored outside the pod), or a new chain without one.
+    pub fn stdout_linked(
+        key: Option<CheckpointKey>,
+        checkpoint_every: u64,
+        max_line_bytes: u64,
+        run: RunInfo,
+        head: Option<(u64, String)>,
+    ) -> Result<Self, AuditError> {
+        let (seq, prev) = head.map_or((0, GENESIS.to_string()), |(s, h)| (s + 1, h));
         Self::new(
             Output::Stdout,
-            0,
-            GENESIS.into(),
+            seq,
+            prev,
             None,
             key,
             checkpoint_every,
             max_line_bytes,
+            run,
+            "anchor",
         )
     }
 
@@ -444,14 +576,36 @@ impl ChainedSink {
         checkpoint_every: u64,
         max_line_bytes: u64,
     ) -> Result<Self, AuditError> {
+        Self::writer_linked(
+            out,
+            key,
+            checkpoint_every,
+            max_line_bytes,
+            RunInfo::from_env(),
+            None,
+        )
+    }
+
+    /// Any output (tests), continuing from `head` as [`Self::stdout_linked`].
+    pub fn writer_linked(
+        out: Output,
+        key: Option<CheckpointKey>,
+        checkpoint_every: u64,
+        max_line_bytes: u64,
+        run: RunInfo,
+        head: Option<(u64, String)>,
+    ) -> Result<Self, AuditError> {
+        let (seq, prev) = head.map_or((0, GENESIS.to_string()), |(s, h)| (s + 1, h));
         Self::new(
             out,
-            0,
-            GENESIS.into(),
+            seq,
+            prev,
             None,
             key,
             checkpoint_every,
             max_line_bytes,
+            run,
+            "anchor",
         )
     }
 
@@ -485,6 +639,27 @@ impl ChainedSink {
         key: Option<CheckpointKey>,
         checkpoint_every: u64,
         max_line_bytes: u64,
+    ) -> Result<Self, AuditError> {
+        Self::file_run(
+            path,
+            max_bytes,
+            max_files,
+            key,
+            checkpoint_every,
+            max_line_bytes,
+            RunInfo::from_env(),
+        )
+    }
+
+    /// [`Self::file_capped`] for a given run.
+    pub fn file_run(
+        path: &Path,
+        max_bytes: u64,
+        max_files: u32,
+        key: Option<CheckpointKey>,
+        checkpoint_every: u64,
+        max_line_bytes: u64,
+        run: RunInfo,
     ) -> Result<Self, AuditError> {
         let io = |e: std::io::Error| AuditError(format!("{}: {e}", path.display()));
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
@@ -550,7 +725,17 @@ impl ChainedSink {
             max_bytes: max_bytes.max(4096),
             max_files: max_files.max(1),
         };
-        Self::new(out, seq, prev, damage, key, checkpoint_every, max_line)
+        Self::new(
+            out,
+            seq,
+            prev,
+            damage,
+            key,
+            checkpoint_every,
+            max_line,
+            run,
+            "file",
+        )
     }
 
     /// Writes a checkpoint now.
@@ -590,7 +775,92 @@ impl ChainedSink {
         let line = self.checkpoint_line(st, reason, None)?;
         self.write_line(st, &line)?;
         st.since_checkpoint = 0;
+        st.last_checkpoint = Some(line);
+        if reason == "start" {
+            st.previous = None;
+        }
         Ok(())
+    }
+
+    /// The run this sink writes.
+    pub fn run(&self) -> &RunInfo {
+        &self.run
+    }
+
+    /// The counter of shed requests that checkpoints report.
+    pub fn shed_counter(&self) -> Arc<AtomicU64> {
+        self.shed.clone()
+    }
+
+    /// The chain head: seq and hash of the last line written.
+    pub fn head(&self) -> Option<(u64, String)> {
+        let st = self.state.lock().ok()?;
+        (st.seq > 0).then(|| (st.seq - 1, st.prev.clone()))
+    }
+
+    /// The last checkpoint line written (for anchoring), if the head is one.
+    pub fn last_checkpoint(&self) -> Option<String> {
+        self.state.lock().ok()?.last_checkpoint.clone()
+    }
+
+    /// Makes what was written durable: fsync for a file (data only: the
+    /// size change is part of it), a flush otherwise.
+    pub fn sync(&self) -> Result<(), AuditError> {
+        let mut st = self
+            .state
+            .lock()
+            .map_err(|_| AuditError("audit state poisoned".into()))?;
+        match &mut st.out {
+            Output::File { file, path, .. } => file
+                .sync_data()
+                .map_err(|e| AuditError(format!("fsync {}: {e}", path.display()))),
+            Output::Stdout => std::io::stdout()
+                .flush()
+                .map_err(|e| AuditError(format!("stdout: {e}"))),
+            Output::Writer(w) => w.flush().map_err(|e| AuditError(e.to_string())),
+            Output::Buffer(_) => Ok(()),
+        }
+    }
+
+    /// The chain position now, to [`Self::rollback`] to.
+    pub fn mark(&self) -> Option<Mark> {
+        let st = self.state.lock().ok()?;
+        Some(Mark {
+            seq: st.seq,
+            prev: st.prev.clone(),
+            records: st.records,
+            since_checkpoint: st.since_checkpoint,
+            size: match &st.out {
+                Output::File { size, .. } => Some(*size),
+                _ => None,
+            },
+            rotations: self.rotations.load(Ordering::Relaxed),
+        })
+    }
+
+    /// Undoes the lines written since `mark` after the fsync meant to cover
+    /// them failed: the file is cut back to its size then, so the log never
+    /// holds a record whose request was refused. Only a file can be cut;
+    /// returns whether the lines are gone.
+    pub fn rollback(&self, mark: &Mark) -> bool {
+        let Ok(mut st) = self.state.lock() else {
+            return false;
+        };
+        if self.rotations.load(Ordering::Relaxed) != mark.rotations {
+            return false;
+        }
+        let (Output::File { file, size, .. }, Some(to)) = (&mut st.out, mark.size) else {
+            return false;
+        };
+        if file.set_len(to).is_err() {
+            return false;
+        }
+        *size = to;
+        st.seq = mark.seq;
+        st.prev = mark.prev.clone();
+        st.records = mark.records;
+        st.since_checkpoint = mark.since_checkpoint;
+        true
     }
 
     fn checkpoint_line(
@@ -613,6 +883,11 @@ impl ChainedSink {
             key_id: None,
             sig: None,
             recovery,
+            replica: Some(self.run.replica.clone()),
+            run: Some(self.run.run.clone()),
+            count: Some(st.since_checkpoint),
+            previous: st.previous.clone(),
+            shed: Some(self.shed.load(Ordering::Relaxed)),
         };
         if let Some(key) = &self.key {
             cp.alg = key.alg().into();
@@ -643,6 +918,8 @@ impl ChainedSink {
             st.damage = None;
             st.prev = line_hash(&cp);
             st.seq += 1;
+            st.since_checkpoint = 0;
+            st.last_checkpoint = Some(cp);
         }
         result
     }
@@ -963,6 +1240,7 @@ impl ChainedSink {
         }
         file.sync_data().map_err(io)?;
         rotate_files(&path, max_files).map_err(io)?;
+        self.rotations.fetch_add(1, Ordering::Relaxed);
         let new = OpenOptions::new()
             .create(true)
             .append(true)
@@ -1057,6 +1335,12 @@ impl AuditSink for ChainedSink {
             .lock()
             .map_err(|_| AuditError("audit state poisoned".into()))?;
         self.settle(&mut st)?;
+        // A due checkpoint goes first: if it cannot be written the record is
+        // not written either, so the log never says `allow` for a request
+        // that was refused.
+        if st.since_checkpoint >= self.checkpoint_every {
+            self.write_checkpoint(&mut st, "periodic")?;
+        }
         let mut line = self.fit(&st, record)?;
         if needs_rotation(&st, line.len()) {
             self.rotate(&mut st)?;
@@ -1065,9 +1349,6 @@ impl AuditSink for ChainedSink {
         self.write_line(&mut st, &line)?;
         st.records += 1;
         st.since_checkpoint += 1;
-        if st.since_checkpoint >= self.checkpoint_every {
-            self.write_checkpoint(&mut st, "periodic")?;
-        }
         Ok(())
     }
 }

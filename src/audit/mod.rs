@@ -7,6 +7,7 @@
 pub mod bounded;
 pub mod chain;
 pub mod verify;
+pub mod writer;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -15,15 +16,8 @@ use std::time::Instant;
 use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
 
-use crate::metrics::{ErrorClass, Metrics};
-
-/// Allow or deny.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Decision {
-    Allow,
-    Deny,
-}
+pub use crate::outcome::Decision;
+use crate::outcome::{ErrorClass, OutcomeObserver};
 
 /// What a security team reads about one request. Never holds a token, a key
 /// or a CSR (only its SHA-256).
@@ -143,14 +137,75 @@ impl AuditRecord {
     }
 }
 
+/// SHA-256 (the audit module's own, so it depends on nothing above it).
+pub(crate) fn sha256(data: &[u8]) -> [u8; 32] {
+    let d = aws_lc_rs::digest::digest(&aws_lc_rs::digest::SHA256, data);
+    let mut out = [0u8; 32];
+    out.copy_from_slice(d.as_ref());
+    out
+}
+
+/// PEM text of one DER object.
+pub(crate) fn pem_encode(label: &str, der: &[u8]) -> String {
+    use base64::Engine;
+    let b64 = base64::engine::general_purpose::STANDARD.encode(der);
+    let mut out = format!("-----BEGIN {label}-----\n");
+    for chunk in b64.as_bytes().chunks(64) {
+        out.push_str(std::str::from_utf8(chunk).unwrap_or_default());
+        out.push('\n');
+    }
+    out.push_str(&format!("-----END {label}-----\n"));
+    out
+}
+
 /// The audit sink could not persist a record.
 #[derive(Debug, thiserror::Error)]
 #[error("audit record not written: {0}")]
 pub struct AuditError(pub String);
 
+/// A request refused because its record could not be taken or written: no
+/// certificate leaves for it.
+#[derive(Debug, thiserror::Error)]
+pub enum AuditRefusal {
+    /// The writer could not take the record now (its queue is full, or it
+    /// stopped): the request is shed, with this reason code.
+    #[error("audit writer cannot take the record ({0})")]
+    Shed(&'static str),
+    #[error(transparent)]
+    Write(#[from] AuditError),
+}
+
+impl AuditRefusal {
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Self::Shed(r) => r,
+            Self::Write(_) => "audit_write_failed",
+        }
+    }
+}
+
+/// How a submitted record is acknowledged.
+#[derive(Debug)]
+pub enum Ack {
+    /// Already written.
+    Written,
+    /// Written (and made as durable as the fsync policy says) when this
+    /// resolves to `Ok`.
+    Pending(tokio::sync::oneshot::Receiver<Result<(), AuditError>>),
+}
+
 /// Where records go. `emit` must either persist the record or fail.
 pub trait AuditSink: Send + Sync + std::fmt::Debug {
+    /// Hands over a record nobody waits for (a refused or abandoned request).
     fn emit(&self, record: &AuditRecord) -> Result<(), AuditError>;
+
+    /// Hands over a record whose request waits for the acknowledgement
+    /// before answering. Never blocks: a sink that cannot take the record now
+    /// refuses it. By default the record is emitted in place.
+    fn submit(&self, record: &AuditRecord) -> Result<Ack, AuditRefusal> {
+        self.emit(record)?;
+        Ok(Ack::Written)
+    }
 }
 
 /// Keeps records in memory (tests).
@@ -183,14 +238,15 @@ pub struct AuditGuard {
     class: Option<ErrorClass>,
     started: Instant,
     sink: Arc<dyn AuditSink>,
-    metrics: Option<Arc<Metrics>>,
+    metrics: Option<Arc<dyn OutcomeObserver>>,
     done: bool,
 }
 
 impl AuditGuard {
+    /// `metrics`: pass `Some(metrics)` (an `Arc<Metrics>` coerces).
     pub fn new(
         sink: Arc<dyn AuditSink>,
-        metrics: Option<Arc<Metrics>>,
+        metrics: Option<Arc<dyn OutcomeObserver>>,
         peer: Option<SocketAddr>,
     ) -> Self {
         let mut id = [0u8; 8];
@@ -239,8 +295,66 @@ impl AuditGuard {
     }
 
     /// Emits the record now; an error means the record was not persisted.
+    /// Nobody waits for the writer's acknowledgement: for refusals only
+    /// (an issued certificate goes through [`Self::finish_acked`]).
     pub fn finish(mut self) -> Result<(), AuditError> {
         self.emit()
+    }
+
+    /// Hands the record to the sink and waits until it is written (and as
+    /// durable as the fsync policy promises). The certificate may leave only
+    /// on `Ok`. Waiting never blocks a runtime thread.
+    pub async fn finish_acked(mut self) -> Result<(), AuditRefusal> {
+        if self.done {
+            return Ok(());
+        }
+        self.done = true;
+        let elapsed = self.seal();
+        let result = match self.sink.submit(&self.record) {
+            Ok(Ack::Written) => Ok(()),
+            Ok(Ack::Pending(rx)) => match rx.await {
+                Ok(r) => r.map_err(AuditRefusal::from),
+                Err(_) => Err(AuditRefusal::Shed("audit_writer_stopped")),
+            },
+            Err(e) => Err(e),
+        };
+        self.observe(elapsed, result.as_ref().err());
+        result
+    }
+
+    /// Final touches before the record leaves: latency and bounds.
+    fn seal(&mut self) -> f64 {
+        let elapsed = self.started.elapsed().as_secs_f64();
+        self.record.latency_ms = elapsed * 1000.0;
+        self.record.bound();
+        elapsed
+    }
+
+    /// Counts the request; one whose record was refused counts as the
+    /// refusal it became (the log has no record of it to say otherwise).
+    fn observe(&self, elapsed: f64, refused: Option<&AuditRefusal>) {
+        let Some(m) = &self.metrics else {
+            if let Some(e) = refused {
+                tracing::error!(error = %e, request_id = %self.record.request_id, "audit record not written");
+            }
+            return;
+        };
+        match refused {
+            None => m.outcome(self.record.decision, self.reason, self.class, elapsed),
+            Some(e) => {
+                match e {
+                    AuditRefusal::Shed(r) => m.audit_shed(r),
+                    AuditRefusal::Write(_) => m.audit_write_error(),
+                }
+                tracing::error!(error = %e, request_id = %self.record.request_id, "audit record not written");
+                m.outcome(
+                    Decision::Deny,
+                    e.reason(),
+                    Some(ErrorClass::CertGen),
+                    elapsed,
+                );
+            }
+        }
     }
 
     fn emit(&mut self) -> Result<(), AuditError> {
@@ -248,17 +362,13 @@ impl AuditGuard {
             return Ok(());
         }
         self.done = true;
-        let elapsed = self.started.elapsed().as_secs_f64();
-        self.record.latency_ms = elapsed * 1000.0;
-        self.record.bound();
-        if let Some(m) = &self.metrics {
-            m.record(self.record.decision, self.reason, self.class, elapsed);
-        }
+        let elapsed = self.seal();
         let result = self.sink.emit(&self.record);
-        if let (Err(e), Some(m)) = (&result, &self.metrics) {
-            m.audit_write_errors.inc();
-            tracing::error!(error = %e, request_id = %self.record.request_id, "audit record lost");
-        }
+        let refused = result
+            .as_ref()
+            .err()
+            .map(|e| AuditRefusal::Write(AuditError(e.0.clone())));
+        self.observe(elapsed, refused.as_ref());
         result
     }
 }
@@ -272,13 +382,18 @@ impl Drop for AuditGuard {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::metrics::Metrics;
 
     #[test]
     fn a_dropped_request_is_recorded_once_as_abandoned() {
         let sink = Arc::new(MemorySink::default());
         let metrics = Arc::new(Metrics::new());
         {
-            let mut g = AuditGuard::new(sink.clone(), Some(metrics.clone()), None);
+            let mut g = AuditGuard::new(
+                sink.clone(),
+                Some(metrics.clone() as Arc<dyn OutcomeObserver>),
+                None,
+            );
             g.record().caller_identity = Some("spiffe://cluster.local/ns/a/sa/b".into());
             // Cancelled before any decision: the guard goes out of scope.
         }
@@ -333,7 +448,11 @@ mod tests {
     #[test]
     fn a_lost_record_is_reported_to_the_caller() {
         let metrics = Arc::new(Metrics::new());
-        let mut g = AuditGuard::new(Arc::new(Broken), Some(metrics.clone()), None);
+        let mut g = AuditGuard::new(
+            Arc::new(Broken),
+            Some(metrics.clone() as Arc<dyn OutcomeObserver>),
+            None,
+        );
         g.allow();
         assert!(g.finish().is_err(), "issuance must fail closed");
         assert_eq!(metrics.audit_write_errors.get(), 1);

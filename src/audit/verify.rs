@@ -10,6 +10,7 @@ use time::OffsetDateTime;
 use super::bounded::{bounded, FIELD_MAX, SAN_MAX};
 use super::chain::{line_hash, Checkpoint, Recovery, VerifyKey, GENESIS};
 use super::{AuditRecord, Decision};
+use std::collections::HashSet;
 
 /// Where verification first failed, and why.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -103,6 +104,57 @@ pub struct VerifyReport {
     pub recoveries: Vec<RecoveryNote>,
     /// Records the sink wrote in reduced form (over the line cap).
     pub reduced_records: u64,
+    /// Runs (process lifetimes) in order, as their checkpoints name them.
+    pub runs: Vec<RunSummary>,
+    /// Where a new chain started mid-log, accepted by `allow_new_chain`.
+    pub new_chains: Vec<String>,
+    /// The log began with a run continuing an earlier one (accepted by
+    /// `partial`): `file:line` and the seq it continues from.
+    pub partial_start: Option<(String, u64)>,
+    /// Reason of the last line when it is a checkpoint (`shutdown` after a
+    /// clean stop).
+    pub last_checkpoint_reason: Option<String>,
+    /// Requests shed (refused without a record) as the last checkpoint of
+    /// each run says, summed.
+    pub shed: u64,
+}
+
+/// One run of the writer as the log shows it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RunSummary {
+    pub replica: String,
+    pub run: String,
+    /// `file:line` of its first checkpoint.
+    pub location: String,
+    pub first_seq: u64,
+    /// Audit records of this run covered by its checkpoints.
+    pub records: u64,
+    /// Its last checkpoint's reason.
+    pub last_reason: String,
+    pub shed: u64,
+}
+
+/// How strictly a log is read.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct VerifyOptions<'a> {
+    /// Keys whose signatures are accepted (old keys after a rotation
+    /// included), chosen by each checkpoint's `key_id`. Empty: signatures
+    /// are not checked.
+    pub keys: &'a [VerifyKey],
+    /// Accept a new chain (seq 0) in the middle of the log.
+    pub allow_new_chain: bool,
+    /// Accept a log that begins with a run continuing an earlier one that
+    /// is not given (the earlier files were deleted or are elsewhere).
+    pub partial: bool,
+}
+
+/// Per-run state while reading.
+#[derive(Debug)]
+struct RunState {
+    run: String,
+    started: bool,
+    /// Records since the run's previous checkpoint (known once one was seen).
+    since_checkpoint: Option<u64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -219,12 +271,78 @@ fn explained_damage<L: AsRef<[u8]>>(lines: &[(String, L)], i: usize) -> Option<u
 /// Verifies lines in order (one or more files, oldest first). With `key`,
 /// every checkpoint must carry a valid signature by it. Damaged lines are
 /// accepted only when a recovery checkpoint right after them names them
-/// (their count, size and SHA-256); the recovery is then reported.
+/// (their count, size and SHA-256); the recovery is then reported. A new
+/// chain mid-log and a log that begins after an earlier run both fail (see
+/// [`verify_lines_with`] to accept them).
 pub fn verify_lines<L: AsRef<[u8]>>(
     lines: &[(String, L)],
     key: Option<&VerifyKey>,
 ) -> Result<VerifyReport, VerifyFailure> {
+    let keys: Vec<VerifyKey> = key.cloned().into_iter().collect();
+    verify_lines_with(
+        lines,
+        &VerifyOptions {
+            keys: &keys,
+            ..Default::default()
+        },
+    )
+}
+
+/// Checks one checkpoint's signature against the key its `key_id` names.
+fn check_signature(cp: &Checkpoint, keys: &[VerifyKey]) -> Result<bool, String> {
+    if keys.is_empty() {
+        return Ok(false);
+    }
+    let ids = || {
+        keys.iter()
+            .map(VerifyKey::key_id)
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let Some(k) = keys
+        .iter()
+        .find(|k| cp.key_id.as_deref() == Some(k.key_id().as_str()))
+    else {
+        return Err(format!(
+            "checkpoint names alg {} key {}, which is not among the given keys ({})",
+            cp.alg,
+            cp.key_id.as_deref().unwrap_or("(none)"),
+            ids()
+        ));
+    };
+    // v1 checkpoints do not sign `alg` and `key_id`: bind them to the key.
+    if cp.alg != k.alg {
+        return Err(format!(
+            "checkpoint names alg {} for key {}, which is a {} key",
+            cp.alg,
+            k.key_id(),
+            k.alg
+        ));
+    }
+    let Some(sig) = &cp.sig else {
+        return Err("checkpoint is not signed but a key was given".into());
+    };
+    let sig = base64::engine::general_purpose::STANDARD
+        .decode(sig)
+        .map_err(|_| "checkpoint signature is not base64".to_string())?;
+    if !k.verify(&cp.message(), &sig) {
+        return Err(format!(
+            "checkpoint signature does not verify with key {} (the key it names)",
+            k.key_id()
+        ));
+    }
+    Ok(true)
+}
+
+/// [`verify_lines`] with options: several keys (rotation), and the two
+/// explicit exceptions an operator may grant.
+pub fn verify_lines_with<L: AsRef<[u8]>>(
+    lines: &[(String, L)],
+    opts: &VerifyOptions<'_>,
+) -> Result<VerifyReport, VerifyFailure> {
     let mut report = VerifyReport::default();
+    let mut run: Option<RunState> = None;
+    let mut seen_runs: HashSet<String> = HashSet::new();
     let mut expected: Option<(u64, String)> = None;
     let mut i = 0;
     let mut explained_until = 0;
@@ -257,42 +375,8 @@ pub fn verify_lines<L: AsRef<[u8]>>(
             }
         };
         if let Some(cp) = checkpoint {
-            // `alg` and `key_id` are not in the signed message: bind them to
-            // the given key, or an edit of the last checkpoint would pass.
-            if let Some(k) = key {
-                if cp.alg != k.alg || cp.key_id.as_deref() != Some(k.key_id().as_str()) {
-                    return Err(fail(
-                        seq,
-                        format!(
-                            "checkpoint names alg {} key {}, but the given key is {} {}",
-                            cp.alg,
-                            cp.key_id.as_deref().unwrap_or("(none)"),
-                            k.alg,
-                            k.key_id()
-                        ),
-                    ));
-                }
-            }
-            match (key, &cp.sig) {
-                (Some(k), Some(sig)) => {
-                    let sig = base64::engine::general_purpose::STANDARD
-                        .decode(sig)
-                        .map_err(|_| fail(seq, "checkpoint signature is not base64".into()))?;
-                    if !k.verify(&cp.message(), &sig) {
-                        return Err(fail(
-                            seq,
-                            "checkpoint signature does not verify with the given key".into(),
-                        ));
-                    }
-                    report.signed_checkpoints += 1;
-                }
-                (Some(_), None) => {
-                    return Err(fail(
-                        seq,
-                        "checkpoint is not signed but a key was given".into(),
-                    ))
-                }
-                (None, _) => {}
+            if check_signature(cp, opts.keys).map_err(|why| fail(seq, why))? {
+                report.signed_checkpoints += 1;
             }
             if let Some(r) = &cp.recovery {
                 if cp.reason != "recovery" {
@@ -315,6 +399,31 @@ pub fn verify_lines<L: AsRef<[u8]>>(
             (cp.reason == "start" || new_segment) && cp.seq == 0 && cp.prev == GENESIS
         });
         let (head_seq, head_prev) = (parsed.seq(), parsed.prev());
+        if let Some(cp) = checkpoint.filter(|cp| cp.run.is_some()) {
+            check_run(
+                cp,
+                &mut run,
+                &mut seen_runs,
+                &mut report,
+                expected.as_ref(),
+                opts,
+                location,
+            )
+            .map_err(|why| fail(seq, why))?;
+        } else if checkpoint.is_none() {
+            if let Some(n) = run.as_mut().and_then(|r| r.since_checkpoint.as_mut()) {
+                *n += 1;
+            }
+        }
+        if fresh_start && expected.is_some() {
+            let new_segment = checkpoint.is_some_and(|cp| cp.reason == "recovery");
+            if !new_segment && !opts.allow_new_chain {
+                return Err(fail(seq, "a new chain (seq 0) starts in the middle of the log: the lines before it are not linked to it (a run was cut off, replaced or inserted); --allow-new-chain accepts it when the operator knows why".into()));
+            }
+            if !new_segment {
+                report.new_chains.push(location.clone());
+            }
+        }
         match &expected {
             _ if fresh_start => report.chain_starts += 1,
             None => {
@@ -334,17 +443,122 @@ pub fn verify_lines<L: AsRef<[u8]>>(
         }
         report.first_seq.get_or_insert(head_seq);
         report.last_seq = Some(head_seq);
-        if checkpoint.is_some() {
+        if let Some(cp) = checkpoint {
             report.checkpoints += 1;
             report.unsigned_tail = 0;
+            report.last_checkpoint_reason = Some(cp.reason.clone());
         } else {
+            report.last_checkpoint_reason = None;
             report.records += 1;
             report.unsigned_tail += 1;
         }
         expected = Some((head_seq + 1, line_hash(line)));
         i += 1;
     }
+    report.shed = report.runs.iter().map(|r| r.shed).sum();
     Ok(report)
+}
+
+/// Checks a v2 checkpoint against the run it belongs to: a run begins with
+/// its `start` (or the `recovery` right before it), never repeats, stays on
+/// one replica, names the head it continues from, and counts its records.
+fn check_run(
+    cp: &Checkpoint,
+    state: &mut Option<RunState>,
+    seen: &mut HashSet<String>,
+    report: &mut VerifyReport,
+    expected: Option<&(u64, String)>,
+    opts: &VerifyOptions<'_>,
+    location: &str,
+) -> Result<(), String> {
+    let (Some(id), replica) = (&cp.run, cp.replica.clone().unwrap_or_default()) else {
+        return Ok(());
+    };
+    let same_run = state.as_ref().is_some_and(|r| r.run == *id);
+    if same_run {
+        let r = state.as_mut().ok_or("no run")?;
+        if cp.reason == "start" {
+            if r.started {
+                return Err(format!("a second start of run {id}"));
+            }
+            r.started = true;
+        }
+        if let (Some(have), Some(says)) = (r.since_checkpoint, cp.count) {
+            if have != says {
+                return Err(format!(
+                    "the checkpoint counts {says} record(s) since run {id}'s previous checkpoint, but {have} are in the log: records were removed or added"
+                ));
+            }
+        }
+        r.since_checkpoint = Some(0);
+        if let Some(s) = report.runs.last_mut() {
+            s.records += cp.count.unwrap_or(0);
+            s.last_reason = cp.reason.clone();
+            s.shed = cp.shed.unwrap_or(0);
+        }
+        return Ok(());
+    }
+    // A checkpoint of another run than the current one.
+    if state.is_some() && cp.reason != "start" && cp.reason != "recovery" {
+        return Err(format!(
+            "a {} checkpoint of run {id} (replica {}) inside run {}: lines of another run were spliced in",
+            cp.reason,
+            replica.escape_debug(),
+            state.as_ref().map(|r| r.run.as_str()).unwrap_or("-")
+        ));
+    }
+    if !seen.insert(id.clone()) {
+        return Err(format!("run {id} appears a second time: a replayed run"));
+    }
+    if let Some(first) = report.runs.first() {
+        if first.replica != replica {
+            return Err(format!(
+                "run {id} belongs to replica {}, but this log is replica {}'s: another replica's run was spliced in",
+                replica.escape_debug(),
+                first.replica.escape_debug()
+            ));
+        }
+    }
+    if cp.reason == "start" || cp.reason == "recovery" {
+        match (&cp.previous, expected) {
+            (Some(p), Some((want_seq, want_prev))) => {
+                if p.seq + 1 != *want_seq || p.hash != *want_prev {
+                    return Err(format!(
+                        "run {id} continues from seq {} (line hash {}), but the line before it is seq {}: runs were removed, replaced or reordered",
+                        p.seq,
+                        p.hash.escape_debug(),
+                        want_seq.saturating_sub(1)
+                    ));
+                }
+            }
+            (Some(p), None) => {
+                if !opts.partial {
+                    return Err(format!(
+                        "the log begins with run {id}, which continues from seq {} of an earlier run: earlier runs are missing (give the older files first, or --partial)",
+                        p.seq
+                    ));
+                }
+                report.partial_start = Some((location.to_string(), p.seq));
+            }
+            (None, _) => {}
+        }
+    }
+    *state = Some(RunState {
+        run: id.clone(),
+        started: cp.reason == "start",
+        // The first checkpoint of a run counts from the run's start.
+        since_checkpoint: Some(0),
+    });
+    report.runs.push(RunSummary {
+        replica,
+        run: id.clone(),
+        location: location.to_string(),
+        first_seq: cp.seq,
+        records: cp.count.unwrap_or(0),
+        last_reason: cp.reason.clone(),
+        shed: cp.shed.unwrap_or(0),
+    });
+    Ok(())
 }
 
 /// The chain broke between lines `i-1` and `i` with no gap in `seq`: one of
@@ -498,7 +712,7 @@ pub fn table(records: &[AuditRecord]) -> String {
             r.serial.clone().unwrap_or_else(|| "-".into()),
         ]);
     }
-    crate::certs::render_table(&rows)
+    crate::table::render_table(&rows)
 }
 
 #[cfg(test)]
@@ -566,6 +780,11 @@ mod tests {
                 old_file: None,
                 old_head: None,
             }),
+            replica: None,
+            run: None,
+            count: None,
+            previous: None,
+            shed: None,
         };
         let lines = vec![
             ("a:1".to_string(), b"garbage".to_vec()),

@@ -1,0 +1,541 @@
+//! The audit writer: one thread owns the chained sink and is fed through a
+//! bounded channel, so serialization, write(2), checkpoint signing, rotation
+//! and fsync never run on a runtime thread. A request waits (asynchronously)
+//! for its record's acknowledgement; when the channel is full the request is
+//! shed at once rather than blocking anything.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{self, RecvTimeoutError, SyncSender, TrySendError};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use tokio::sync::oneshot;
+
+use super::chain::ChainedSink;
+use super::{Ack, AuditError, AuditRecord, AuditRefusal, AuditSink, Decision};
+
+/// Reason codes of requests shed by the writer.
+pub const SHED_REASONS: [&str; 2] = ["audit_queue_full", "audit_writer_stopped"];
+
+/// When a record counts as written (`--audit-fsync`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum FsyncPolicy {
+    /// fsync after every record, before its acknowledgement.
+    Always,
+    /// Group commit: the records that arrive within one batch interval share
+    /// one fsync; each is acknowledged after the fsync that covers it.
+    Batch,
+    /// Acknowledged once written to the kernel (no fsync but at rotation).
+    Never,
+}
+
+impl FsyncPolicy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Always => "always",
+            Self::Batch => "batch",
+            Self::Never => "never",
+        }
+    }
+}
+
+/// Settings of the writer thread.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WriterSettings {
+    /// Records that may wait for the writer (`MESHCA_AUDIT_QUEUE`).
+    pub queue: usize,
+    pub fsync: FsyncPolicy,
+    /// Longest a batch collects records before its fsync.
+    pub batch_interval: Duration,
+    /// A checkpoint is written when records are pending this long.
+    pub checkpoint_interval: Duration,
+}
+
+/// Something an anchor does with each checkpoint the writer writes (the
+/// Kubernetes anchor; tests). Runs on the writer thread: must not block long.
+pub trait CheckpointObserver: Send + Sync + std::fmt::Debug {
+    fn checkpoint(&self, line: &str);
+}
+
+type Reply = oneshot::Sender<Result<(), AuditError>>;
+type BlockingReply = mpsc::Sender<Result<(), AuditError>>;
+
+enum Msg {
+    Record(Box<AuditRecord>, Option<Reply>),
+    Checkpoint(&'static str, BlockingReply),
+}
+
+/// Who hears the outcome of a message.
+enum Waiter {
+    None,
+    Request(Reply),
+    Blocking(BlockingReply),
+}
+
+impl Waiter {
+    fn send(self, r: Result<(), AuditError>) {
+        match self {
+            Self::None => {}
+            Self::Request(w) => {
+                let _ = w.send(r);
+            }
+            Self::Blocking(w) => {
+                let _ = w.send(r);
+            }
+        }
+    }
+}
+
+/// The handle requests use; cheap to share.
+#[derive(Debug)]
+pub struct AuditWriter {
+    tx: Mutex<Option<SyncSender<Msg>>>,
+    shed: Arc<AtomicU64>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+    run: super::chain::RunInfo,
+}
+
+impl AuditWriter {
+    /// Starts the writer thread on `sink` (whose start checkpoint is written).
+    pub fn start(
+        sink: ChainedSink,
+        settings: WriterSettings,
+        observer: Option<Arc<dyn CheckpointObserver>>,
+    ) -> std::io::Result<Self> {
+        let (tx, rx) = mpsc::sync_channel(settings.queue.max(1));
+        let shed = sink.shed_counter();
+        let run = sink.run().clone();
+        if let (Some(o), Some(line)) = (&observer, sink.last_checkpoint()) {
+            o.checkpoint(&line);
+        }
+        let thread = std::thread::Builder::new()
+            .name("meshca-audit".into())
+            .spawn(move || Worker::new(sink, settings, observer).run(rx))?;
+        Ok(Self {
+            tx: Mutex::new(Some(tx)),
+            shed,
+            thread: Mutex::new(Some(thread)),
+            run,
+        })
+    }
+
+    /// The run the writer's checkpoints name.
+    pub fn run(&self) -> &super::chain::RunInfo {
+        &self.run
+    }
+
+    fn send(&self, msg: Msg) -> Result<(), AuditRefusal> {
+        let tx = self
+            .tx
+            .lock()
+            .map_err(|_| AuditRefusal::Shed("audit_writer_stopped"))?
+            .clone();
+        let Some(tx) = tx else {
+            return Err(AuditRefusal::Shed("audit_writer_stopped"));
+        };
+        match tx.try_send(msg) {
+            Ok(()) => Ok(()),
+            Err(TrySendError::Full(_)) => {
+                self.shed.fetch_add(1, Ordering::Relaxed);
+                Err(AuditRefusal::Shed("audit_queue_full"))
+            }
+            Err(TrySendError::Disconnected(_)) => {
+                self.shed.fetch_add(1, Ordering::Relaxed);
+                Err(AuditRefusal::Shed("audit_writer_stopped"))
+            }
+        }
+    }
+
+    /// Writes a checkpoint now and waits for it (blocking: call from a
+    /// blocking context). Waits at most `timeout`.
+    pub fn checkpoint_blocking(
+        &self,
+        reason: &'static str,
+        timeout: Duration,
+    ) -> Result<(), AuditError> {
+        let (reply, rx) = mpsc::channel();
+        let tx = self
+            .tx
+            .lock()
+            .map_err(|_| AuditError("audit writer poisoned".into()))?
+            .clone()
+            .ok_or_else(|| AuditError("audit writer stopped".into()))?;
+        // A checkpoint is never shed: wait for room, within the deadline.
+        let deadline = Instant::now() + timeout;
+        let mut msg = Msg::Checkpoint(reason, reply);
+        loop {
+            match tx.try_send(msg) {
+                Ok(()) => break,
+                Err(TrySendError::Full(m)) if Instant::now() < deadline => {
+                    msg = m;
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                Err(_) => {
+                    return Err(AuditError(
+                        "audit writer did not take the checkpoint".into(),
+                    ))
+                }
+            }
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(r) => r,
+            _ => Err(AuditError(
+                "audit writer did not write the checkpoint in time".into(),
+            )),
+        }
+    }
+
+    /// Writes the `shutdown` checkpoint and stops the thread (waits at most
+    /// `timeout` for it). Requests after this are shed.
+    pub fn shutdown_blocking(&self, timeout: Duration) -> Result<(), AuditError> {
+        let result = self.checkpoint_blocking("shutdown", timeout);
+        if let Ok(mut tx) = self.tx.lock() {
+            tx.take();
+        }
+        if result.is_ok() {
+            if let Some(t) = self.thread.lock().ok().and_then(|mut t| t.take()) {
+                let _ = t.join();
+            }
+        }
+        result
+    }
+}
+
+impl AuditSink for AuditWriter {
+    fn emit(&self, record: &AuditRecord) -> Result<(), AuditError> {
+        self.send(Msg::Record(Box::new(record.clone()), None))
+            .map_err(|e| AuditError(e.to_string()))
+    }
+
+    fn submit(&self, record: &AuditRecord) -> Result<Ack, AuditRefusal> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Msg::Record(Box::new(record.clone()), Some(reply)))?;
+        Ok(Ack::Pending(rx))
+    }
+}
+
+struct Worker {
+    sink: ChainedSink,
+    settings: WriterSettings,
+    observer: Option<Arc<dyn CheckpointObserver>>,
+    last_checkpoint: Instant,
+    /// Records written since the last checkpoint (time-based ones are only
+    /// written when some are pending).
+    pending: bool,
+}
+
+/// Most messages written before one fsync (bounds the acknowledgement delay
+/// of the first record in a long burst).
+const MAX_BATCH: usize = 4096;
+
+impl Worker {
+    fn new(
+        sink: ChainedSink,
+        settings: WriterSettings,
+        observer: Option<Arc<dyn CheckpointObserver>>,
+    ) -> Self {
+        Self {
+            sink,
+            settings,
+            observer,
+            last_checkpoint: Instant::now(),
+            pending: false,
+        }
+    }
+
+    fn run(mut self, rx: mpsc::Receiver<Msg>) {
+        loop {
+            let wait = self
+                .settings
+                .checkpoint_interval
+                .saturating_sub(self.last_checkpoint.elapsed());
+            let first = match rx.recv_timeout(wait) {
+                Ok(m) => m,
+                Err(RecvTimeoutError::Timeout) => {
+                    if self.pending {
+                        let _ = self.checkpoint("periodic");
+                    }
+                    self.last_checkpoint = Instant::now();
+                    continue;
+                }
+                Err(RecvTimeoutError::Disconnected) => {
+                    // Every sender is gone without a shutdown message (the
+                    // app was dropped): still close the run with a checkpoint.
+                    let _ = self.checkpoint("shutdown");
+                    return;
+                }
+            };
+            let mut batch = vec![first];
+            let deadline = Instant::now() + self.settings.batch_interval;
+            while batch.len() < MAX_BATCH {
+                match rx.try_recv() {
+                    Ok(m) => batch.push(m),
+                    Err(_) if self.settings.fsync == FsyncPolicy::Batch => {
+                        let left = deadline.saturating_duration_since(Instant::now());
+                        if left.is_zero() {
+                            break;
+                        }
+                        match rx.recv_timeout(left) {
+                            Ok(m) => batch.push(m),
+                            Err(_) => break,
+                        }
+                    }
+                    Err(_) => break,
+                }
+            }
+            let stop = self.write_batch(batch);
+            if stop {
+                return;
+            }
+        }
+    }
+
+    /// Writes a batch, makes it durable per the policy, then acknowledges.
+    /// Returns true after the shutdown checkpoint.
+    fn write_batch(&mut self, batch: Vec<Msg>) -> bool {
+        let mark = self.sink.mark();
+        let mut acks: Vec<(Waiter, Result<(), AuditError>)> = Vec::new();
+        let mut stop = false;
+        for msg in batch {
+            match msg {
+                Msg::Record(mut record, reply) => {
+                    // The request stopped waiting (cancelled, deadline): its
+                    // certificate can no longer leave, so the log must not
+                    // say it was issued.
+                    if record.decision == Decision::Allow
+                        && reply.as_ref().is_some_and(|r| r.is_closed())
+                    {
+                        record.decision = Decision::Deny;
+                        record.reason = "request_abandoned".into();
+                        record.detail =
+                            Some("the caller stopped waiting before its record was written".into());
+                    }
+                    let mark = self.sink.mark();
+                    let mut r = self.sink.emit(&record);
+                    self.pending = true;
+                    if r.is_ok() && self.settings.fsync == FsyncPolicy::Always {
+                        r = self.durable(mark.as_ref());
+                    }
+                    acks.push((reply.map_or(Waiter::None, Waiter::Request), r));
+                }
+                Msg::Checkpoint(reason, reply) => {
+                    let r = self.checkpoint(reason);
+                    stop |= reason == "shutdown" && r.is_ok();
+                    acks.push((Waiter::Blocking(reply), r));
+                }
+            }
+        }
+        if self.settings.fsync == FsyncPolicy::Batch {
+            if let Err(e) = self.durable(mark.as_ref()) {
+                for (_, r) in &mut acks {
+                    if r.is_ok() {
+                        *r = Err(AuditError(e.0.clone()));
+                    }
+                }
+            }
+        }
+        for (waiter, r) in acks {
+            waiter.send(r);
+        }
+        stop
+    }
+
+    /// fsync; when it fails, the lines since `mark` are cut off so no record
+    /// of a refused request stays in the log.
+    fn durable(&self, mark: Option<&super::chain::Mark>) -> Result<(), AuditError> {
+        let r = self.sink.sync();
+        if let Err(e) = &r {
+            let undone = mark.is_some_and(|m| self.sink.rollback(m));
+            tracing::error!(error = %e, undone, "audit fsync failed; the records it should have covered are refused");
+        }
+        r
+    }
+
+    fn checkpoint(&mut self, reason: &str) -> Result<(), AuditError> {
+        let mark = self.sink.mark();
+        self.sink.checkpoint(reason)?;
+        if self.settings.fsync != FsyncPolicy::Never || reason == "shutdown" {
+            self.durable(mark.as_ref())?;
+        }
+        self.pending = false;
+        self.last_checkpoint = Instant::now();
+        if let (Some(o), Some(line)) = (&self.observer, self.sink.last_checkpoint()) {
+            o.checkpoint(&line);
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::audit::chain::Output;
+    use crate::audit::verify::verify_lines;
+    use time::OffsetDateTime;
+
+    fn record(i: u64) -> AuditRecord {
+        AuditRecord::new(
+            OffsetDateTime::now_utc(),
+            format!("req-{i}"),
+            Decision::Allow,
+            "issued".into(),
+        )
+    }
+
+    fn settings(queue: usize, fsync: FsyncPolicy) -> WriterSettings {
+        WriterSettings {
+            queue,
+            fsync,
+            batch_interval: Duration::from_millis(2),
+            checkpoint_interval: Duration::from_secs(60),
+        }
+    }
+
+    /// A writer whose output blocks until released (a reader that stopped).
+    #[derive(Clone)]
+    struct Gate(Arc<(Mutex<bool>, std::sync::Condvar)>, Arc<Mutex<Vec<u8>>>);
+    impl std::io::Write for Gate {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            let (open, cv) = &*self.0;
+            let mut o = open.lock().unwrap();
+            while !*o {
+                o = cv.wait(o).unwrap();
+            }
+            self.1.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[tokio::test]
+    async fn a_full_queue_sheds_at_once_and_the_checkpoint_counts_it() {
+        let gate = Gate(Default::default(), Default::default());
+        *gate.0 .0.lock().unwrap() = true;
+        let sink =
+            ChainedSink::writer_capped(Output::Writer(Box::new(gate.clone())), None, 1000, 16384)
+                .unwrap();
+        *gate.0 .0.lock().unwrap() = false;
+        let w = Arc::new(AuditWriter::start(sink, settings(2, FsyncPolicy::Never), None).unwrap());
+        // The first record is taken by the thread and blocks in write; two
+        // more fill the queue; the rest are shed without waiting.
+        let mut waiting = vec![];
+        let mut shed = 0;
+        for i in 0..10 {
+            match w.submit(&record(i)) {
+                Ok(Ack::Pending(rx)) => waiting.push(rx),
+                Ok(Ack::Written) => panic!("the writer never writes in place"),
+                Err(AuditRefusal::Shed(r)) => {
+                    assert_eq!(r, "audit_queue_full");
+                    shed += 1;
+                }
+                Err(e) => panic!("{e}"),
+            }
+            if i == 0 {
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+        assert_eq!(waiting.len(), 3, "one in write, two queued");
+        assert_eq!(shed, 7);
+        {
+            let (open, cv) = &*gate.0;
+            *open.lock().unwrap() = true;
+            cv.notify_all();
+        }
+        for rx in waiting {
+            rx.await.unwrap().unwrap();
+        }
+        let w2 = w.clone();
+        tokio::task::spawn_blocking(move || w2.shutdown_blocking(Duration::from_secs(5)))
+            .await
+            .unwrap()
+            .unwrap();
+        let data = gate.1.lock().unwrap().clone();
+        let text = String::from_utf8(data).unwrap();
+        let lines: Vec<(String, String)> = text
+            .lines()
+            .enumerate()
+            .map(|(i, l)| (format!("mem:{}", i + 1), l.to_string()))
+            .collect();
+        let rep = verify_lines(&lines, None).unwrap();
+        assert_eq!(rep.records, 3);
+        let last: serde_json::Value = serde_json::from_str(&lines.last().unwrap().1).unwrap();
+        assert_eq!(last["reason"], "shutdown");
+        assert_eq!(last["shed"], 7, "{last}");
+    }
+
+    #[tokio::test]
+    async fn a_record_whose_caller_left_is_not_written_as_issued() {
+        let gate = Gate(Default::default(), Default::default());
+        *gate.0 .0.lock().unwrap() = true;
+        let sink =
+            ChainedSink::writer_capped(Output::Writer(Box::new(gate.clone())), None, 1000, 16384)
+                .unwrap();
+        *gate.0 .0.lock().unwrap() = false;
+        let w = AuditWriter::start(sink, settings(8, FsyncPolicy::Never), None).unwrap();
+        let Ok(Ack::Pending(blocker)) = w.submit(&record(0)) else {
+            panic!()
+        };
+        std::thread::sleep(Duration::from_millis(50));
+        let Ok(Ack::Pending(gone)) = w.submit(&record(1)) else {
+            panic!()
+        };
+        drop(gone);
+        {
+            let (open, cv) = &*gate.0;
+            *open.lock().unwrap() = true;
+            cv.notify_all();
+        }
+        blocker.await.unwrap().unwrap();
+        tokio::task::spawn_blocking(move || w.shutdown_blocking(Duration::from_secs(5)))
+            .await
+            .unwrap()
+            .unwrap();
+        let text = String::from_utf8(gate.1.lock().unwrap().clone()).unwrap();
+        let req1 = text.lines().find(|l| l.contains("\"req-1\"")).unwrap();
+        let v: serde_json::Value = serde_json::from_str(req1).unwrap();
+        assert_eq!(v["decision"], "deny");
+        assert_eq!(v["reason"], "request_abandoned");
+    }
+
+    #[tokio::test]
+    async fn batch_mode_acknowledges_after_the_covering_fsync() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("audit.log");
+        let sink = ChainedSink::file(&path, 1 << 30, 3, None, 1000).unwrap();
+        let w =
+            Arc::new(AuditWriter::start(sink, settings(1024, FsyncPolicy::Batch), None).unwrap());
+        let mut rxs = vec![];
+        for i in 0..200 {
+            match w.submit(&record(i)).unwrap() {
+                Ack::Pending(rx) => rxs.push(rx),
+                Ack::Written => panic!(),
+            }
+        }
+        for rx in rxs {
+            rx.await.unwrap().unwrap();
+        }
+        // Acknowledged means in the file (the fsync is not observable here;
+        // the crash test kills the process to check it).
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert_eq!(
+            text.lines().filter(|l| l.contains("\"audit\"")).count(),
+            200
+        );
+        let w2 = w.clone();
+        tokio::task::spawn_blocking(move || w2.shutdown_blocking(Duration::from_secs(5)))
+            .await
+            .unwrap()
+            .unwrap();
+        let lines = crate::audit::verify::read_lines(&[&path]).unwrap();
+        let rep = verify_lines(&lines, None).unwrap();
+        assert_eq!(rep.records, 200);
+        assert!(matches!(
+            w.submit(&record(1)),
+            Err(AuditRefusal::Shed("audit_writer_stopped"))
+        ));
+    }
+}

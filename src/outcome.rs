@@ -1,0 +1,46 @@
+//! Shared vocabulary of a request's outcome: what the audit log records and
+//! the metrics count. Both depend on this module and on nothing of each
+//! other (the audit guard reports outcomes through [`OutcomeObserver`],
+//! which `metrics::Metrics` implements).
+
+use serde::{Deserialize, Serialize};
+
+/// Allow or deny.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Decision {
+    Allow,
+    Deny,
+}
+
+/// How a failed request counts in istiod's metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorClass {
+    /// `citadel_server_authentication_failure_count`.
+    Authentication,
+    /// `citadel_server_csr_sign_err_count{error="CSR_ERROR"}` (parsing errors also count in csr_parsing_err_count).
+    Csr { parsing: bool },
+    /// `error="TTL_ERROR"`.
+    Ttl,
+    /// `error="CERT_GEN_ERROR"`.
+    CertGen,
+    /// `error="CA_NOT_READY"`.
+    CaNotReady,
+}
+
+/// Who counts finished requests and audit-log trouble.
+pub trait OutcomeObserver: Send + Sync + std::fmt::Debug {
+    /// One finished request (called exactly once per request).
+    fn outcome(
+        &self,
+        decision: Decision,
+        reason: &'static str,
+        class: Option<ErrorClass>,
+        seconds: f64,
+    );
+    /// A record could not be written.
+    fn audit_write_error(&self);
+    /// A request was turned away because the audit writer could not take its
+    /// record in time (`reason` is the refusal's reason code).
+    fn audit_shed(&self, _reason: &'static str) {}
+}
