@@ -73,13 +73,26 @@ enum AuditCommand {
     /// Check the chain and checkpoints; report the first broken record.
     Verify {
         /// Public key (or the private key) that signs checkpoints; without it
-        /// only the hash chain is checked.
+        /// only the hash chain is checked. Repeat it for keys rotated out:
+        /// each checkpoint is checked with the key its key_id names.
         #[arg(long)]
-        key: Option<PathBuf>,
-        /// Also fail if records follow the last checkpoint (a clean shutdown
-        /// always ends the log with one).
+        key: Vec<PathBuf>,
+        /// Also fail unless the log ends with a `shutdown` checkpoint (a
+        /// clean stop always writes one; a cut after any other line fails).
         #[arg(long)]
         strict: bool,
+        /// Accept a new chain (seq 0) in the middle of the log, e.g. after
+        /// the file was deliberately reset; say why in your records.
+        #[arg(long)]
+        allow_new_chain: bool,
+        /// Accept a log that begins with a run continuing an earlier one
+        /// (the older files are not given).
+        #[arg(long)]
+        partial: bool,
+        /// Anchored checkpoints to cross-check the log against: files holding
+        /// one checkpoint line each (from the anchor ConfigMaps).
+        #[arg(long)]
+        anchor: Vec<PathBuf>,
         /// Files oldest first (audit.log.2 audit.log.1 audit.log), or - for stdin.
         #[arg(required = true)]
         files: Vec<PathBuf>,
@@ -271,17 +284,42 @@ fn audit(cmd: AuditCommand) -> anyhow::Result<()> {
     use meshca::audit::chain::{CheckpointKey, VerifyKey};
     use meshca::audit::verify;
     match cmd {
-        AuditCommand::Verify { key, strict, files } => {
-            let key = key
+        AuditCommand::Verify {
+            key,
+            strict,
+            allow_new_chain,
+            partial,
+            anchor,
+            files,
+        } => {
+            let keys = key
+                .iter()
                 .map(|p| {
-                    std::fs::read(&p)
+                    std::fs::read(p)
                         .map_err(anyhow::Error::from)
                         .and_then(|b| Ok(VerifyKey::from_pem(&b)?))
+                        .with_context(|| format!("--key {}", p.display()))
                 })
-                .transpose()?;
+                .collect::<anyhow::Result<Vec<_>>>()?;
+            let anchors = anchor
+                .iter()
+                .map(|p| {
+                    std::fs::read_to_string(p)
+                        .map(|s| (p.display().to_string(), s.trim_end().to_string()))
+                        .with_context(|| format!("--anchor {}", p.display()))
+                })
+                .collect::<anyhow::Result<Vec<_>>>()?;
             let lines = verify::read_lines(&files)?;
-            match verify::verify_lines(&lines, key.as_ref()) {
-                Ok(r) => {
+            let opts = verify::VerifyOptions {
+                keys: &keys,
+                allow_new_chain,
+                partial,
+            };
+            let checked = verify::verify_lines_with(&lines, &opts).and_then(|r| {
+                verify::check_anchors(&lines, &r, &anchors, &keys).map(|notes| (r, notes))
+            });
+            match checked {
+                Ok((r, notes)) => {
                     println!(
                         "OK: {} records, {} checkpoints ({} signature-verified), {} chain start(s), seq {}..{}",
                         r.records,
@@ -291,13 +329,46 @@ fn audit(cmd: AuditCommand) -> anyhow::Result<()> {
                         r.first_seq.unwrap_or(0),
                         r.last_seq.unwrap_or(0)
                     );
+                    for run in &r.runs {
+                        println!(
+                            "run {} of replica {} from {} (seq {}): {} record(s) checkpointed, {} shed, last checkpoint {}",
+                            run.run,
+                            run.replica.escape_debug(),
+                            run.location,
+                            run.first_seq,
+                            run.records,
+                            run.shed,
+                            run.last_reason
+                        );
+                    }
                     for note in &r.recoveries {
                         println!("{note}");
+                    }
+                    for l in &r.new_chains {
+                        println!("note: a new chain starts at {l} (accepted by --allow-new-chain)");
+                    }
+                    if let Some((l, seq)) = &r.partial_start {
+                        println!("note: the log begins at {l}, continuing from seq {seq} of an earlier run (accepted by --partial)");
+                    }
+                    for n in &notes {
+                        println!(
+                            "anchor {}: replica {}'s checkpoint at seq {} matches {}",
+                            n.source,
+                            n.replica.escape_debug(),
+                            n.seq,
+                            n.location
+                        );
+                    }
+                    if notes.len() < anchors.len() {
+                        println!(
+                            "note: {} anchor(s) belong to other replicas and were skipped",
+                            anchors.len() - notes.len()
+                        );
                     }
                     if r.reduced_records > 0 {
                         println!("note: {} record(s) were written in reduced form (over the audit line cap; each names the full line's size and sha256)", r.reduced_records);
                     }
-                    if key.is_none() {
+                    if keys.is_empty() {
                         println!("warning: no --key given: checkpoint signatures were not checked");
                     }
                     if r.unsigned_tail > 0 {
@@ -305,6 +376,9 @@ fn audit(cmd: AuditCommand) -> anyhow::Result<()> {
                         if strict {
                             anyhow::bail!("--strict: the log does not end with a checkpoint (truncated, or the writer did not shut down cleanly)");
                         }
+                    }
+                    if strict && r.last_checkpoint_reason.as_deref() != Some("shutdown") {
+                        anyhow::bail!("--strict: the log does not end with a shutdown checkpoint (cut after a checkpoint, or the writer is still running or crashed; --anchor shows how far it must reach)");
                     }
                     Ok(())
                 }

@@ -561,6 +561,98 @@ fn check_run(
     Ok(())
 }
 
+/// What cross-checking against an anchor showed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AnchorNote {
+    /// Where the anchor came from (`namespace/name`, a file).
+    pub source: String,
+    pub replica: String,
+    pub seq: u64,
+    /// `file:line` of the matching checkpoint in the log.
+    pub location: String,
+}
+
+/// Cross-checks a log against anchored checkpoints (each the exact
+/// checkpoint line the writer published outside the pod). An anchor must be
+/// signed by one of `keys` (when given), and its line must stand in the log
+/// byte for byte at its seq: a log that ends before it was cut, a different
+/// line there means log and anchor disagree. Anchors of other replicas than
+/// the log's are skipped (reported by the caller from `replica`).
+pub fn check_anchors<L: AsRef<[u8]>>(
+    lines: &[(String, L)],
+    report: &VerifyReport,
+    anchors: &[(String, String)],
+    keys: &[VerifyKey],
+) -> Result<Vec<AnchorNote>, VerifyFailure> {
+    let log_replica = report.runs.first().map(|r| r.replica.clone());
+    let mut notes = Vec::new();
+    for (source, anchor) in anchors {
+        let fail = |seq: Option<u64>, why: String| VerifyFailure {
+            location: format!("anchor {source}"),
+            seq,
+            why,
+        };
+        let cp: Checkpoint = match parse_line(anchor.as_bytes()) {
+            Ok(Parsed::Checkpoint(cp)) => *cp,
+            _ => {
+                return Err(fail(
+                    None,
+                    "the anchor is not a checkpoint line (edited)".into(),
+                ))
+            }
+        };
+        let seq = Some(cp.seq);
+        check_signature(&cp, keys).map_err(|why| fail(seq, format!("anchor: {why}")))?;
+        let replica = cp.replica.clone().unwrap_or_default();
+        if log_replica.as_ref().is_some_and(|r| *r != replica) {
+            continue;
+        }
+        let at = lines.iter().find(|(_, l)| {
+            parse_line(l.as_ref())
+                .ok()
+                .is_some_and(|p| p.seq() == cp.seq)
+        });
+        match at {
+            None if report.last_seq.is_none_or(|last| last < cp.seq) => {
+                return Err(fail(
+                    seq,
+                    format!(
+                        "replica {}'s anchor holds a checkpoint at seq {}, but the log ends at seq {}: the log was cut after it",
+                        replica.escape_debug(),
+                        cp.seq,
+                        report.last_seq.map_or("-".into(), |s| s.to_string())
+                    ),
+                ))
+            }
+            None => {
+                return Err(fail(
+                    seq,
+                    "the anchored checkpoint's seq is not in the log (the files given start after it)"
+                        .into(),
+                ))
+            }
+            Some((location, line)) if line.as_ref() != anchor.as_bytes() => {
+                return Err(VerifyFailure {
+                    location: location.clone(),
+                    seq,
+                    why: format!(
+                        "log and anchor {source} disagree: the anchored checkpoint (line hash {}) is not this line (line hash {})",
+                        line_hash(anchor),
+                        line_hash(line.as_ref())
+                    ),
+                })
+            }
+            Some((location, _)) => notes.push(AnchorNote {
+                source: source.clone(),
+                replica,
+                seq: cp.seq,
+                location: location.clone(),
+            }),
+        }
+    }
+    Ok(notes)
+}
+
 /// The chain broke between lines `i-1` and `i` with no gap in `seq`: one of
 /// the two was edited. If line `i+1` still links to line `i`, line `i` is
 /// intact and the previous line was changed; otherwise line `i`'s own `prev`
