@@ -37,7 +37,12 @@ pub struct Deps {
 }
 
 /// Builds the configured chained audit sink (its start checkpoint written).
-pub fn audit_sink(a: &AuditSettings) -> anyhow::Result<ChainedSink> {
+/// A stdout run continues from `head` (the anchored head of this replica).
+pub fn audit_sink(
+    a: &AuditSettings,
+    run: RunInfo,
+    head: Option<(u64, String)>,
+) -> anyhow::Result<ChainedSink> {
     let key = match &a.checkpoint_key {
         Some(p) => Some(CheckpointKey::from_pem(
             &std::fs::read(p).with_context(|| format!("reading {}", p.display()))?,
@@ -47,10 +52,9 @@ pub fn audit_sink(a: &AuditSettings) -> anyhow::Result<ChainedSink> {
             None
         }
     };
-    let run = RunInfo::from_env();
     let sink = match a.sink {
         AuditSinkKind::Stdout => {
-            ChainedSink::stdout_linked(key, a.checkpoint_every, a.max_line_bytes, run, None)?
+            ChainedSink::stdout_linked(key, a.checkpoint_every, a.max_line_bytes, run, head)?
         }
         AuditSinkKind::File => ChainedSink::file_run(
             &a.file,
@@ -83,6 +87,8 @@ pub struct App {
     pub metrics: Arc<Metrics>,
     /// The audit writer thread, unless the caller supplied its own sink.
     pub audit_writer: Option<Arc<AuditWriter>>,
+    /// The task anchoring checkpoints in Kubernetes, when on.
+    audit_anchor: Option<JoinHandle<()>>,
     shutdown: Option<oneshot::Sender<()>>,
     server: JoinHandle<Result<(), tonic::transport::Error>>,
     background: Vec<JoinHandle<()>>,
@@ -98,12 +104,37 @@ impl App {
         );
         let metrics = Arc::new(Metrics::new());
         let mut audit_writer = None;
+        let mut audit_anchor = None;
         let audit: Arc<dyn AuditSink> = match deps.audit.take() {
             Some(a) => a,
             None => {
+                let run = RunInfo::from_env();
+                let (mut head, mut observer) = (None, None);
+                if let (Some((namespace, configmap)), Some(kube)) = (&cfg.audit.anchor, &cfg.kube) {
+                    let client = kube_client(kube.kubeconfig.as_deref()).await?;
+                    let settings = crate::audit::anchor::AnchorSettings {
+                        namespace: namespace.clone(),
+                        configmap: configmap.clone(),
+                        replica: run.replica.clone(),
+                    };
+                    // A file continues from its own tail; stdout from the anchor.
+                    if cfg.audit.sink == AuditSinkKind::Stdout {
+                        head = crate::audit::anchor::read_head(&client, &settings)
+                            .await
+                            .context("reading this replica's anchored audit head")?;
+                    }
+                    let (anchor, task) =
+                        crate::audit::anchor::KubeAnchor::spawn(client, settings, None);
+                    observer = Some(anchor as Arc<dyn crate::audit::writer::CheckpointObserver>);
+                    audit_anchor = Some(task);
+                }
                 let writer = Arc::new(
-                    AuditWriter::start(audit_sink(&cfg.audit)?, cfg.audit.writer, None)
-                        .context("starting the audit writer thread")?,
+                    AuditWriter::start(
+                        audit_sink(&cfg.audit, run, head)?,
+                        cfg.audit.writer,
+                        observer,
+                    )
+                    .context("starting the audit writer thread")?,
                 );
                 audit_writer = Some(writer.clone());
                 writer
@@ -247,6 +278,7 @@ impl App {
             token_reviewer,
             metrics,
             audit_writer,
+            audit_anchor,
             ca,
             tls,
             shutdown: Some(tx),
@@ -285,6 +317,16 @@ impl App {
         if let Some(w) = self.audit_writer.clone() {
             tokio::task::spawn_blocking(move || w.shutdown_blocking(SHUTDOWN_CHECKPOINT_WAIT))
                 .await??;
+        }
+        // The writer thread has gone and dropped the anchor's sender: the
+        // task writes the shutdown checkpoint as the last head, then ends.
+        if let Some(t) = self.audit_anchor.take() {
+            if tokio::time::timeout(SHUTDOWN_CHECKPOINT_WAIT, t)
+                .await
+                .is_err()
+            {
+                tracing::error!("the shutdown checkpoint was not anchored in time");
+            }
         }
         match served {
             Some(r) => Ok(r??),

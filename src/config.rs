@@ -193,6 +193,26 @@ pub struct ServeArgs {
     /// shed with UNAVAILABLE (reason audit_queue_full).
     #[arg(long, env = "MESHCA_AUDIT_QUEUE", default_value_t = 4096)]
     pub audit_queue: usize,
+    /// Anchor every audit checkpoint outside the pod: the signed line goes
+    /// into a ConfigMap under this replica's name, plus a Kubernetes Event;
+    /// a stdout run continues the chain from its anchored head. Needs
+    /// Kubernetes.
+    #[arg(long, env = "MESHCA_AUDIT_ANCHOR", default_value_t = false, action = clap::ArgAction::Set)]
+    pub audit_anchor: bool,
+    /// Namespace of the anchor ConfigMap (the chart sets meshca's own).
+    #[arg(
+        long,
+        env = "MESHCA_AUDIT_ANCHOR_NAMESPACE",
+        default_value = "istio-system"
+    )]
+    pub audit_anchor_namespace: String,
+    /// Name of the anchor ConfigMap (one per release; RBAC names exactly it).
+    #[arg(
+        long,
+        env = "MESHCA_AUDIT_ANCHOR_CONFIGMAP",
+        default_value = "meshca-audit-anchors"
+    )]
+    pub audit_anchor_configmap: String,
     /// Publish the root bundle as a ConfigMap into namespaces (as istiod and
     /// istio-csr do) so workloads can verify meshca's serving certificate.
     #[arg(long, env = "MESHCA_PUBLISH_ROOT", default_value_t = false, action = clap::ArgAction::Set)]
@@ -565,6 +585,8 @@ pub struct AuditSettings {
     pub checkpoint_interval: Duration,
     /// Writer thread: queue, fsync policy, batch interval.
     pub writer: crate::audit::writer::WriterSettings,
+    /// Where checkpoints are anchored (namespace, ConfigMap), when on.
+    pub anchor: Option<(String, String)>,
 }
 
 /// Whether to talk to Kubernetes.
@@ -741,7 +763,20 @@ impl Config {
                 batch_interval,
                 checkpoint_interval,
             },
+            anchor: a.audit_anchor.then(|| {
+                (
+                    a.audit_anchor_namespace.clone(),
+                    a.audit_anchor_configmap.clone(),
+                )
+            }),
         };
+        if audit.anchor.is_some() && kube.is_none() {
+            return Err(err(
+                "MESHCA_AUDIT_ANCHOR",
+                "true",
+                "anchoring audit checkpoints needs Kubernetes (a kubeconfig or in-cluster config)",
+            ));
+        }
         let root_publisher = if a.publish_root {
             if kube.is_none() {
                 return Err(err(

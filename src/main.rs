@@ -90,9 +90,19 @@ enum AuditCommand {
         #[arg(long)]
         partial: bool,
         /// Anchored checkpoints to cross-check the log against: files holding
-        /// one checkpoint line each (from the anchor ConfigMaps).
+        /// one checkpoint line each.
         #[arg(long)]
         anchor: Vec<PathBuf>,
+        /// Cross-check against the anchors meshca keeps in Kubernetes (the
+        /// ConfigMap below, read with --kubeconfig or the in-cluster config).
+        #[arg(long)]
+        anchors: bool,
+        #[arg(long)]
+        kubeconfig: Option<PathBuf>,
+        #[arg(long, default_value = "istio-system")]
+        anchor_namespace: String,
+        #[arg(long, default_value = "meshca-audit-anchors")]
+        anchor_configmap: String,
         /// Files oldest first (audit.log.2 audit.log.1 audit.log), or - for stdin.
         #[arg(required = true)]
         files: Vec<PathBuf>,
@@ -290,6 +300,10 @@ fn audit(cmd: AuditCommand) -> anyhow::Result<()> {
             allow_new_chain,
             partial,
             anchor,
+            anchors: from_kube,
+            kubeconfig,
+            anchor_namespace,
+            anchor_configmap,
             files,
         } => {
             let keys = key
@@ -304,11 +318,35 @@ fn audit(cmd: AuditCommand) -> anyhow::Result<()> {
             let anchors = anchor
                 .iter()
                 .map(|p| {
+                    // One checkpoint line per line of the file.
                     std::fs::read_to_string(p)
-                        .map(|s| (p.display().to_string(), s.trim_end().to_string()))
+                        .map(|s| {
+                            s.lines()
+                                .filter(|l| !l.is_empty())
+                                .enumerate()
+                                .map(|(i, l)| (format!("{}:{}", p.display(), i + 1), l.to_string()))
+                                .collect::<Vec<_>>()
+                        })
                         .with_context(|| format!("--anchor {}", p.display()))
                 })
-                .collect::<anyhow::Result<Vec<_>>>()?;
+                .collect::<anyhow::Result<Vec<Vec<_>>>>()?;
+            let mut anchors: Vec<(String, String)> = anchors.into_iter().flatten().collect();
+            if from_kube {
+                let fetched = tokio::task::block_in_place(|| {
+                    tokio::runtime::Handle::current().block_on(async {
+                        let client = meshca::app::kube_client(kubeconfig.as_deref()).await?;
+                        anyhow::Ok(
+                            meshca::audit::anchor::fetch(
+                                &client,
+                                &anchor_namespace,
+                                &anchor_configmap,
+                            )
+                            .await?,
+                        )
+                    })
+                })?;
+                anchors.extend(fetched);
+            }
             let lines = verify::read_lines(&files)?;
             let opts = verify::VerifyOptions {
                 keys: &keys,
@@ -343,6 +381,9 @@ fn audit(cmd: AuditCommand) -> anyhow::Result<()> {
                     }
                     for note in &r.recoveries {
                         println!("{note}");
+                    }
+                    for (l, n) in &r.orphaned {
+                        println!("note: the run starting at {l} continues from its anchored checkpoint after a crash; the {n} record(s) the crashed run wrote after that checkpoint stay in the log, covered by no checkpoint");
                     }
                     for l in &r.new_chains {
                         println!("note: a new chain starts at {l} (accepted by --allow-new-chain)");

@@ -209,6 +209,7 @@ pub fn test_config(ca_dir: PathBuf) -> crate::config::Config {
                 batch_interval: std::time::Duration::from_millis(2),
                 checkpoint_interval: std::time::Duration::from_secs(60),
             },
+            anchor: None,
         },
         root_publisher: None,
         transport: Default::default(),

@@ -503,3 +503,59 @@ fn cli_strict_and_anchor_catch_a_cut_after_a_checkpoint() {
         "{out}"
     );
 }
+
+#[test]
+fn a_stdout_run_after_a_crash_continues_from_the_anchor_and_names_the_orphaned_tail() {
+    let key = CheckpointKey::generate_pem().unwrap();
+    let k = keys(&[&key]);
+    let sink = |head| {
+        ChainedSink::writer_linked(
+            Output::Buffer(Vec::new()),
+            Some(CheckpointKey::from_pem(key.as_bytes()).unwrap()),
+            3,
+            16384,
+            RunInfo::new("meshca-0"),
+            head,
+        )
+        .unwrap()
+    };
+    // Run 1 crashes two records after its last (anchored) checkpoint.
+    let run1 = sink(None);
+    for i in 0..5 {
+        run1.emit(&record(i)).unwrap();
+    }
+    let anchor = run1.last_checkpoint().unwrap();
+    let anchored_seq: u64 = serde_json::from_str::<serde_json::Value>(&anchor).unwrap()["seq"]
+        .as_u64()
+        .unwrap();
+    let run2 = sink(Some((
+        anchored_seq,
+        meshca::audit::chain::line_hash(&anchor),
+    )));
+    run2.emit(&record(9)).unwrap();
+    run2.checkpoint("shutdown").unwrap();
+    let lines: Vec<String> = run1
+        .buffer_contents()
+        .lines()
+        .chain(run2.buffer_contents().lines())
+        .map(str::to_string)
+        .collect();
+    let rep = verify(&lines, &k).unwrap();
+    let start = run1.buffer_contents().lines().count() + 1;
+    assert_eq!(rep.orphaned, vec![(format!("log:{start}"), 2)]);
+    assert_eq!(rep.chain_starts, 1);
+    // Only a head that came from the anchor may fork: a file run may not.
+    let forged: Vec<String> = lines
+        .iter()
+        .map(|l| l.replace("\"from\":\"anchor\"", "\"from\":\"file\""))
+        .collect();
+    assert!(
+        verify(&forged, &k).is_err(),
+        "the edit breaks the signature"
+    );
+    fails_at(
+        verify(&forged, &[]),
+        start,
+        "runs were removed, replaced or reordered",
+    );
+}

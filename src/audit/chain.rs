@@ -473,6 +473,8 @@ pub struct ChainedSink {
     shed: Arc<AtomicU64>,
     /// Files rotated by this sink (a rollback cannot cross one).
     rotations: AtomicU64,
+    /// Checkpoints written by this sink (anchors follow the newest).
+    checkpoints: AtomicU64,
 }
 
 impl ChainedSink {
@@ -511,6 +513,7 @@ impl ChainedSink {
             run,
             shed: Arc::new(AtomicU64::new(0)),
             rotations: AtomicU64::new(0),
+            checkpoints: AtomicU64::new(0),
         };
         // Every start is marked, so restarts are visible in the log (a
         // pending recovery is written first).
@@ -776,6 +779,7 @@ impl ChainedSink {
         self.write_line(st, &line)?;
         st.since_checkpoint = 0;
         st.last_checkpoint = Some(line);
+        self.checkpoints.fetch_add(1, Ordering::Relaxed);
         if reason == "start" {
             st.previous = None;
         }
@@ -798,7 +802,12 @@ impl ChainedSink {
         (st.seq > 0).then(|| (st.seq - 1, st.prev.clone()))
     }
 
-    /// The last checkpoint line written (for anchoring), if the head is one.
+    /// How many checkpoints this sink has written.
+    pub fn checkpoint_count(&self) -> u64 {
+        self.checkpoints.load(Ordering::Relaxed)
+    }
+
+    /// The last checkpoint line written (for anchoring).
     pub fn last_checkpoint(&self) -> Option<String> {
         self.state.lock().ok()?.last_checkpoint.clone()
     }
@@ -920,6 +929,7 @@ impl ChainedSink {
             st.seq += 1;
             st.since_checkpoint = 0;
             st.last_checkpoint = Some(cp);
+            self.checkpoints.fetch_add(1, Ordering::Relaxed);
         }
         result
     }

@@ -4,6 +4,7 @@
 //! periodic checkpoints so deletions, edits and reordering are detectable
 //! ([`verify`]).
 
+pub mod anchor;
 pub mod bounded;
 pub mod chain;
 pub mod verify;

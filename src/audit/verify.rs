@@ -117,6 +117,11 @@ pub struct VerifyReport {
     /// Requests shed (refused without a record) as the last checkpoint of
     /// each run says, summed.
     pub shed: u64,
+    /// Runs that continued from their anchored checkpoint after a crash:
+    /// `file:line` of the new run's start, and how many records the crashed
+    /// run wrote after that checkpoint (in the log, no longer on the chain's
+    /// continuing path, and covered by no checkpoint).
+    pub orphaned: Vec<(String, u64)>,
 }
 
 /// One run of the writer as the log shows it.
@@ -343,6 +348,8 @@ pub fn verify_lines_with<L: AsRef<[u8]>>(
     let mut report = VerifyReport::default();
     let mut run: Option<RunState> = None;
     let mut seen_runs: HashSet<String> = HashSet::new();
+    // (seq, line hash) from the last checkpoint on: where a new run may fork.
+    let mut tail: Vec<(u64, String)> = Vec::new();
     let mut expected: Option<(u64, String)> = None;
     let mut i = 0;
     let mut explained_until = 0;
@@ -400,16 +407,19 @@ pub fn verify_lines_with<L: AsRef<[u8]>>(
         });
         let (head_seq, head_prev) = (parsed.seq(), parsed.prev());
         if let Some(cp) = checkpoint.filter(|cp| cp.run.is_some()) {
-            check_run(
+            if let Some(fork) = check_run(
                 cp,
                 &mut run,
                 &mut seen_runs,
                 &mut report,
-                expected.as_ref(),
+                (expected.as_ref(), &tail),
                 opts,
                 location,
             )
-            .map_err(|why| fail(seq, why))?;
+            .map_err(|why| fail(seq, why))?
+            {
+                expected = Some(fork);
+            }
         } else if checkpoint.is_none() {
             if let Some(n) = run.as_mut().and_then(|r| r.since_checkpoint.as_mut()) {
                 *n += 1;
@@ -452,12 +462,20 @@ pub fn verify_lines_with<L: AsRef<[u8]>>(
             report.records += 1;
             report.unsigned_tail += 1;
         }
-        expected = Some((head_seq + 1, line_hash(line)));
+        let hash = line_hash(line);
+        if checkpoint.is_some() {
+            tail.clear();
+        }
+        tail.push((head_seq, hash.clone()));
+        expected = Some((head_seq + 1, hash));
         i += 1;
     }
     report.shed = report.runs.iter().map(|r| r.shed).sum();
     Ok(report)
 }
+
+/// A chain position: seq and line hash.
+type Head2 = (u64, String);
 
 /// Checks a v2 checkpoint against the run it belongs to: a run begins with
 /// its `start` (or the `recovery` right before it), never repeats, stays on
@@ -467,13 +485,14 @@ fn check_run(
     state: &mut Option<RunState>,
     seen: &mut HashSet<String>,
     report: &mut VerifyReport,
-    expected: Option<&(u64, String)>,
+    (expected, tail): (Option<&Head2>, &[Head2]),
     opts: &VerifyOptions<'_>,
     location: &str,
-) -> Result<(), String> {
+) -> Result<Option<(u64, String)>, String> {
     let (Some(id), replica) = (&cp.run, cp.replica.clone().unwrap_or_default()) else {
-        return Ok(());
+        return Ok(None);
     };
+    let mut fork = None;
     let same_run = state.as_ref().is_some_and(|r| r.run == *id);
     if same_run {
         let r = state.as_mut().ok_or("no run")?;
@@ -496,7 +515,7 @@ fn check_run(
             s.last_reason = cp.reason.clone();
             s.shed = cp.shed.unwrap_or(0);
         }
-        return Ok(());
+        return Ok(None);
     }
     // A checkpoint of another run than the current one.
     if state.is_some() && cp.reason != "start" && cp.reason != "recovery" {
@@ -522,7 +541,20 @@ fn check_run(
     if cp.reason == "start" || cp.reason == "recovery" {
         match (&cp.previous, expected) {
             (Some(p), Some((want_seq, want_prev))) => {
-                if p.seq + 1 != *want_seq || p.hash != *want_prev {
+                // stdout after a crash: the run continues from the last
+                // anchored checkpoint, and the crashed run's records after it
+                // stay in the log, off the chain (still linked to it).
+                let anchored_fork = p.from == "anchor"
+                    && p.seq + 1 < *want_seq
+                    && tail
+                        .first()
+                        .is_some_and(|(s, h)| *s == p.seq && *h == p.hash);
+                if anchored_fork {
+                    report
+                        .orphaned
+                        .push((location.to_string(), *want_seq - p.seq - 1));
+                    fork = Some((p.seq + 1, p.hash.clone()));
+                } else if p.seq + 1 != *want_seq || p.hash != *want_prev {
                     return Err(format!(
                         "run {id} continues from seq {} (line hash {}), but the line before it is seq {}: runs were removed, replaced or reordered",
                         p.seq,
@@ -558,7 +590,7 @@ fn check_run(
         last_reason: cp.reason.clone(),
         shed: cp.shed.unwrap_or(0),
     });
-    Ok(())
+    Ok(fork)
 }
 
 /// What cross-checking against an anchor showed.

@@ -224,6 +224,8 @@ struct Worker {
     /// Records written since the last checkpoint (time-based ones are only
     /// written when some are pending).
     pending: bool,
+    /// Checkpoints of the sink already handed to the observer.
+    anchored: u64,
 }
 
 /// Most messages written before one fsync (bounds the acknowledgement delay
@@ -237,11 +239,12 @@ impl Worker {
         observer: Option<Arc<dyn CheckpointObserver>>,
     ) -> Self {
         Self {
-            sink,
             settings,
             observer,
             last_checkpoint: Instant::now(),
             pending: false,
+            anchored: sink.checkpoint_count(),
+            sink,
         }
     }
 
@@ -339,14 +342,17 @@ impl Worker {
         for (waiter, r) in acks {
             waiter.send(r);
         }
+        self.anchor();
         stop
     }
 
     /// fsync; when it fails, the lines since `mark` are cut off so no record
     /// of a refused request stays in the log.
-    fn durable(&self, mark: Option<&super::chain::Mark>) -> Result<(), AuditError> {
+    fn durable(&mut self, mark: Option<&super::chain::Mark>) -> Result<(), AuditError> {
         let r = self.sink.sync();
         if let Err(e) = &r {
+            // A checkpoint in the undone lines must not be anchored.
+            self.anchored = self.sink.checkpoint_count();
             let undone = mark.is_some_and(|m| self.sink.rollback(m));
             tracing::error!(error = %e, undone, "audit fsync failed; the records it should have covered are refused");
         }
@@ -361,10 +367,21 @@ impl Worker {
         }
         self.pending = false;
         self.last_checkpoint = Instant::now();
+        self.anchor();
+        Ok(())
+    }
+
+    /// Hands the newest checkpoint (periodic, rotation, recovery or one
+    /// asked for) to the observer once it is durable.
+    fn anchor(&mut self) {
+        let n = self.sink.checkpoint_count();
+        if n == self.anchored {
+            return;
+        }
+        self.anchored = n;
         if let (Some(o), Some(line)) = (&self.observer, self.sink.last_checkpoint()) {
             o.checkpoint(&line);
         }
-        Ok(())
     }
 }
 

@@ -1,0 +1,280 @@
+//! Audit heads anchored in the real kube-apiserver: each checkpoint lands in
+//! the release's anchor ConfigMap under the replica's name (RBAC names only
+//! that object) and as an Event; a stdout run continues its chain from the
+//! anchored head; `meshca audit verify --anchors` cross-checks a log against
+//! the cluster, and fails on a cut log or an edited anchor.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::path::Path;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{ConfigMap, Event};
+use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+use kube::api::{ListParams, Patch, PatchParams, PostParams};
+use kube::Api;
+use serde_json::json;
+
+const CM: &str = "meshca-audit-anchors";
+
+/// The chart's anchor RBAC, for the test user `meshca`: get and patch of
+/// the one anchor ConfigMap, and Events.
+async fn anchor_rbac(k: &common::Kte, ns: &str) {
+    let role: Role = serde_json::from_value(json!({
+        "metadata": {"name": "meshca-audit-anchor"},
+        "rules": [
+            {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": [CM], "verbs": ["get", "patch"]},
+            {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]}
+        ]
+    }))
+    .unwrap();
+    Api::<Role>::namespaced(k.admin.clone(), ns)
+        .create(&PostParams::default(), &role)
+        .await
+        .unwrap();
+    let rb: RoleBinding = serde_json::from_value(json!({
+        "metadata": {"name": "meshca-audit-anchor"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "meshca-audit-anchor"},
+        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": "meshca"}]
+    }))
+    .unwrap();
+    Api::<RoleBinding>::namespaced(k.admin.clone(), ns)
+        .create(&PostParams::default(), &rb)
+        .await
+        .unwrap();
+    // The chart creates the ConfigMap empty; meshca only patches its key.
+    let cm: ConfigMap = serde_json::from_value(json!({"metadata": {"name": CM}})).unwrap();
+    Api::<ConfigMap>::namespaced(k.admin.clone(), ns)
+        .create(&PostParams::default(), &cm)
+        .await
+        .unwrap();
+}
+
+/// One run of `meshca serve --dev` on stdout with anchoring on, writing its
+/// stdout to `out`: issues one certificate, then stops with SIGTERM.
+async fn run_once(k: &common::Kte, ns: &str, data: &Path, key: &Path, out: &Path) {
+    let stdout = std::fs::File::create(out).unwrap();
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_meshca"))
+        .args([
+            "serve",
+            "--dev",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--audit-sink",
+            "stdout",
+            "--audit-anchor",
+            "true",
+            "--audit-anchor-namespace",
+            ns,
+        ])
+        .arg("--kubeconfig")
+        .arg(k.meshca_kubeconfig())
+        .arg("--data-dir")
+        .arg(data)
+        .env("POD_NAME", "meshca-0")
+        .env("MESHCA_AUDIT_CHECKPOINT_KEY", key)
+        .stdout(stdout)
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let (addr, _) =
+        meshca::testing::await_listening(child.stderr.take().unwrap(), Duration::from_secs(30))
+            .await;
+    let read = |f: &str| std::fs::read_to_string(data.join("dev-client").join(f)).unwrap();
+    let mut c = meshca::testing::client(
+        addr,
+        &read("root-cert.pem"),
+        Some((&read("cert-chain.pem"), &read("key.pem"))),
+    )
+    .await
+    .unwrap();
+    let csr_key = rcgen::KeyPair::generate().unwrap();
+    c.create_certificate(meshca::testing::request(
+        meshca::testing::csr_for(&csr_key, "spiffe://cluster.local/ns/default/sa/default"),
+        0,
+        &[],
+    ))
+    .await
+    .unwrap();
+    drop(c);
+    let pid = child.id().unwrap();
+    std::process::Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()
+        .unwrap();
+    let status = tokio::time::timeout(Duration::from_secs(20), child.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(status.success(), "{status}");
+}
+
+async fn anchor_line(k: &common::Kte, ns: &str) -> String {
+    let cm = Api::<ConfigMap>::namespaced(k.admin.clone(), ns)
+        .get(CM)
+        .await
+        .unwrap();
+    cm.data.unwrap()["meshca-0"].clone()
+}
+
+fn meshca(args: &[&str]) -> (i32, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_meshca"))
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stdout_runs_link_through_the_anchor_and_verify_against_the_cluster() {
+    let k = common::kte().await;
+    let ns = k.namespace("audit-anchor").await;
+    anchor_rbac(&k, &ns).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (data, key) = (dir.path().join("data"), dir.path().join("checkpoint.pem"));
+    std::fs::write(
+        &key,
+        meshca::audit::chain::CheckpointKey::generate_pem().unwrap(),
+    )
+    .unwrap();
+    let (run1, run2, both) = (
+        dir.path().join("run1.log"),
+        dir.path().join("run2.log"),
+        dir.path().join("both.log"),
+    );
+
+    run_once(&k, &ns, &data, &key, &run1).await;
+    let first_anchor = anchor_line(&k, &ns).await;
+    assert!(
+        first_anchor.contains("\"reason\":\"shutdown\""),
+        "{first_anchor}"
+    );
+    assert_eq!(
+        first_anchor,
+        std::fs::read_to_string(&run1)
+            .unwrap()
+            .lines()
+            .last()
+            .unwrap(),
+        "the anchor holds the run's last line, the shutdown checkpoint"
+    );
+
+    // The second run (same replica, new process) continues from the anchor.
+    run_once(&k, &ns, &data, &key, &run2).await;
+    let start: serde_json::Value = serde_json::from_str(
+        std::fs::read_to_string(&run2)
+            .unwrap()
+            .lines()
+            .next()
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(start["reason"], "start");
+    assert_eq!(start["previous"]["from"], "anchor");
+    assert_eq!(
+        start["previous"]["hash"].as_str().unwrap(),
+        meshca::audit::chain::line_hash(&first_anchor)
+    );
+
+    // Each checkpoint is also an Event.
+    let events = Api::<Event>::namespaced(k.admin.clone(), &ns)
+        .list(&ListParams::default())
+        .await
+        .unwrap();
+    let checkpoints = events
+        .items
+        .iter()
+        .filter(|e| e.reason.as_deref() == Some("AuditCheckpoint"))
+        .count();
+    assert!(
+        checkpoints >= 4,
+        "start and shutdown of two runs: {checkpoints}"
+    );
+
+    // The concatenated stdout logs are one chain, and agree with the cluster.
+    let whole = std::fs::read_to_string(&run1).unwrap() + &std::fs::read_to_string(&run2).unwrap();
+    std::fs::write(&both, &whole).unwrap();
+    let admin = k.dir.join("admin.kubeconfig");
+    let verify = |log: &Path| {
+        meshca(&[
+            "audit",
+            "verify",
+            "--strict",
+            "--key",
+            key.to_str().unwrap(),
+            "--anchors",
+            "--kubeconfig",
+            admin.to_str().unwrap(),
+            "--anchor-namespace",
+            &ns,
+            log.to_str().unwrap(),
+        ])
+    };
+    let (code, out) = verify(&both);
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.contains("1 chain start(s)") && out.contains("matches"),
+        "{out}"
+    );
+
+    // The whole last run removed: the log alone ends cleanly, the anchor
+    // shows the cut.
+    std::fs::write(&both, std::fs::read_to_string(&run1).unwrap()).unwrap();
+    let (code, out) = verify(&both);
+    assert_ne!(code, 0);
+    assert!(out.contains("the log was cut after it"), "{out}");
+
+    // An edited anchor fails its signature.
+    std::fs::write(&both, &whole).unwrap();
+    let edited = anchor_line(&k, &ns)
+        .await
+        .replace("\"reason\":\"shutdown\"", "\"reason\":\"periodic\"");
+    Api::<ConfigMap>::namespaced(k.admin.clone(), &ns)
+        .patch(
+            CM,
+            &PatchParams::default(),
+            &Patch::Merge(&json!({"data": {"meshca-0": edited}})),
+        )
+        .await
+        .unwrap();
+    let (code, out) = verify(&both);
+    assert_ne!(code, 0);
+    assert!(out.contains("signature does not verify"), "{out}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn anchor_rbac_allows_only_the_anchor_configmap() {
+    let k = common::kte().await;
+    let ns = k.namespace("audit-anchor-rbac").await;
+    anchor_rbac(&k, &ns).await;
+    let other: ConfigMap =
+        serde_json::from_value(json!({"metadata": {"name": "someone-elses"}})).unwrap();
+    Api::<ConfigMap>::namespaced(k.admin.clone(), &ns)
+        .create(&PostParams::default(), &other)
+        .await
+        .unwrap();
+    let meshca = common::client(&k.meshca_kubeconfig()).await;
+    let api = Api::<ConfigMap>::namespaced(meshca, &ns);
+    let patch = Patch::Merge(json!({"data": {"meshca-0": "x"}}));
+    api.patch(CM, &PatchParams::default(), &patch)
+        .await
+        .unwrap();
+    let e = api
+        .patch("someone-elses", &PatchParams::default(), &patch)
+        .await
+        .unwrap_err();
+    assert!(matches!(&e, kube::Error::Api(s) if s.code == 403), "{e}");
+    let e = api.list(&ListParams::default()).await.unwrap_err();
+    assert!(matches!(&e, kube::Error::Api(s) if s.code == 403), "{e}");
+}
