@@ -109,7 +109,7 @@ impl App {
             Some(a) => a,
             None => {
                 let run = RunInfo::from_env();
-                let (mut head, mut observer) = (None, None);
+                let (mut head, mut anchor_to) = (None, None);
                 if let (Some((namespace, configmap)), Some(kube)) = (&cfg.audit.anchor, &cfg.kube) {
                     let client = kube_client(kube.kubeconfig.as_deref()).await?;
                     let settings = crate::audit::anchor::AnchorSettings {
@@ -123,18 +123,20 @@ impl App {
                             .await
                             .context("reading this replica's anchored audit head")?;
                     }
+                    anchor_to = Some((client, settings));
+                }
+                let sink = audit_sink(&cfg.audit, run, head)?;
+                let mut observer = None;
+                if let Some((client, settings)) = anchor_to {
+                    let public = sink.verify_key().map(|k| (k.key_id(), k.to_pem()));
                     let (anchor, task) =
-                        crate::audit::anchor::KubeAnchor::spawn(client, settings, None);
+                        crate::audit::anchor::KubeAnchor::spawn(client, settings, public, None);
                     observer = Some(anchor as Arc<dyn crate::audit::writer::CheckpointObserver>);
                     audit_anchor = Some(task);
                 }
                 let writer = Arc::new(
-                    AuditWriter::start(
-                        audit_sink(&cfg.audit, run, head)?,
-                        cfg.audit.writer,
-                        observer,
-                    )
-                    .context("starting the audit writer thread")?,
+                    AuditWriter::start(sink, cfg.audit.writer, observer)
+                        .context("starting the audit writer thread")?,
                 );
                 audit_writer = Some(writer.clone());
                 writer

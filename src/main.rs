@@ -103,6 +103,10 @@ enum AuditCommand {
         anchor_namespace: String,
         #[arg(long, default_value = "meshca-audit-anchors")]
         anchor_configmap: String,
+        /// With --anchors: also accept the public keys meshca published in
+        /// the anchor ConfigMap (trust them as much as the cluster's RBAC).
+        #[arg(long, requires = "anchors")]
+        keys_from_anchors: bool,
         /// Files oldest first (audit.log.2 audit.log.1 audit.log), or - for stdin.
         #[arg(required = true)]
         files: Vec<PathBuf>,
@@ -304,9 +308,10 @@ fn audit(cmd: AuditCommand) -> anyhow::Result<()> {
             kubeconfig,
             anchor_namespace,
             anchor_configmap,
+            keys_from_anchors,
             files,
         } => {
-            let keys = key
+            let mut keys = key
                 .iter()
                 .map(|p| {
                     std::fs::read(p)
@@ -345,7 +350,19 @@ fn audit(cmd: AuditCommand) -> anyhow::Result<()> {
                         )
                     })
                 })?;
-                anchors.extend(fetched);
+                anchors.extend(fetched.0);
+                if keys_from_anchors {
+                    for (id, pem) in fetched.1 {
+                        let k = VerifyKey::from_pem(pem.as_bytes())
+                            .with_context(|| format!("published key {id}"))?;
+                        anyhow::ensure!(
+                            k.key_id() == id,
+                            "published key {id} has id {}",
+                            k.key_id()
+                        );
+                        keys.push(k);
+                    }
+                }
             }
             let lines = verify::read_lines(&files)?;
             let opts = verify::VerifyOptions {

@@ -227,6 +227,25 @@ async fn stdout_runs_link_through_the_anchor_and_verify_against_the_cluster() {
         out.contains("1 chain start(s)") && out.contains("matches"),
         "{out}"
     );
+    // The public key meshca published beside the heads verifies them too.
+    let (code, out) = meshca(&[
+        "audit",
+        "verify",
+        "--strict",
+        "--anchors",
+        "--keys-from-anchors",
+        "--kubeconfig",
+        admin.to_str().unwrap(),
+        "--anchor-namespace",
+        &ns,
+        both.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.contains("signature-verified") && !out.contains("(0 signature-verified)"),
+        "{out}"
+    );
+    assert!(!out.contains("no --key given"), "{out}");
 
     // The whole last run removed: the log alone ends cleanly, the anchor
     // shows the cut.

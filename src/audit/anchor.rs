@@ -68,23 +68,37 @@ pub async fn read_head(
     Ok(Some((cp.seq, line_hash(&line))))
 }
 
-/// Every anchored checkpoint in the ConfigMap, as (`ns/name:replica`, line).
+/// Data-key prefix of the public keys a replica publishes beside its head
+/// (`key.<key_id>.pem`; a rotated key's entry stays, so its id remains
+/// verifiable).
+pub const KEY_PREFIX: &str = "key.";
+
+/// What the anchor ConfigMap holds: checkpoints as (`ns/name:replica`,
+/// line), and published public keys as (key_id, PEM).
+pub type Anchors = (Vec<(String, String)>, Vec<(String, String)>);
+
+/// Every anchored checkpoint and published key in the ConfigMap.
 pub async fn fetch(
     client: &Client,
     namespace: &str,
     configmap: &str,
-) -> Result<Vec<(String, String)>, AnchorError> {
+) -> Result<Anchors, AnchorError> {
     let api: Api<ConfigMap> = Api::namespaced(client.clone(), namespace);
     let cm = api
         .get(configmap)
         .await
         .map_err(|e| AnchorError::Read(format!("{namespace}/{configmap}"), e))?;
-    Ok(cm
-        .data
-        .unwrap_or_default()
-        .into_iter()
-        .map(|(replica, line)| (format!("{namespace}/{configmap}:{replica}"), line))
-        .collect())
+    let (mut heads, mut keys) = (vec![], vec![]);
+    for (k, v) in cm.data.unwrap_or_default() {
+        match k
+            .strip_prefix(KEY_PREFIX)
+            .and_then(|r| r.strip_suffix(".pem"))
+        {
+            Some(id) => keys.push((id.to_string(), v)),
+            None => heads.push((format!("{namespace}/{configmap}:{k}"), v)),
+        }
+    }
+    Ok((heads, keys))
 }
 
 /// Feeds checkpoints from the writer thread to an async task that writes
@@ -104,13 +118,25 @@ impl CheckpointObserver for KubeAnchor {
 impl KubeAnchor {
     /// Starts the task; it stops when the anchor is dropped (after writing
     /// the last head it was given).
+    /// `public_key`: (key_id, PEM) published beside the heads first.
     pub fn spawn(
         client: Client,
         s: AnchorSettings,
+        public_key: Option<(String, String)>,
         metrics: Option<Arc<dyn AnchorMetrics>>,
     ) -> (Arc<Self>, tokio::task::JoinHandle<()>) {
         let (tx, mut rx) = watch::channel(None::<String>);
         let task = tokio::spawn(async move {
+            if let Some((id, pem)) = public_key {
+                let patch = serde_json::json!({ "data": { format!("{KEY_PREFIX}{id}.pem"): pem } });
+                let api: Api<ConfigMap> = Api::namespaced(client.clone(), &s.namespace);
+                if let Err(e) = api
+                    .patch(&s.configmap, &PatchParams::default(), &Patch::Merge(&patch))
+                    .await
+                {
+                    tracing::error!(error = %e, "audit checkpoint public key not published");
+                }
+            }
             loop {
                 let line = rx.borrow_and_update().clone();
                 if let Some(line) = line {

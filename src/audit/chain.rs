@@ -202,15 +202,24 @@ pub enum CheckpointKey {
 
 impl CheckpointKey {
     pub fn from_pem(pem: &[u8]) -> Result<Self, AuditError> {
-        let der = match PrivateKeyDer::from_pem_slice(pem) {
-            Ok(PrivateKeyDer::Pkcs8(k)) => k,
-            Ok(_) => {
-                return Err(AuditError(
-                    "checkpoint key must be PKCS#8 (BEGIN PRIVATE KEY)".into(),
-                ))
-            }
-            Err(e) => return Err(AuditError(format!("checkpoint key: {e}"))),
-        };
+        let der =
+            match PrivateKeyDer::from_pem_slice(pem) {
+                Ok(PrivateKeyDer::Pkcs8(k)) => k,
+                // What Helm's genPrivateKey "ecdsa" writes (the chart's default key).
+                Ok(PrivateKeyDer::Sec1(k)) => {
+                    return EcdsaKeyPair::from_private_key_der(
+                        &signature::ECDSA_P256_SHA256_ASN1_SIGNING,
+                        k.secret_sec1_der(),
+                    )
+                    .map(Self::EcdsaP256)
+                    .map_err(|_| AuditError("checkpoint key: EC key is not P-256".into()))
+                }
+                Ok(_) => return Err(AuditError(
+                    "checkpoint key must be PKCS#8 (BEGIN PRIVATE KEY) or a P-256 EC PRIVATE KEY"
+                        .into(),
+                )),
+                Err(e) => return Err(AuditError(format!("checkpoint key: {e}"))),
+            };
         if let Ok(k) = EcdsaKeyPair::from_pkcs8(
             &signature::ECDSA_P256_SHA256_ASN1_SIGNING,
             der.secret_pkcs8_der(),
@@ -784,6 +793,11 @@ impl ChainedSink {
             st.previous = None;
         }
         Ok(())
+    }
+
+    /// The public key of the checkpoint key, when checkpoints are signed.
+    pub fn verify_key(&self) -> Option<VerifyKey> {
+        self.key.as_ref().map(CheckpointKey::verify_key)
     }
 
     /// The run this sink writes.
@@ -1668,6 +1682,30 @@ mod tests {
         drop(sink);
         let rep = verify_lines(&read_lines(&[&path]).unwrap(), None).unwrap();
         assert_eq!(rep.chain_starts, 1, "one chain across the restart");
+    }
+
+    #[test]
+    fn a_sec1_p256_key_as_helm_generates_it_signs_checkpoints() {
+        // `genPrivateKey "ecdsa"` in the chart writes this form (a throwaway
+        // test key made with `openssl ecparam -genkey -name prime256v1`).
+        let pem = "-----BEGIN EC PRIVATE KEY-----\n\
+MHcCAQEEID67S8+86QY+fYpSqahCgnBuqpfPBg+2Hqs+lvN+zWGPoAoGCCqGSM49\n\
+AwEHoUQDQgAEMYWRM98BAPzMWtA247At2bCycVYLi3wbNdbTbnxrIwOH/u7Y/izh\n\
+5LKwhfe1qRrlikH36TR04t87iAaHL3wrgw==\n\
+-----END EC PRIVATE KEY-----\n";
+        let key = CheckpointKey::from_pem(pem.as_bytes()).unwrap();
+        let vk = key.verify_key();
+        let sink =
+            ChainedSink::writer_capped(Output::Buffer(Vec::new()), Some(key), 1, 16384).unwrap();
+        sink.emit(&record(1)).unwrap();
+        let text = sink.buffer_contents();
+        let lines: Vec<(String, String)> = text
+            .lines()
+            .enumerate()
+            .map(|(i, l)| (format!("mem:{i}"), l.to_string()))
+            .collect();
+        let rep = verify_lines(&lines, Some(&vk)).unwrap();
+        assert_eq!(rep.signed_checkpoints, 1);
     }
 
     #[test_case(b"{\"type\":\"audit\",\"seq\":12,\"prev\":\"0000000000000000000000000000000000000000000000000000000000000000\",", Some(12) ; "audit head")]
