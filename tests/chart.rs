@@ -318,3 +318,66 @@ fn pod_is_restricted_and_mounts_cacerts_for_hot_reload() {
     assert_eq!(audit["mountPath"].as_str(), Some("/var/log/meshca"));
     assert_eq!(audit["subPathExpr"].as_str(), Some("$(POD_NAME)"));
 }
+
+/// Signed checkpoints and anchors are on by default: the chart generates a
+/// checkpoint key meshca can load, mounts it, and grants only the anchor
+/// ConfigMap (by name) and Events in the release namespace.
+#[test]
+fn audit_checkpoints_are_signed_and_anchored_by_default() {
+    use base64::Engine;
+    let secret = render("templates/audit-checkpoint-key.yaml", "r", "ns1", &[]);
+    let pem_b64 = secret[0]["data"]["key.pem"].as_str().unwrap();
+    let pem = base64::engine::general_purpose::STANDARD
+        .decode(pem_b64)
+        .unwrap();
+    meshca::audit::chain::CheckpointKey::from_pem(&pem).expect("the generated key loads");
+    assert_eq!(
+        secret[0]["metadata"]["name"],
+        "r-meshca-audit-checkpoint-key"
+    );
+
+    let anchor = render("templates/audit-anchor.yaml", "r", "ns1", &[]);
+    let kinds: Vec<&str> = anchor.iter().filter_map(|d| d["kind"].as_str()).collect();
+    assert_eq!(kinds, ["ConfigMap", "Role", "RoleBinding"]);
+    assert_eq!(anchor[0]["metadata"]["name"], "r-meshca-audit-anchors");
+    let rules = serde_json::to_value(&anchor[1]["rules"]).unwrap();
+    assert_eq!(
+        rules,
+        serde_json::json!([
+            {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": ["r-meshca-audit-anchors"], "verbs": ["get", "patch"]},
+            {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]}
+        ]),
+        "exactly the rules tests/audit_anchor.rs runs meshca with"
+    );
+
+    let dep = render("templates/deployment.yaml", "r", "ns1", &[]);
+    let env = env_of(&dep[0]);
+    let get = |k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
+    assert_eq!(
+        get("MESHCA_AUDIT_CHECKPOINT_KEY").as_deref(),
+        Some("/etc/meshca/audit-checkpoint-key/key.pem")
+    );
+    assert_eq!(get("MESHCA_AUDIT_ANCHOR").as_deref(), Some("true"));
+    assert_eq!(get("MESHCA_AUDIT_ANCHOR_NAMESPACE").as_deref(), Some("ns1"));
+    assert_eq!(
+        get("MESHCA_AUDIT_ANCHOR_CONFIGMAP").as_deref(),
+        Some("r-meshca-audit-anchors")
+    );
+    assert_eq!(get("MESHCA_AUDIT_FSYNC").as_deref(), Some("batch"));
+
+    // Turned off, neither the Role nor the key Secret is rendered.
+    let off = Command::new(helm())
+        .args(["template", "r"])
+        .arg(repo().join("charts/meshca"))
+        .args([
+            "--set",
+            "audit.anchor.enabled=false",
+            "--set",
+            "audit.checkpoint.generateKey=false",
+        ])
+        .output()
+        .unwrap();
+    let text = String::from_utf8(off.stdout).unwrap();
+    assert!(off.status.success());
+    assert!(!text.contains("kind: Role\n") && !text.contains("audit-checkpoint-key"));
+}

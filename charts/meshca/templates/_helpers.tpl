@@ -63,3 +63,17 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- define "meshca.checkpointKeyDir" -}}
 /etc/meshca/audit-checkpoint-key
 {{- end }}
+
+{{/* The Secret holding the checkpoint key: the given one, else the one the chart generates. */}}
+{{- define "meshca.checkpointSecret" -}}
+{{- if .Values.audit.checkpoint.secretName -}}
+{{ .Values.audit.checkpoint.secretName }}
+{{- else if .Values.audit.checkpoint.generateKey -}}
+{{ include "meshca.fullname" . }}-audit-checkpoint-key
+{{- end -}}
+{{- end }}
+
+{{/* The ConfigMap holding each replica's anchored audit head. */}}
+{{- define "meshca.anchorConfigMap" -}}
+{{- default (printf "%s-audit-anchors" (include "meshca.fullname" .)) .Values.audit.anchor.configMapName -}}
+{{- end }}
