@@ -1685,6 +1685,42 @@ mod tests {
     }
 
     #[test]
+    fn a_checkpoint_that_cannot_be_written_keeps_the_record_out_too() {
+        // Record-then-Internal: the due checkpoint goes first, so when it
+        // fails the record saying `allow` is never written.
+        let disk = Disk::default();
+        let sink =
+            ChainedSink::writer_capped(Output::Writer(Box::new(disk.clone())), None, 1, 16384)
+                .unwrap();
+        sink.emit(&record(1)).unwrap();
+        *disk.budget.lock().unwrap() = Some(0);
+        assert!(sink.emit(&record(2)).is_err());
+        let data = String::from_utf8(disk.data.lock().unwrap().clone()).unwrap();
+        assert!(data.contains("\"req-1\""));
+        assert!(!data.contains("\"req-2\""), "{data}");
+    }
+
+    #[test]
+    fn a_rollback_cuts_the_lines_an_fsync_failed_to_cover() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("audit.log");
+        let sink = ChainedSink::file(&path, 1 << 30, 3, None, 2).unwrap();
+        sink.emit(&record(1)).unwrap();
+        let before = std::fs::read(&path).unwrap();
+        let mark = sink.mark().unwrap();
+        sink.emit(&record(2)).unwrap();
+        sink.emit(&record(3)).unwrap(); // a periodic checkpoint goes first
+        assert!(sink.rollback(&mark));
+        assert_eq!(std::fs::read(&path).unwrap(), before);
+        sink.emit(&record(4)).unwrap();
+        sink.checkpoint("shutdown").unwrap();
+        let rep = verify_lines(&read_lines(&[&path]).unwrap(), None).unwrap();
+        assert_eq!(rep.records, 2);
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert!(!text.contains("\"req-2\"") && !text.contains("\"req-3\""));
+    }
+
+    #[test]
     fn a_sec1_p256_key_as_helm_generates_it_signs_checkpoints() {
         // `genPrivateKey "ecdsa"` in the chart writes this form (a throwaway
         // test key made with `openssl ecparam -genkey -name prime256v1`).
