@@ -2,8 +2,11 @@
 //! sign, and audit. Knows nothing about gRPC.
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use time::OffsetDateTime;
+
+use crate::admission::{Admission, Shed};
 
 use crate::audit::{AuditError, AuditGuard, AuditSink};
 use crate::authn::{self, AuthnError, Credentials, TokenAuthenticator};
@@ -65,6 +68,9 @@ pub enum IssueError {
     /// Fail closed: a certificate is never returned without its audit record.
     #[error("{0}")]
     Audit(#[from] AuditError),
+    /// Shed by admission before any signing work; retryable.
+    #[error("{0}")]
+    Shed(#[from] Shed),
 }
 
 impl IssueError {
@@ -77,12 +83,15 @@ impl IssueError {
             Self::Ttl(e) => e.reason(),
             Self::Sign(e) => e.reason(),
             Self::Audit(_) => "audit_write_failed",
+            Self::Shed(e) => e.reason.reason(),
         }
     }
 
-    /// How istiod's metrics count this failure.
-    pub fn class(&self) -> ErrorClass {
-        match self {
+    /// How istiod's metrics count this failure (a shed request is in no
+    /// istiod error class: istiod has no admission).
+    pub fn class(&self) -> Option<ErrorClass> {
+        Some(match self {
+            Self::Shed(_) => return None,
             Self::Unauthenticated(_) | Self::Impersonation(_) => ErrorClass::Authentication,
             Self::Request(_) => ErrorClass::Csr { parsing: false },
             Self::Csr(e) => ErrorClass::Csr {
@@ -95,7 +104,7 @@ impl IssueError {
             Self::Ttl(TtlError::SignerExpired(_)) | Self::Sign(_) | Self::Audit(_) => {
                 ErrorClass::CertGen
             }
-        }
+        })
     }
 }
 
@@ -109,6 +118,25 @@ pub struct CertificateIssuer {
     pub node_authz: Option<Arc<dyn NodeAuthorizer>>,
     pub audit: Arc<dyn AuditSink>,
     pub metrics: Option<Arc<Metrics>>,
+    /// Admission in front of signing; `None` admits everything at once.
+    pub admission: Option<Arc<Admission>>,
+}
+
+/// When a request arrived and how long its caller waits (`grpc-timeout`).
+#[derive(Debug, Clone, Copy)]
+pub struct Timing {
+    pub arrived: Instant,
+    pub timeout: Option<Duration>,
+}
+
+impl Timing {
+    /// Arrived now, no deadline.
+    pub fn now() -> Self {
+        Self {
+            arrived: Instant::now(),
+            timeout: None,
+        }
+    }
 }
 
 impl CertificateIssuer {
@@ -118,8 +146,19 @@ impl CertificateIssuer {
         creds: &Credentials,
         req: Result<IssueRequest, RequestError>,
     ) -> Result<Vec<String>, IssueError> {
+        self.issue_within(creds, req, Timing::now()).await
+    }
+
+    /// [`Self::issue`] for a caller that waits as long as `timing` says:
+    /// no signing starts once that is too late.
+    pub async fn issue_within(
+        &self,
+        creds: &Credentials,
+        req: Result<IssueRequest, RequestError>,
+        timing: Timing,
+    ) -> Result<Vec<String>, IssueError> {
         let mut audit = AuditGuard::new(self.audit.clone(), self.metrics.clone(), creds.peer_addr);
-        let result = self.issue_inner(creds, req, &mut audit).await;
+        let result = self.issue_inner(creds, req, timing, &mut audit).await;
         match &result {
             Ok(_) => audit.allow(),
             Err(e) => {
@@ -128,7 +167,7 @@ impl CertificateIssuer {
                 let shown =
                     crate::audit::bounded::bounded(&detail, crate::audit::bounded::FIELD_MAX);
                 tracing::warn!(request_id = audit.request_id(), reason = e.reason(), error = %shown, "certificate request denied");
-                audit.deny(e.reason(), Some(e.class()), detail);
+                audit.deny(e.reason(), e.class(), detail);
             }
         }
         match (audit.finish(), result) {
@@ -141,8 +180,15 @@ impl CertificateIssuer {
         &self,
         creds: &Credentials,
         req: Result<IssueRequest, RequestError>,
+        timing: Timing,
         audit: &mut AuditGuard,
     ) -> Result<Vec<String>, IssueError> {
+        let admission = self.admission.as_deref();
+        if let Some(a) = admission {
+            // Cheap: no CSR parse, no TokenReview.
+            let known = authn::is_known(creds, self.tokens.as_deref());
+            a.pre_auth(creds.peer_addr.map(|p| p.ip()), known)?;
+        }
         let caller = authn::authenticate(creds, self.tokens.as_deref()).await?;
         {
             let r = audit.record();
@@ -173,6 +219,20 @@ impl CertificateIssuer {
             }
         };
         audit.record().requested_identity = Some(identity.to_string());
+
+        // Admission: the identity cap, then a fair turn for the CPU-heavy
+        // work; the slot is held until the certificate is signed.
+        let (ticket, _permit) = match admission {
+            Some(a) => {
+                let ticket = a.take_identity(&identity.to_string())?;
+                let start_by = a.start_by(timing.arrived, timing.timeout);
+                let permit = a
+                    .acquire(&crate::admission::decide::caller_key(&caller), start_by)
+                    .await?;
+                (Some(ticket), Some(permit))
+            }
+            None => (None, None),
+        };
 
         let csr = csr::parse_and_verify(&req.csr)?;
         {
@@ -208,6 +268,21 @@ impl CertificateIssuer {
         r.not_before = Some(leaf.not_before);
         r.not_after = Some(leaf.not_after);
         r.issuer_key_id = Some(bundle.key_id().to_string());
+        if let Some(a) = admission {
+            // Signing overran the caller's deadline despite the margin: the
+            // certificate is withheld and recorded as a deny, so no allow is
+            // audited for a caller that has given up.
+            if let Some(timeout) = timing.timeout {
+                if timing.arrived.elapsed() >= timeout {
+                    return Err(a
+                        .shed_now(crate::admission::ShedReason::DeadlineExceeded)
+                        .into());
+                }
+            }
+        }
+        if let Some(t) = ticket {
+            t.commit();
+        }
         Ok(bundle.response_chain(&leaf.pem))
     }
 }
@@ -295,6 +370,7 @@ mod tests {
                 node_authz: Some(Arc::new(Fixed(denial.clone()))),
                 audit: sink.clone(),
                 metrics: Some(metrics.clone()),
+                admission: None,
             };
             let req = IssueRequest {
                 csr: csr.clone(),
@@ -336,6 +412,7 @@ mod tests {
             node_authz: None,
             audit: sink.clone(),
             metrics: None,
+            admission: None,
         };
         let other = "spiffe://cluster.local/ns/x/sa/y";
         let req = IssueRequest {
@@ -383,6 +460,7 @@ mod tests {
             node_authz: None,
             audit: Arc::new(FullDisk),
             metrics: None,
+            admission: None,
         };
         let req = IssueRequest {
             csr: csr_for(&rcgen::KeyPair::generate().unwrap(), id),

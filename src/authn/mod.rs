@@ -119,6 +119,28 @@ pub trait TokenAuthenticator: Send + Sync + std::fmt::Debug {
         token: &str,
         cluster_id: Option<&str>,
     ) -> Result<Caller, AuthnError>;
+
+    /// Whether `token` would be answered from a cache, with no review:
+    /// cheap, and never an allow by itself (admission uses it to let known
+    /// callers through first while overloaded).
+    fn is_cached(&self, _token: &str) -> bool {
+        false
+    }
+}
+
+/// A caller known without any remote call: a verified client certificate,
+/// or a token the authenticator has cached. Not an authentication.
+pub fn is_known(creds: &Credentials, tokens: Option<&dyn TokenAuthenticator>) -> bool {
+    if creds.refused.is_some() {
+        return false;
+    }
+    if creds.peer_chain.as_deref().is_some_and(|c| !c.is_empty()) {
+        return true;
+    }
+    match (&creds.bearer, tokens) {
+        (Some(t), Some(auth)) => auth.is_cached(t),
+        _ => false,
+    }
 }
 
 /// Authenticates a request like istiod: a client certificate wins over a

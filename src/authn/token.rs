@@ -659,6 +659,10 @@ fn bounded<V>(map: &mut HashMap<[u8; 32], V>, max: usize, live: impl Fn(&V) -> b
 
 #[tonic::async_trait]
 impl TokenAuthenticator for KubeTokenAuthenticator {
+    fn is_cached(&self, token: &str) -> bool {
+        self.core.cached(&sha256(token.as_bytes())).is_some()
+    }
+
     async fn authenticate(
         &self,
         token: &str,
