@@ -234,39 +234,45 @@ impl CertificateIssuer {
             None => (None, None),
         };
 
-        let csr = csr::parse_and_verify(&req.csr)?;
+        // One snapshot for the whole signing step: a reload cannot mix material.
+        let bundle = self.ca.snapshot();
+        let job = SignJob {
+            csr_pem: req.csr,
+            validity_secs: req.validity_secs,
+            identity,
+            csr_policy: self.csr_policy,
+            ttl: self.ttl,
+            bundle: bundle.clone(),
+        };
+        // Under admission the CPU-heavy step runs off the async workers, so
+        // they keep reading requests (and cancellations) into the fair
+        // queue instead of leaving them unread in socket buffers.
+        let out = match admission {
+            Some(_) => tokio::task::spawn_blocking(move || job.run())
+                .await
+                .unwrap_or_else(|e| SignOutcome {
+                    csr_sha256: None,
+                    csr_sans: None,
+                    result: Err(IssueError::Sign(crate::ca::SignError::Generation(format!(
+                        "signing task failed: {e}"
+                    )))),
+                }),
+            None => job.run(),
+        };
         {
             // What was asked for, before the policy judges it (bounded when
             // the record is finalized).
             let r = audit.record();
-            r.csr_sha256 = Some(hex::encode(csr.sha256));
-            r.csr_sans = Some(
-                csr.sans
-                    .iter()
-                    .map(|s| match s {
-                        csr::San::Uri(u) | csr::San::Other(u) => u.clone(),
-                    })
-                    .collect(),
-            );
+            r.csr_sha256 = out.csr_sha256;
+            r.csr_sans = out.csr_sans;
         }
-        csr::check_policy(&csr, &identity, self.csr_policy)?;
-
-        // One snapshot for the whole signing step: a reload cannot mix material.
-        let bundle = self.ca.snapshot();
-        let ttl::Grant { validity, choice } = ttl::grant(
-            OffsetDateTime::now_utc(),
-            req.validity_secs,
-            &self.ttl,
-            bundle.signing_not_after(),
-            ttl::random_draw(),
-        )?;
-        let leaf = bundle.sign_leaf(&csr.spki_der, &identity, csr.has_common_name, &validity)?;
+        let signed = out.result?;
         let r = audit.record();
-        r.lifetime = Some(choice);
-        r.serial = Some(leaf.serial_hex.clone());
-        r.spki_sha256 = Some(hex::encode(csr::sha256(&csr.spki_der)));
-        r.not_before = Some(leaf.not_before);
-        r.not_after = Some(leaf.not_after);
+        r.lifetime = Some(signed.choice);
+        r.serial = Some(signed.serial_hex);
+        r.spki_sha256 = Some(signed.spki_sha256);
+        r.not_before = Some(signed.not_before);
+        r.not_after = Some(signed.not_after);
         r.issuer_key_id = Some(bundle.key_id().to_string());
         if let Some(a) = admission {
             // Signing overran the caller's deadline despite the margin: the
@@ -283,7 +289,87 @@ impl CertificateIssuer {
         if let Some(t) = ticket {
             t.commit();
         }
-        Ok(bundle.response_chain(&leaf.pem))
+        Ok(signed.chain)
+    }
+}
+
+/// The CPU-heavy step: CSR parse and verify, policy, lifetime, signature.
+struct SignJob {
+    csr_pem: String,
+    validity_secs: i64,
+    identity: crate::identity::SpiffeId,
+    csr_policy: CsrPolicy,
+    ttl: TtlPolicy,
+    bundle: Arc<crate::ca::CaBundle>,
+}
+
+/// What the signing step learned for the audit record, and its result.
+struct SignOutcome {
+    csr_sha256: Option<String>,
+    csr_sans: Option<Vec<String>>,
+    result: Result<Signed, IssueError>,
+}
+
+struct Signed {
+    choice: ttl::LifetimeChoice,
+    serial_hex: String,
+    spki_sha256: String,
+    not_before: OffsetDateTime,
+    not_after: OffsetDateTime,
+    chain: Vec<String>,
+}
+
+impl SignJob {
+    fn run(self) -> SignOutcome {
+        let csr = match csr::parse_and_verify(&self.csr_pem) {
+            Ok(c) => c,
+            Err(e) => {
+                return SignOutcome {
+                    csr_sha256: None,
+                    csr_sans: None,
+                    result: Err(e.into()),
+                }
+            }
+        };
+        let csr_sha256 = Some(hex::encode(csr.sha256));
+        let csr_sans = Some(
+            csr.sans
+                .iter()
+                .map(|s| match s {
+                    csr::San::Uri(u) | csr::San::Other(u) => u.clone(),
+                })
+                .collect(),
+        );
+        SignOutcome {
+            csr_sha256,
+            csr_sans,
+            result: self.sign(&csr),
+        }
+    }
+
+    fn sign(&self, csr: &csr::VerifiedCsr) -> Result<Signed, IssueError> {
+        csr::check_policy(csr, &self.identity, self.csr_policy)?;
+        let ttl::Grant { validity, choice } = ttl::grant(
+            OffsetDateTime::now_utc(),
+            self.validity_secs,
+            &self.ttl,
+            self.bundle.signing_not_after(),
+            ttl::random_draw(),
+        )?;
+        let leaf = self.bundle.sign_leaf(
+            &csr.spki_der,
+            &self.identity,
+            csr.has_common_name,
+            &validity,
+        )?;
+        Ok(Signed {
+            choice,
+            spki_sha256: hex::encode(csr::sha256(&csr.spki_der)),
+            not_before: leaf.not_before,
+            not_after: leaf.not_after,
+            chain: self.bundle.response_chain(&leaf.pem),
+            serial_hex: leaf.serial_hex,
+        })
     }
 }
 
