@@ -150,7 +150,9 @@ async fn proxies(
     td: &TrustDomain,
 ) -> anyhow::Result<Vec<Proxy>> {
     let n = args.pods.max(2);
-    let mut specs: Vec<(String, Option<(String, String)>, Option<String>)> = Vec::new();
+    // (identity, mTLS certificate and key, bearer token)
+    type Spec = (String, Option<(String, String)>, Option<String>);
+    let mut specs: Vec<Spec> = Vec::new();
     match args.storm_auth {
         StormAuth::Mtls => {
             for i in 0..n {
