@@ -186,8 +186,8 @@ impl CertificateIssuer {
         let admission = self.admission.as_deref();
         if let Some(a) = admission {
             // Cheap: no CSR parse, no TokenReview.
-            let known = authn::is_known(creds, self.tokens.as_deref());
-            a.pre_auth(creds.peer_addr.map(|p| p.ip()), known)?;
+            let f = authn::familiarity(creds, self.tokens.as_deref());
+            a.pre_auth(creds.peer_addr.map(|p| p.ip()), f)?;
         }
         let caller = authn::authenticate(creds, self.tokens.as_deref()).await?;
         {

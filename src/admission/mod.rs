@@ -23,6 +23,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use crate::authn::token::TokenBucket;
+use crate::authn::Familiarity;
 use crate::config::ConfigError;
 pub use queue::{FairQueue, Permit};
 
@@ -293,13 +294,15 @@ impl Admission {
         }
     }
 
-    /// Before authentication: known callers pass; new ones are shed while
-    /// the queue is busy or when their source IP's budget is spent.
-    pub fn pre_auth(&self, ip: Option<IpAddr>, known: bool) -> Result<(), Shed> {
+    /// Before authentication: known callers pass; others are shed while
+    /// the queue is busy, and those needing a TokenReview when their source
+    /// IP's budget is spent.
+    pub fn pre_auth(&self, ip: Option<IpAddr>, f: Familiarity) -> Result<(), Shed> {
+        let known = f == Familiarity::Known;
         let (_, queued) = self.queue.stats();
         decide::pre_auth(known, decide::load(queued, self.cfg.max_queued))
             .map_err(|r| self.shed(r, Duration::ZERO))?;
-        if known || self.cfg.new_caller_qps_per_ip == 0 {
+        if f != Familiarity::New || self.cfg.new_caller_qps_per_ip == 0 {
             return Ok(());
         }
         let Some(ip) = ip.map(crate::transport::limits::canonical_ip) else {
@@ -416,15 +419,19 @@ mod tests {
             ..Default::default()
         });
         let ip = Some("10.0.0.1".parse().unwrap());
-        assert!(a.pre_auth(ip, false).is_ok());
-        assert!(a.pre_auth(ip, false).is_ok());
-        let shed = a.pre_auth(ip, false).unwrap_err();
+        assert!(a.pre_auth(ip, Familiarity::New).is_ok());
+        assert!(a.pre_auth(ip, Familiarity::New).is_ok());
+        let shed = a.pre_auth(ip, Familiarity::New).unwrap_err();
         assert_eq!(shed.reason, ShedReason::SourceBudget);
         assert!(shed.retry_after >= Duration::from_millis(500));
-        // Known callers are not counted against the source.
-        assert!(a.pre_auth(ip, true).is_ok());
+        // Known callers, and requests refused without a review (cached
+        // rejection, failed pre-check), are not counted against the source.
+        assert!(a.pre_auth(ip, Familiarity::Known).is_ok());
+        assert!(a.pre_auth(ip, Familiarity::RefusedCheaply).is_ok());
         // Another source has its own budget.
-        assert!(a.pre_auth(Some("10.0.0.2".parse().unwrap()), false).is_ok());
+        assert!(a
+            .pre_auth(Some("10.0.0.2".parse().unwrap()), Familiarity::New)
+            .is_ok());
     }
 
     #[test]
@@ -471,8 +478,10 @@ mod tests {
         let _p = a.acquire("k", later).await.unwrap();
         let mut w = Box::pin(a.acquire("k", later));
         assert!(futures::poll!(w.as_mut()).is_pending());
-        let shed = a.pre_auth(None, false).unwrap_err();
-        assert_eq!(shed.reason, ShedReason::NewCallerWhileBusy);
-        assert!(a.pre_auth(None, true).is_ok());
+        for f in [Familiarity::New, Familiarity::RefusedCheaply] {
+            let shed = a.pre_auth(None, f).unwrap_err();
+            assert_eq!(shed.reason, ShedReason::NewCallerWhileBusy);
+        }
+        assert!(a.pre_auth(None, Familiarity::Known).is_ok());
     }
 }

@@ -120,26 +120,45 @@ pub trait TokenAuthenticator: Send + Sync + std::fmt::Debug {
         cluster_id: Option<&str>,
     ) -> Result<Caller, AuthnError>;
 
-    /// Whether `token` would be answered from a cache, with no review:
-    /// cheap, and never an allow by itself (admission uses it to let known
-    /// callers through first while overloaded).
-    fn is_cached(&self, _token: &str) -> bool {
-        false
+    /// What a cache (or the pre-check) would answer for `token` without a
+    /// review: `Some(true)` a cached success, `Some(false)` a cached or
+    /// certain rejection, `None` a review is needed. Cheap, and never an
+    /// allow by itself: admission uses it to let known callers through first
+    /// while overloaded and to budget only the requests that cost a review.
+    fn cached_verdict(&self, _token: &str) -> Option<bool> {
+        None
     }
 }
 
-/// A caller known without any remote call: a verified client certificate,
-/// or a token the authenticator has cached. Not an authentication.
-pub fn is_known(creds: &Credentials, tokens: Option<&dyn TokenAuthenticator>) -> bool {
+/// How much an incoming request's authentication costs, decided before
+/// any TokenReview.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Familiarity {
+    /// A verified client certificate or a cached successful review.
+    Known,
+    /// Refused without a remote call (cached rejection, failed pre-check,
+    /// oversized or missing credentials).
+    RefusedCheaply,
+    /// Needs a TokenReview.
+    New,
+}
+
+/// Classifies a request's credentials without any remote call. Not an
+/// authentication.
+pub fn familiarity(creds: &Credentials, tokens: Option<&dyn TokenAuthenticator>) -> Familiarity {
     if creds.refused.is_some() {
-        return false;
+        return Familiarity::RefusedCheaply;
     }
     if creds.peer_chain.as_deref().is_some_and(|c| !c.is_empty()) {
-        return true;
+        return Familiarity::Known;
     }
     match (&creds.bearer, tokens) {
-        (Some(t), Some(auth)) => auth.is_cached(t),
-        _ => false,
+        (Some(t), Some(auth)) => match auth.cached_verdict(t) {
+            Some(true) => Familiarity::Known,
+            Some(false) => Familiarity::RefusedCheaply,
+            None => Familiarity::New,
+        },
+        _ => Familiarity::RefusedCheaply,
     }
 }
 
