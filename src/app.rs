@@ -227,6 +227,10 @@ impl App {
             node_authz: deps.node_authz,
             audit,
             metrics: Some(metrics.clone()),
+            admission: Some(Arc::new(crate::admission::Admission::new(
+                cfg.admission,
+                Some(metrics.clone()),
+            ))),
         });
         let incoming = crate::transport::tls_incoming(
             listener,

@@ -236,6 +236,9 @@ pub struct ServeArgs {
     pub publish_root_resync: String,
     #[command(flatten)]
     pub limits: LimitArgs,
+    /// Admission in front of signing (`admission` module).
+    #[command(flatten)]
+    pub admission: crate::admission::AdmissionArgs,
 }
 
 /// Flags bounding what callers can make the server hold (see
@@ -348,7 +351,7 @@ pub const MAX_TTL_LIMIT: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 const MAX_PERIOD: Duration = Duration::from_secs(24 * 3600);
 
 /// A duration flag within `(0, max]`, or `[0, max]` when `zero_ok`.
-fn bounded_duration(
+pub(crate) fn bounded_duration(
     name: &'static str,
     v: &str,
     zero_ok: bool,
@@ -372,7 +375,7 @@ fn bounded_duration(
 }
 
 /// A count or size flag within `[min, max]`.
-fn bounded<T: PartialOrd + std::fmt::Display + Copy>(
+pub(crate) fn bounded<T: PartialOrd + std::fmt::Display + Copy>(
     name: &'static str,
     v: T,
     min: T,
@@ -631,6 +634,8 @@ pub struct Config {
     pub transport: TransportLimits,
     pub input: InputLimits,
     pub admin: AdminLimits,
+    /// Admission in front of signing: slots, fair queue, shedding, identity caps.
+    pub admission: crate::admission::AdmissionConfig,
 }
 
 impl Config {
@@ -807,7 +812,9 @@ impl Config {
             None
         };
         let (transport, input, admin) = a.limits.parse()?;
+        let admission = a.admission.parse()?;
         Ok(Self {
+            admission,
             transport,
             input,
             admin,

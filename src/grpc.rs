@@ -55,8 +55,41 @@ impl From<IssueError> for Status {
             IssueError::Sign(e) => Status::internal(format!("CSR signing error ({e})")),
             IssueError::Audit(_) => Status::internal("CSR signing error (audit log unavailable)"),
             IssueError::AuditShed(_) => Status::unavailable("CSR signing error (audit log busy)"),
+            IssueError::Shed(shed) => shed_status(&shed),
         }
     }
+}
+
+/// Metadata key of the retry hint grpc-go honours.
+pub const RETRY_PUSHBACK: &str = "grpc-retry-pushback-ms";
+
+/// A shed request: RESOURCE_EXHAUSTED with the retry hint both as
+/// `grpc-retry-pushback-ms` and as a `google.rpc.RetryInfo` detail. The
+/// message is opaque (the reason is in the audit log).
+pub fn shed_status(shed: &crate::admission::Shed) -> Status {
+    use tonic_types::{ErrorDetails, StatusExt};
+    let mut meta = tonic::metadata::MetadataMap::new();
+    let ms = u64::try_from(shed.retry_after.as_millis()).unwrap_or(u64::MAX);
+    meta.insert(RETRY_PUSHBACK, tonic::metadata::MetadataValue::from(ms));
+    Status::with_error_details_and_metadata(
+        tonic::Code::ResourceExhausted,
+        "server overloaded, retry later",
+        ErrorDetails::with_retry_info(Some(shed.retry_after)),
+        meta,
+    )
+}
+
+/// When the request reached the server (stamped by the request gate, before
+/// any queueing), so admission measures the caller's deadline from there.
+#[derive(Debug, Clone, Copy)]
+pub struct Arrival(pub std::time::Instant);
+
+/// The caller's deadline from `grpc-timeout`, if it sent a valid one.
+pub fn grpc_timeout<T>(req: &Request<T>) -> Option<Duration> {
+    req.metadata()
+        .get("grpc-timeout")
+        .and_then(|v| v.to_str().ok())
+        .and_then(crate::admission::decide::parse_grpc_timeout)
 }
 
 /// [`decode_request_with`] under the default [`InputLimits`].
@@ -206,8 +239,15 @@ impl IstioCertificateService for CaService {
         request: Request<IstioCertificateRequest>,
     ) -> Result<Response<IstioCertificateResponse>, Status> {
         let creds = credentials(&request, &self.limits);
+        let timing = crate::issue::Timing {
+            arrived: request
+                .extensions()
+                .get::<Arrival>()
+                .map_or_else(std::time::Instant::now, |a| a.0),
+            timeout: grpc_timeout(&request),
+        };
         let req = decode_request_with(request.into_inner(), &self.limits);
-        let cert_chain = self.issuer.issue(&creds, req).await?;
+        let cert_chain = self.issuer.issue_within(&creds, req, timing).await?;
         Ok(Response::new(IstioCertificateResponse { cert_chain }))
     }
 }
@@ -471,7 +511,9 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, req: http::Request<B>) -> Self::Future {
+    fn call(&mut self, mut req: http::Request<B>) -> Self::Future {
+        req.extensions_mut()
+            .insert(Arrival(std::time::Instant::now()));
         // The ready service handles this call; a fresh clone takes its place.
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);

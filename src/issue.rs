@@ -2,9 +2,11 @@
 //! sign, and audit. Knows nothing about gRPC.
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use time::OffsetDateTime;
 
+use crate::admission::{Admission, Shed};
 use crate::audit::{AuditError, AuditGuard, AuditRefusal, AuditSink};
 use crate::authn::{self, AuthnError, Credentials, TokenAuthenticator};
 use crate::authz::{ImpersonationError, NodeAuthorizer};
@@ -69,6 +71,9 @@ pub enum IssueError {
     /// request is shed, nothing was issued.
     #[error("audit writer busy ({0})")]
     AuditShed(&'static str),
+    /// Shed by admission before any signing work; retryable.
+    #[error("{0}")]
+    Shed(#[from] Shed),
 }
 
 impl IssueError {
@@ -82,12 +87,15 @@ impl IssueError {
             Self::Sign(e) => e.reason(),
             Self::Audit(_) => "audit_write_failed",
             Self::AuditShed(r) => r,
+            Self::Shed(e) => e.reason.reason(),
         }
     }
 
-    /// How istiod's metrics count this failure.
-    pub fn class(&self) -> ErrorClass {
-        match self {
+    /// How istiod's metrics count this failure (a shed request is in no
+    /// istiod error class: istiod has no admission).
+    pub fn class(&self) -> Option<ErrorClass> {
+        Some(match self {
+            Self::Shed(_) | Self::AuditShed(_) => return None,
             Self::Unauthenticated(_) | Self::Impersonation(_) => ErrorClass::Authentication,
             Self::Request(_) => ErrorClass::Csr { parsing: false },
             Self::Csr(e) => ErrorClass::Csr {
@@ -97,11 +105,10 @@ impl IssueError {
                 ),
             },
             Self::Ttl(TtlError::TooLong { .. }) => ErrorClass::Ttl,
-            Self::Ttl(TtlError::SignerExpired(_))
-            | Self::Sign(_)
-            | Self::Audit(_)
-            | Self::AuditShed(_) => ErrorClass::CertGen,
-        }
+            Self::Ttl(TtlError::SignerExpired(_)) | Self::Sign(_) | Self::Audit(_) => {
+                ErrorClass::CertGen
+            }
+        })
     }
 }
 
@@ -115,6 +122,25 @@ pub struct CertificateIssuer {
     pub node_authz: Option<Arc<dyn NodeAuthorizer>>,
     pub audit: Arc<dyn AuditSink>,
     pub metrics: Option<Arc<Metrics>>,
+    /// Admission in front of signing; `None` admits everything at once.
+    pub admission: Option<Arc<Admission>>,
+}
+
+/// When a request arrived and how long its caller waits (`grpc-timeout`).
+#[derive(Debug, Clone, Copy)]
+pub struct Timing {
+    pub arrived: Instant,
+    pub timeout: Option<Duration>,
+}
+
+impl Timing {
+    /// Arrived now, no deadline.
+    pub fn now() -> Self {
+        Self {
+            arrived: Instant::now(),
+            timeout: None,
+        }
+    }
 }
 
 impl CertificateIssuer {
@@ -124,12 +150,23 @@ impl CertificateIssuer {
         creds: &Credentials,
         req: Result<IssueRequest, RequestError>,
     ) -> Result<Vec<String>, IssueError> {
+        self.issue_within(creds, req, Timing::now()).await
+    }
+
+    /// [`Self::issue`] for a caller that waits as long as `timing` says:
+    /// no signing starts once that is too late.
+    pub async fn issue_within(
+        &self,
+        creds: &Credentials,
+        req: Result<IssueRequest, RequestError>,
+        timing: Timing,
+    ) -> Result<Vec<String>, IssueError> {
         let mut audit = AuditGuard::new(
             self.audit.clone(),
             self.metrics.clone().map(|m| m as _),
             creds.peer_addr,
         );
-        let result = self.issue_inner(creds, req, &mut audit).await;
+        let result = self.issue_inner(creds, req, timing, &mut audit).await;
         match &result {
             Ok(_) => audit.allow(),
             Err(e) => {
@@ -138,7 +175,7 @@ impl CertificateIssuer {
                 let shown =
                     crate::audit::bounded::bounded(&detail, crate::audit::bounded::FIELD_MAX);
                 tracing::warn!(request_id = audit.request_id(), reason = e.reason(), error = %shown, "certificate request denied");
-                audit.deny(e.reason(), Some(e.class()), detail);
+                audit.deny(e.reason(), e.class(), detail);
             }
         }
         // The certificate leaves only once its record is acknowledged.
@@ -153,8 +190,15 @@ impl CertificateIssuer {
         &self,
         creds: &Credentials,
         req: Result<IssueRequest, RequestError>,
+        timing: Timing,
         audit: &mut AuditGuard,
     ) -> Result<Vec<String>, IssueError> {
+        let admission = self.admission.as_deref();
+        if let Some(a) = admission {
+            // Cheap: no CSR parse, no TokenReview.
+            let f = authn::familiarity(creds, self.tokens.as_deref());
+            a.pre_auth(creds.peer_addr.map(|p| p.ip()), f)?;
+        }
         let caller = authn::authenticate(creds, self.tokens.as_deref()).await?;
         {
             let r = audit.record();
@@ -186,41 +230,156 @@ impl CertificateIssuer {
         };
         audit.record().requested_identity = Some(identity.to_string());
 
-        let csr = csr::parse_and_verify(&req.csr)?;
+        // Admission: the identity cap, then a fair turn for the CPU-heavy
+        // work; the slot is held until the certificate is signed.
+        let (ticket, _permit) = match admission {
+            Some(a) => {
+                let ticket = a.take_identity(&identity.to_string())?;
+                let start_by = a.start_by(timing.arrived, timing.timeout);
+                let permit = a
+                    .acquire(&crate::admission::decide::caller_key(&caller), start_by)
+                    .await?;
+                (Some(ticket), Some(permit))
+            }
+            None => (None, None),
+        };
+
+        // One snapshot for the whole signing step: a reload cannot mix material.
+        let bundle = self.ca.snapshot();
+        let job = SignJob {
+            csr_pem: req.csr,
+            validity_secs: req.validity_secs,
+            identity,
+            csr_policy: self.csr_policy,
+            ttl: self.ttl,
+            bundle: bundle.clone(),
+        };
+        // Under admission the CPU-heavy step runs off the async workers, so
+        // they keep reading requests (and cancellations) into the fair
+        // queue instead of leaving them unread in socket buffers.
+        let out = match admission {
+            Some(_) => tokio::task::spawn_blocking(move || job.run())
+                .await
+                .unwrap_or_else(|e| SignOutcome {
+                    csr_sha256: None,
+                    csr_sans: None,
+                    result: Err(IssueError::Sign(crate::ca::SignError::Generation(format!(
+                        "signing task failed: {e}"
+                    )))),
+                }),
+            None => job.run(),
+        };
         {
             // What was asked for, before the policy judges it (bounded when
             // the record is finalized).
             let r = audit.record();
-            r.csr_sha256 = Some(hex::encode(csr.sha256));
-            r.csr_sans = Some(
-                csr.sans
-                    .iter()
-                    .map(|s| match s {
-                        csr::San::Uri(u) | csr::San::Other(u) => u.clone(),
-                    })
-                    .collect(),
-            );
+            r.csr_sha256 = out.csr_sha256;
+            r.csr_sans = out.csr_sans;
         }
-        csr::check_policy(&csr, &identity, self.csr_policy)?;
+        let signed = out.result?;
+        let r = audit.record();
+        r.lifetime = Some(signed.choice);
+        r.serial = Some(signed.serial_hex);
+        r.spki_sha256 = Some(signed.spki_sha256);
+        r.not_before = Some(signed.not_before);
+        r.not_after = Some(signed.not_after);
+        r.issuer_key_id = Some(bundle.key_id().to_string());
+        if let Some(a) = admission {
+            // Signing overran the caller's deadline despite the margin: the
+            // certificate is withheld and recorded as a deny, so no allow is
+            // audited for a caller that has given up.
+            if let Some(timeout) = timing.timeout {
+                if timing.arrived.elapsed() >= timeout {
+                    return Err(a
+                        .shed_now(crate::admission::ShedReason::DeadlineExceeded)
+                        .into());
+                }
+            }
+        }
+        if let Some(t) = ticket {
+            t.commit();
+        }
+        Ok(signed.chain)
+    }
+}
 
-        // One snapshot for the whole signing step: a reload cannot mix material.
-        let bundle = self.ca.snapshot();
+/// The CPU-heavy step: CSR parse and verify, policy, lifetime, signature.
+struct SignJob {
+    csr_pem: String,
+    validity_secs: i64,
+    identity: crate::identity::SpiffeId,
+    csr_policy: CsrPolicy,
+    ttl: TtlPolicy,
+    bundle: Arc<crate::ca::CaBundle>,
+}
+
+/// What the signing step learned for the audit record, and its result.
+struct SignOutcome {
+    csr_sha256: Option<String>,
+    csr_sans: Option<Vec<String>>,
+    result: Result<Signed, IssueError>,
+}
+
+struct Signed {
+    choice: ttl::LifetimeChoice,
+    serial_hex: String,
+    spki_sha256: String,
+    not_before: OffsetDateTime,
+    not_after: OffsetDateTime,
+    chain: Vec<String>,
+}
+
+impl SignJob {
+    fn run(self) -> SignOutcome {
+        let csr = match csr::parse_and_verify(&self.csr_pem) {
+            Ok(c) => c,
+            Err(e) => {
+                return SignOutcome {
+                    csr_sha256: None,
+                    csr_sans: None,
+                    result: Err(e.into()),
+                }
+            }
+        };
+        let csr_sha256 = Some(hex::encode(csr.sha256));
+        let csr_sans = Some(
+            csr.sans
+                .iter()
+                .map(|s| match s {
+                    csr::San::Uri(u) | csr::San::Other(u) => u.clone(),
+                })
+                .collect(),
+        );
+        SignOutcome {
+            csr_sha256,
+            csr_sans,
+            result: self.sign(&csr),
+        }
+    }
+
+    fn sign(&self, csr: &csr::VerifiedCsr) -> Result<Signed, IssueError> {
+        csr::check_policy(csr, &self.identity, self.csr_policy)?;
         let ttl::Grant { validity, choice } = ttl::grant(
             OffsetDateTime::now_utc(),
-            req.validity_secs,
+            self.validity_secs,
             &self.ttl,
-            bundle.signing_not_after(),
+            self.bundle.signing_not_after(),
             ttl::random_draw(),
         )?;
-        let leaf = bundle.sign_leaf(&csr.spki_der, &identity, csr.has_common_name, &validity)?;
-        let r = audit.record();
-        r.lifetime = Some(choice);
-        r.serial = Some(leaf.serial_hex.clone());
-        r.spki_sha256 = Some(hex::encode(csr::sha256(&csr.spki_der)));
-        r.not_before = Some(leaf.not_before);
-        r.not_after = Some(leaf.not_after);
-        r.issuer_key_id = Some(bundle.key_id().to_string());
-        Ok(bundle.response_chain(&leaf.pem))
+        let leaf = self.bundle.sign_leaf(
+            &csr.spki_der,
+            &self.identity,
+            csr.has_common_name,
+            &validity,
+        )?;
+        Ok(Signed {
+            choice,
+            spki_sha256: hex::encode(csr::sha256(&csr.spki_der)),
+            not_before: leaf.not_before,
+            not_after: leaf.not_after,
+            chain: self.bundle.response_chain(&leaf.pem),
+            serial_hex: leaf.serial_hex,
+        })
     }
 }
 
@@ -307,6 +466,7 @@ mod tests {
                 node_authz: Some(Arc::new(Fixed(denial.clone()))),
                 audit: sink.clone(),
                 metrics: Some(metrics.clone()),
+                admission: None,
             };
             let req = IssueRequest {
                 csr: csr.clone(),
@@ -348,6 +508,7 @@ mod tests {
             node_authz: None,
             audit: sink.clone(),
             metrics: None,
+            admission: None,
         };
         let other = "spiffe://cluster.local/ns/x/sa/y";
         let req = IssueRequest {
@@ -395,6 +556,7 @@ mod tests {
             node_authz: None,
             audit: Arc::new(FullDisk),
             metrics: None,
+            admission: None,
         };
         let req = IssueRequest {
             csr: csr_for(&rcgen::KeyPair::generate().unwrap(), id),

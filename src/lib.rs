@@ -5,6 +5,7 @@
 //! (may a node proxy impersonate), [`ca`] (CSR policy, validity, signing),
 //! [`issue`] (the use case), [`grpc`] (the wire), [`audit`] (one record per call).
 
+pub mod admission;
 pub mod app;
 pub mod audit;
 pub mod authn;

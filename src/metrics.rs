@@ -83,6 +83,10 @@ pub struct Metrics {
     pub transport_refusals: Family<RefusalLabels, Counter>,
     pub open_connections: Gauge,
     pub pending_handshakes: Gauge,
+    /// Admission in front of signing: sheds by reason, slots in use, waiters.
+    pub admission_shed: Family<RefusalLabels, Counter>,
+    pub admission_running: Gauge,
+    pub admission_queued: Gauge,
     registry: Registry,
 }
 
@@ -232,7 +236,32 @@ impl Metrics {
             "TLS handshakes in progress on the gRPC port",
             pending_handshakes.clone(),
         );
+        // Admission (its own block).
+        let admission_shed = Family::<RefusalLabels, Counter>::default();
+        registry.register(
+            "meshca_admission_shed",
+            "Requests shed by admission before any signing work, by reason",
+            admission_shed.clone(),
+        );
+        for r in crate::admission::ShedReason::ALL {
+            let _ = admission_shed.get_or_create(&RefusalLabels { reason: r.reason() });
+        }
+        let admission_running = Gauge::default();
+        registry.register(
+            "meshca_admission_running",
+            "CSR verifications and signatures running",
+            admission_running.clone(),
+        );
+        let admission_queued = Gauge::default();
+        registry.register(
+            "meshca_admission_queued",
+            "Requests waiting for a signing slot",
+            admission_queued.clone(),
+        );
         Self {
+            admission_shed,
+            admission_running,
+            admission_queued,
             transport_refusals,
             open_connections,
             pending_handshakes,

@@ -250,6 +250,11 @@ async fn tokenreview_flood_stays_within_the_budget_and_serves_every_valid_caller
     cfg.transport.max_inflight_requests = 4096;
     cfg.transport.max_inflight_requests_per_ip = 4096;
     cfg.transport.request_timeout = Duration::from_secs(300);
+    // Likewise the admission layer's per-source budget for callers needing a
+    // review: every simulated pod here shares 127.0.0.1, and this test
+    // measures the TokenReview budget (tests/admission.rs covers admission).
+    cfg.admission.new_caller_qps_per_ip = 0;
+    cfg.admission.max_queued = 100_000;
     let srv = common::start(cfg, pki).await;
     let app = &srv.app;
 

@@ -119,6 +119,47 @@ pub trait TokenAuthenticator: Send + Sync + std::fmt::Debug {
         token: &str,
         cluster_id: Option<&str>,
     ) -> Result<Caller, AuthnError>;
+
+    /// What a cache (or the pre-check) would answer for `token` without a
+    /// review: `Some(true)` a cached success, `Some(false)` a cached or
+    /// certain rejection, `None` a review is needed. Cheap, and never an
+    /// allow by itself: admission uses it to let known callers through first
+    /// while overloaded and to budget only the requests that cost a review.
+    fn cached_verdict(&self, _token: &str) -> Option<bool> {
+        None
+    }
+}
+
+/// How much an incoming request's authentication costs, decided before
+/// any TokenReview.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Familiarity {
+    /// A verified client certificate or a cached successful review.
+    Known,
+    /// Refused without a remote call (cached rejection, failed pre-check,
+    /// oversized or missing credentials).
+    RefusedCheaply,
+    /// Needs a TokenReview.
+    New,
+}
+
+/// Classifies a request's credentials without any remote call. Not an
+/// authentication.
+pub fn familiarity(creds: &Credentials, tokens: Option<&dyn TokenAuthenticator>) -> Familiarity {
+    if creds.refused.is_some() {
+        return Familiarity::RefusedCheaply;
+    }
+    if creds.peer_chain.as_deref().is_some_and(|c| !c.is_empty()) {
+        return Familiarity::Known;
+    }
+    match (&creds.bearer, tokens) {
+        (Some(t), Some(auth)) => match auth.cached_verdict(t) {
+            Some(true) => Familiarity::Known,
+            Some(false) => Familiarity::RefusedCheaply,
+            None => Familiarity::New,
+        },
+        _ => Familiarity::RefusedCheaply,
+    }
 }
 
 /// Authenticates a request like istiod: a client certificate wins over a

@@ -659,6 +659,18 @@ fn bounded<V>(map: &mut HashMap<[u8; 32], V>, max: usize, live: impl Fn(&V) -> b
 
 #[tonic::async_trait]
 impl TokenAuthenticator for KubeTokenAuthenticator {
+    fn cached_verdict(&self, token: &str) -> Option<bool> {
+        let key = sha256(token.as_bytes());
+        if self.core.cached(&key).is_some() {
+            return Some(true);
+        }
+        let now = time::OffsetDateTime::now_utc().unix_timestamp();
+        if self.core.rejection(&key).is_some() || precheck(token, now).is_err() {
+            return Some(false);
+        }
+        None
+    }
+
     async fn authenticate(
         &self,
         token: &str,

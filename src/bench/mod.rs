@@ -25,6 +25,8 @@ use serde_json::json;
 use time::OffsetDateTime;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
 
+pub mod storm;
+
 use crate::ca::generate::KeyType;
 use crate::ca::{csr, ttl, CaBundle};
 use crate::identity::{SpiffeId, TrustDomain};
@@ -44,6 +46,9 @@ pub enum Mode {
     TokenImpersonation,
     /// Only measure the crypto ceiling; send no requests.
     CeilingOnly,
+    /// A renewal storm of many node proxies at a multiple of the measured
+    /// peak (see [`storm`]).
+    Storm,
 }
 
 /// `meshca bench` arguments.
@@ -119,6 +124,27 @@ pub struct BenchArgs {
     /// Append the JSON result line to this file as well.
     #[arg(long)]
     pub json_out: Option<PathBuf>,
+    /// Storm: how the proxies (--pods of them, --streams in flight each) authenticate.
+    #[arg(long, value_enum, default_value_t = storm::StormAuth::Mtls)]
+    pub storm_auth: storm::StormAuth,
+    /// Storm: each request's grpc-timeout (the client gives up then too).
+    #[arg(long, default_value_t = 1000)]
+    pub storm_deadline_ms: u64,
+    /// Storm: offered load as a multiple of the measured peak.
+    #[arg(long, default_value_t = 3.0)]
+    pub storm_overload: f64,
+    /// Storm: proxy 0 offers this many times the others' rate and in-flight cap.
+    #[arg(long, default_value_t = 10)]
+    pub storm_greedy: usize,
+    /// Storm: seconds of the peak phase and of the storm phase.
+    #[arg(long, default_value_t = 10.0)]
+    pub storm_seconds: f64,
+    /// Storm: proxies in the closed-loop peak phase (2 in flight each).
+    #[arg(long, default_value_t = 64)]
+    pub storm_peak_proxies: usize,
+    /// Storm: the server's admin port (to count issued and shed requests).
+    #[arg(long, default_value = "127.0.0.1:15014")]
+    pub admin_target: SocketAddr,
 }
 
 /// Crypto ceiling: what this machine's cores can do with meshca's own
@@ -178,6 +204,9 @@ pub struct BenchResult {
 
 /// Runs the benchmark and prints its results.
 pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
+    if args.mode == Mode::Storm {
+        return storm::run(&args).await;
+    }
     let result = execute(&args).await?;
     print_human(&result);
     let line = serde_json::to_string(&result)?;
@@ -336,7 +365,7 @@ impl Plan {
             mode: args.mode,
         };
         match args.mode {
-            Mode::CeilingOnly => {}
+            Mode::CeilingOnly | Mode::Storm => {}
             Mode::MtlsRenewal => {
                 let id = SpiffeId::new(td.clone(), "meshca-bench", "bench")?;
                 plan.client_identity = Some(client_identity(bundle, &id)?);
@@ -495,7 +524,7 @@ async fn kube_callers(
                 });
             }
         }
-        Mode::MtlsRenewal | Mode::CeilingOnly => {}
+        Mode::MtlsRenewal | Mode::CeilingOnly | Mode::Storm => {}
     }
     Ok(callers)
 }
@@ -1028,7 +1057,39 @@ mod tests {
             label: "meshca".into(),
             server_pid: Some(std::process::id()),
             json_out: None,
+            storm_auth: storm::StormAuth::Mtls,
+            storm_deadline_ms: 1000,
+            storm_overload: 3.0,
+            storm_greedy: 10,
+            storm_seconds: 0.5,
+            storm_peak_proxies: 4,
+            admin_target: "127.0.0.1:1".parse().unwrap(),
         }
+    }
+
+    /// A tiny storm against an in-process server: every request the clients
+    /// saw succeed is one the server issued, and the server's own counters
+    /// are read (no timing is asserted).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn storm_smoke_run() {
+        let pki = crate::testing::TestPki::new(KeyType::EcdsaP256);
+        let cfg = crate::testing::test_config(pki.path_buf());
+        let (app, audit) = crate::testing::start_server(&cfg, Default::default()).await;
+        let mut a = args(pki.path_buf(), app.addr, Mode::Storm);
+        a.pods = 6;
+        a.admin_target = app.admin_addr;
+        let r = storm::execute(&a).await.unwrap();
+        assert_eq!(r.proxies, 6);
+        let ok = r.outcomes.get("Ok").copied().unwrap_or(0);
+        assert!(ok > 0, "{r:?}");
+        // At most a response racing its client's deadline on a loaded machine.
+        assert!(matches!(r.issued_not_received, Some(0..=2)), "{r:?}");
+        let allows = audit
+            .records()
+            .iter()
+            .filter(|x| x.decision == crate::audit::Decision::Allow)
+            .count();
+        assert!(allows >= ok);
     }
 
     /// A small closed-loop run and a paced run against an in-process server:

@@ -1,0 +1,318 @@
+//! Admission decisions as plain functions over plain numbers; the runtime in
+//! [`super::queue`] only gathers the numbers and carries out the verdict.
+
+use std::time::{Duration, Instant};
+
+use super::ShedReason;
+
+/// What the queue looks like when a request asks to run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QueueState {
+    /// Requests doing CPU-heavy work now.
+    pub running: usize,
+    pub max_running: usize,
+    /// Requests waiting, all callers together.
+    pub queued: usize,
+    pub max_queued: usize,
+    /// Requests of this caller already waiting.
+    pub own_queued: usize,
+    /// The longest single caller's queue.
+    pub longest_queued: usize,
+}
+
+/// The verdict for one request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Admit {
+    /// A slot is free and nobody waits: start now.
+    Run,
+    /// Wait for a slot in this caller's sub-queue.
+    Enqueue,
+    /// The queue is full, but another caller holds more of it than this one
+    /// would: drop that caller's newest waiter and take its place.
+    EnqueueEvicting,
+    Shed(ShedReason),
+}
+
+/// Run, wait, displace a greedier caller, or shed. A request never jumps
+/// ahead of waiters (they would starve), and a full queue sheds the caller
+/// that holds most of it, so one greedy caller cannot crowd others out.
+pub fn admit(s: &QueueState) -> Admit {
+    if s.running < s.max_running && s.queued == 0 {
+        return Admit::Run;
+    }
+    if s.queued < s.max_queued {
+        return Admit::Enqueue;
+    }
+    // Evict only from a queue that stays at least as long as ours becomes.
+    if s.longest_queued > s.own_queued + 1 {
+        return Admit::EnqueueEvicting;
+    }
+    Admit::Shed(ShedReason::QueueFull)
+}
+
+/// How loaded the server is, for the pre-authentication decision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Load {
+    /// Slots free or a short queue.
+    Normal,
+    /// The queue is at least `busy_fraction` full: new, unauthenticated
+    /// work (a TokenReview, then a queue slot) is shed first.
+    Busy,
+}
+
+/// `Busy` from half the queue up: known callers still have the other half.
+pub fn load(queued: usize, max_queued: usize) -> Load {
+    if max_queued > 0 && queued * 2 >= max_queued {
+        Load::Busy
+    } else {
+        Load::Normal
+    }
+}
+
+/// Before authentication: known callers (warm token cache, verified client
+/// certificate) go on; new ones are shed while busy. Costs nothing: no CSR
+/// parse, no TokenReview.
+pub fn pre_auth(known: bool, load: Load) -> Result<(), ShedReason> {
+    match (known, load) {
+        (true, _) | (false, Load::Normal) => Ok(()),
+        (false, Load::Busy) => Err(ShedReason::NewCallerWhileBusy),
+    }
+}
+
+/// The last moment work may start for a request that arrived at `arrived`
+/// with `grpc-timeout` `timeout`: `margin` before its deadline, so the
+/// certificate can still reach the caller (the caller's clock started
+/// before ours). `max_wait` bounds callers that send no deadline.
+pub fn start_by(
+    arrived: Instant,
+    timeout: Option<Duration>,
+    margin: Duration,
+    max_wait: Duration,
+) -> Instant {
+    let own = arrived + max_wait;
+    match timeout {
+        Some(t) => {
+            let deadline = arrived.checked_add(t.saturating_sub(margin)).unwrap_or(own);
+            deadline.min(own)
+        }
+        None => own,
+    }
+}
+
+/// Parses a `grpc-timeout` header: at most 8 digits and a unit
+/// (H, M, S, m, u, n). `None` for anything else (treated as no deadline).
+pub fn parse_grpc_timeout(v: &str) -> Option<Duration> {
+    let (digits, unit) = v.split_at(v.len().checked_sub(1)?);
+    if digits.is_empty() || digits.len() > 8 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let n: u64 = digits.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(n * 3600),
+        "M" => Duration::from_secs(n * 60),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return None,
+    })
+}
+
+/// The key callers share the queue by: the node proxy or workload pod a
+/// token was bound to (a ztunnel asking for many identities is one caller),
+/// else the authenticated identity (mTLS).
+pub fn caller_key(caller: &crate::authn::Caller) -> String {
+    match &caller.kube {
+        Some(k) if !k.pod_name.is_empty() => {
+            format!("pod:{}/{}", k.pod_namespace, k.pod_name)
+        }
+        _ => format!("id:{}", caller.identity),
+    }
+}
+
+/// Per-identity issuance cap: a fixed window per identity.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CapWindow {
+    pub started: Instant,
+    pub count: u32,
+}
+
+/// Counts one issuance against `w` (a fresh window once `window` passed):
+/// the new state, or the wait until the window ends when over `max`.
+pub fn cap_take(
+    w: Option<CapWindow>,
+    now: Instant,
+    max: u32,
+    window: Duration,
+) -> Result<CapWindow, Duration> {
+    let w = match w {
+        Some(w) if now < w.started + window => w,
+        _ => CapWindow {
+            started: now,
+            count: 0,
+        },
+    };
+    if w.count >= max {
+        return Err((w.started + window).saturating_duration_since(now));
+    }
+    Ok(CapWindow {
+        count: w.count + 1,
+        ..w
+    })
+}
+
+/// The `grpc-retry-pushback-ms` a shed caller is given: `base` spread over
+/// 50-150% by `draw` (so shed callers do not come back together), never
+/// shorter than `at_least` (when the condition is known to last that long).
+pub fn pushback(base: Duration, at_least: Duration, draw: u64) -> Duration {
+    let permille = 500 + draw % 1001;
+    let spread = base.mul_f64(permille as f64 / 1000.0);
+    spread.max(at_least)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use test_case::test_case;
+
+    fn q(running: usize, queued: usize, own: usize, longest: usize) -> QueueState {
+        QueueState {
+            running,
+            max_running: 2,
+            queued,
+            max_queued: 4,
+            own_queued: own,
+            longest_queued: longest,
+        }
+    }
+
+    #[test_case(q(0, 0, 0, 0), Admit::Run ; "idle")]
+    #[test_case(q(1, 0, 0, 0), Admit::Run ; "one slot left")]
+    #[test_case(q(2, 0, 0, 0), Admit::Enqueue ; "slots busy")]
+    #[test_case(q(1, 1, 0, 1), Admit::Enqueue ; "free slot but waiters go first")]
+    #[test_case(q(2, 3, 3, 3), Admit::Enqueue ; "last queue place")]
+    #[test_case(q(2, 4, 0, 4), Admit::EnqueueEvicting ; "full, one greedy caller holds it all")]
+    #[test_case(q(2, 4, 1, 3), Admit::EnqueueEvicting ; "full, greedier caller has 3 to our 1")]
+    #[test_case(q(2, 4, 1, 2), Admit::Shed(ShedReason::QueueFull) ; "full, the other would end no longer than us")]
+    #[test_case(q(2, 4, 4, 4), Admit::Shed(ShedReason::QueueFull) ; "full, we are the greedy one")]
+    #[test_case(q(2, 4, 2, 2), Admit::Shed(ShedReason::QueueFull) ; "full, evenly shared")]
+    fn admission_table(s: QueueState, want: Admit) {
+        assert_eq!(admit(&s), want);
+    }
+
+    #[test_case(0, 100, true, Ok(()) ; "idle known")]
+    #[test_case(0, 100, false, Ok(()) ; "idle new")]
+    #[test_case(49, 100, false, Ok(()) ; "under half new")]
+    #[test_case(50, 100, false, Err(ShedReason::NewCallerWhileBusy) ; "half full new shed")]
+    #[test_case(100, 100, true, Ok(()) ; "full known goes on to the queue")]
+    #[test_case(0, 0, false, Ok(()) ; "no queue never busy")]
+    fn pre_auth_table(queued: usize, max: usize, known: bool, want: Result<(), ShedReason>) {
+        assert_eq!(pre_auth(known, load(queued, max)), want);
+    }
+
+    #[test_case("1S", Some(Duration::from_secs(1)))]
+    #[test_case("100m", Some(Duration::from_millis(100)))]
+    #[test_case("2H", Some(Duration::from_secs(7200)))]
+    #[test_case("3M", Some(Duration::from_secs(180)))]
+    #[test_case("99999999u", Some(Duration::from_micros(99_999_999)))]
+    #[test_case("5n", Some(Duration::from_nanos(5)))]
+    #[test_case("123456789m", None ; "nine digits")]
+    #[test_case("m", None ; "no digits")]
+    #[test_case("", None ; "empty")]
+    #[test_case("10", None ; "no unit")]
+    #[test_case("1x", None ; "bad unit")]
+    #[test_case("-1S", None ; "sign")]
+    #[test_case("1 S", None ; "space")]
+    #[test_case("١S", None ; "non ascii digit")]
+    fn grpc_timeout_table(v: &str, want: Option<Duration>) {
+        assert_eq!(parse_grpc_timeout(v), want);
+    }
+
+    #[test]
+    fn caller_key_table() {
+        use crate::authn::{AuthnMethod, Caller, KubernetesInfo};
+        let id: crate::identity::SpiffeId = "spiffe://cluster.local/ns/istio-system/sa/ztunnel"
+            .parse()
+            .unwrap();
+        let pod = |name: &str| KubernetesInfo {
+            pod_namespace: "istio-system".into(),
+            pod_name: name.into(),
+            ..Default::default()
+        };
+        let cases = [
+            (None, "id:spiffe://cluster.local/ns/istio-system/sa/ztunnel"),
+            (Some(pod("ztunnel-abc")), "pod:istio-system/ztunnel-abc"),
+            (
+                Some(pod("")),
+                "id:spiffe://cluster.local/ns/istio-system/sa/ztunnel",
+            ),
+        ];
+        for (kube, want) in cases {
+            let c = Caller {
+                method: AuthnMethod::TokenReview,
+                identity: id.clone(),
+                kube,
+            };
+            assert_eq!(caller_key(&c), want);
+        }
+    }
+
+    #[test]
+    fn start_by_table() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let wait = ms(1000);
+        // (timeout, margin, expected offset from arrival)
+        let cases = [
+            (None, ms(10), ms(1000)),
+            (Some(ms(100)), ms(10), ms(90)),
+            (Some(ms(5)), ms(10), ms(0)),
+            (Some(ms(5000)), ms(10), ms(1000)),
+            (Some(Duration::MAX), ms(10), ms(1000)),
+        ];
+        for (timeout, margin, want) in cases {
+            assert_eq!(
+                start_by(t0, timeout, margin, wait),
+                t0 + want,
+                "{timeout:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn cap_window_table() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs;
+        let w = |started, count| Some(CapWindow { started, count });
+        // (state, now offset, expected count or wait)
+        let cases: [(Option<CapWindow>, Duration, Result<u32, Duration>); 5] = [
+            (None, s(0), Ok(1)),
+            (w(t0, 1), s(1), Ok(2)),
+            (w(t0, 2), s(1), Err(s(59))),
+            (w(t0, 2), s(60), Ok(1)),
+            (w(t0, 2), s(61), Ok(1)),
+        ];
+        for (state, at, want) in cases {
+            let got = cap_take(state, t0 + at, 2, s(60)).map(|w| w.count);
+            assert_eq!(got, want, "{state:?} at {at:?}");
+        }
+    }
+
+    #[test]
+    fn pushback_spreads_and_respects_floor() {
+        let s = Duration::from_secs(1);
+        assert_eq!(pushback(s, Duration::ZERO, 0), Duration::from_millis(500));
+        assert_eq!(
+            pushback(s, Duration::ZERO, 1000),
+            Duration::from_millis(1500)
+        );
+        assert_eq!(
+            pushback(s, Duration::from_secs(5), 0),
+            Duration::from_secs(5)
+        );
+        let seen: std::collections::BTreeSet<_> = (0..2002u64)
+            .map(|d| pushback(s, Duration::ZERO, d))
+            .collect();
+        assert_eq!(seen.len(), 1001);
+    }
+}

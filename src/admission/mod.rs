@@ -1,0 +1,487 @@
+//! Admission in front of signing: who may start CPU-heavy work (CSR verify
+//! and sign) now, who waits, and who is shed, cheaply and with a pushback.
+//!
+//! - A global bound on running work, sized from the cores, with a bounded
+//!   queue that is fair across callers ([`queue`]) and deadline-aware: work
+//!   whose caller's `grpc-timeout` has passed (or will before it could
+//!   answer) never starts, and a cancelled caller leaves the queue at once.
+//! - Before authentication, new callers (no cached token review, no client
+//!   certificate) are shed first while the queue is busy, and each source IP
+//!   has a budget of such requests: a storm of unknown tokens cannot take
+//!   the slots of callers already known.
+//! - An optional per-identity issuance cap.
+//!
+//! Every shed has a stable reason (audit record and metrics) and a retry
+//! hint. Decisions are plain functions in [`decide`].
+
+pub mod decide;
+pub mod queue;
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use crate::authn::token::TokenBucket;
+use crate::authn::Familiarity;
+use crate::config::ConfigError;
+pub use queue::{FairQueue, Permit};
+
+/// Why a request was shed. Each is retryable: the caller is not at fault.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum ShedReason {
+    #[error("the signing queue is full")]
+    QueueFull,
+    #[error("displaced from the signing queue by a caller holding less of it")]
+    QueueDisplaced,
+    #[error("the caller's deadline passed (or would before an answer) while waiting")]
+    DeadlineExceeded,
+    #[error("new callers are shed while the signing queue is busy")]
+    NewCallerWhileBusy,
+    #[error("the source IP's budget for unauthenticated requests is spent")]
+    SourceBudget,
+    #[error("the identity reached its issuance cap for this window")]
+    IdentityCap,
+    #[error("too many identities are being counted by the issuance cap")]
+    IdentityCapTableFull,
+}
+
+impl ShedReason {
+    pub const ALL: [ShedReason; 7] = [
+        Self::QueueFull,
+        Self::QueueDisplaced,
+        Self::DeadlineExceeded,
+        Self::NewCallerWhileBusy,
+        Self::SourceBudget,
+        Self::IdentityCap,
+        Self::IdentityCapTableFull,
+    ];
+
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Self::QueueFull => "admission_queue_full",
+            Self::QueueDisplaced => "admission_queue_displaced",
+            Self::DeadlineExceeded => "admission_deadline_exceeded",
+            Self::NewCallerWhileBusy => "admission_new_caller_busy",
+            Self::SourceBudget => "admission_source_budget",
+            Self::IdentityCap => "admission_identity_cap",
+            Self::IdentityCapTableFull => "admission_identity_cap_table_full",
+        }
+    }
+}
+
+/// A shed request: why, and when to come back.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("shed: {reason} (retry in {retry_after:?})")]
+pub struct Shed {
+    pub reason: ShedReason,
+    pub retry_after: Duration,
+}
+
+/// Per-identity issuance cap.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IdentityCap {
+    pub max: u32,
+    pub window: Duration,
+}
+
+/// Admission settings, parsed once at startup.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AdmissionConfig {
+    /// CSR verifications and signatures running at once.
+    pub max_running: usize,
+    /// Requests waiting for a slot, all callers together.
+    pub max_queued: usize,
+    /// Longest wait for a caller that sent no `grpc-timeout`.
+    pub max_wait: Duration,
+    /// Work must be able to start this long before the caller's deadline.
+    pub deadline_margin: Duration,
+    /// Base retry hint for a shed caller (spread 50-150%).
+    pub pushback: Duration,
+    /// Unauthenticated (not yet known) requests per second per source IP; 0 disables.
+    pub new_caller_qps_per_ip: u32,
+    pub new_caller_burst_per_ip: u32,
+    pub identity_cap: Option<IdentityCap>,
+}
+
+/// Most entries in the per-IP and per-identity tables; beyond, stale ones
+/// are dropped first.
+const MAX_TABLE: usize = 100_000;
+
+fn cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+impl Default for AdmissionConfig {
+    fn default() -> Self {
+        let running = cores();
+        Self {
+            max_running: running,
+            max_queued: 64 * running,
+            max_wait: Duration::from_secs(5),
+            deadline_margin: Duration::from_millis(10),
+            pushback: Duration::from_secs(1),
+            new_caller_qps_per_ip: 100,
+            new_caller_burst_per_ip: 200,
+            identity_cap: None,
+        }
+    }
+}
+
+/// Admission flags (flattened into `meshca serve`).
+#[derive(Debug, Clone, clap::Args)]
+pub struct AdmissionArgs {
+    /// CSR verifications and signatures at once (0: one per core).
+    #[arg(long, env = "MESHCA_ADMISSION_MAX_RUNNING", default_value_t = 0)]
+    pub admission_max_running: usize,
+    /// Requests waiting for a signing slot (0: 64 per running slot); beyond, shed.
+    #[arg(long, env = "MESHCA_ADMISSION_MAX_QUEUED", default_value_t = 0)]
+    pub admission_max_queued: usize,
+    /// Longest wait in the queue for callers sending no grpc-timeout.
+    #[arg(long, env = "MESHCA_ADMISSION_MAX_WAIT", default_value = "5s")]
+    pub admission_max_wait: String,
+    /// Work never starts later than this before the caller's deadline.
+    #[arg(long, env = "MESHCA_ADMISSION_DEADLINE_MARGIN", default_value = "10ms")]
+    pub admission_deadline_margin: String,
+    /// Base grpc-retry-pushback-ms / RetryInfo for shed callers (spread 50-150%).
+    #[arg(long, env = "MESHCA_ADMISSION_PUSHBACK", default_value = "1s")]
+    pub admission_pushback: String,
+    /// Requests per second per source IP from callers not yet known (0: no budget).
+    #[arg(
+        long,
+        env = "MESHCA_ADMISSION_NEW_CALLER_QPS_PER_IP",
+        default_value_t = 100
+    )]
+    pub admission_new_caller_qps_per_ip: u32,
+    /// Burst of such requests per source IP.
+    #[arg(
+        long,
+        env = "MESHCA_ADMISSION_NEW_CALLER_BURST_PER_IP",
+        default_value_t = 200
+    )]
+    pub admission_new_caller_burst_per_ip: u32,
+    /// Certificates per identity per window (0: no cap).
+    #[arg(long, env = "MESHCA_IDENTITY_CAP", default_value_t = 0)]
+    pub identity_cap: u32,
+    /// The per-identity cap's window.
+    #[arg(long, env = "MESHCA_IDENTITY_CAP_WINDOW", default_value = "1h")]
+    pub identity_cap_window: String,
+}
+
+impl AdmissionArgs {
+    /// Parses and validates; every error names its variable.
+    pub fn parse(&self) -> Result<AdmissionConfig, ConfigError> {
+        let day = Duration::from_secs(24 * 3600);
+        let dur = |name: &'static str, v: &str, zero_ok: bool| {
+            crate::config::bounded_duration(name, v, zero_ok, day)
+        };
+        let max_running = match self.admission_max_running {
+            0 => cores(),
+            n => crate::config::bounded("MESHCA_ADMISSION_MAX_RUNNING", n, 1, 4096)?,
+        };
+        let max_queued = match self.admission_max_queued {
+            0 => 64 * max_running,
+            n => crate::config::bounded("MESHCA_ADMISSION_MAX_QUEUED", n, 1, 1_000_000)?,
+        };
+        let identity_cap = match self.identity_cap {
+            0 => None,
+            max => Some(IdentityCap {
+                max,
+                window: dur(
+                    "MESHCA_IDENTITY_CAP_WINDOW",
+                    &self.identity_cap_window,
+                    false,
+                )?,
+            }),
+        };
+        Ok(AdmissionConfig {
+            max_running,
+            max_queued,
+            max_wait: dur("MESHCA_ADMISSION_MAX_WAIT", &self.admission_max_wait, false)?,
+            deadline_margin: dur(
+                "MESHCA_ADMISSION_DEADLINE_MARGIN",
+                &self.admission_deadline_margin,
+                true,
+            )?,
+            pushback: dur("MESHCA_ADMISSION_PUSHBACK", &self.admission_pushback, false)?,
+            new_caller_qps_per_ip: self.admission_new_caller_qps_per_ip,
+            new_caller_burst_per_ip: self.admission_new_caller_burst_per_ip.max(1),
+            identity_cap,
+        })
+    }
+}
+
+#[derive(Debug)]
+struct SourceBucket {
+    bucket: TokenBucket,
+    used: Instant,
+}
+
+/// The admission layer of one server.
+#[derive(Debug)]
+pub struct Admission {
+    cfg: AdmissionConfig,
+    queue: FairQueue,
+    sources: Mutex<HashMap<IpAddr, SourceBucket>>,
+    caps: Mutex<HashMap<String, decide::CapWindow>>,
+    metrics: Option<Arc<crate::metrics::Metrics>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn draw() -> u64 {
+    crate::ca::ttl::random_draw()
+}
+
+/// A counted issuance under the identity cap; given back unless committed
+/// (a request that fails later does not use up its identity's cap).
+#[derive(Debug)]
+pub struct CapTicket<'a> {
+    admission: &'a Admission,
+    identity: Option<String>,
+}
+
+impl CapTicket<'_> {
+    /// The certificate was issued: the count stays.
+    pub fn commit(mut self) {
+        self.identity = None;
+    }
+}
+
+impl Drop for CapTicket<'_> {
+    fn drop(&mut self) {
+        if let Some(id) = self.identity.take() {
+            if let Some(w) = lock(&self.admission.caps).get_mut(&id) {
+                w.count = w.count.saturating_sub(1);
+            }
+        }
+    }
+}
+
+impl Admission {
+    pub fn new(cfg: AdmissionConfig, metrics: Option<Arc<crate::metrics::Metrics>>) -> Self {
+        Self {
+            queue: FairQueue::new(cfg.max_running, cfg.max_queued, metrics.clone()),
+            cfg,
+            sources: Mutex::new(HashMap::new()),
+            caps: Mutex::new(HashMap::new()),
+            metrics,
+        }
+    }
+
+    pub fn config(&self) -> &AdmissionConfig {
+        &self.cfg
+    }
+
+    /// A shed for `reason` now (counted, with a spread retry hint).
+    pub fn shed_now(&self, reason: ShedReason) -> Shed {
+        self.shed(reason, Duration::ZERO)
+    }
+
+    fn shed(&self, reason: ShedReason, at_least: Duration) -> Shed {
+        if let Some(m) = &self.metrics {
+            m.admission_shed
+                .get_or_create(&crate::metrics::RefusalLabels {
+                    reason: reason.reason(),
+                })
+                .inc();
+        }
+        Shed {
+            reason,
+            retry_after: decide::pushback(self.cfg.pushback, at_least, draw()),
+        }
+    }
+
+    /// Before authentication: known callers pass; others are shed while
+    /// the queue is busy, and those needing a TokenReview when their source
+    /// IP's budget is spent.
+    pub fn pre_auth(&self, ip: Option<IpAddr>, f: Familiarity) -> Result<(), Shed> {
+        let known = f == Familiarity::Known;
+        let (_, queued) = self.queue.stats();
+        decide::pre_auth(known, decide::load(queued, self.cfg.max_queued))
+            .map_err(|r| self.shed(r, Duration::ZERO))?;
+        if f != Familiarity::New || self.cfg.new_caller_qps_per_ip == 0 {
+            return Ok(());
+        }
+        let Some(ip) = ip.map(crate::transport::limits::canonical_ip) else {
+            return Ok(());
+        };
+        let now = Instant::now();
+        let (qps, burst) = (
+            self.cfg.new_caller_qps_per_ip,
+            self.cfg.new_caller_burst_per_ip,
+        );
+        let verdict = {
+            let mut sources = lock(&self.sources);
+            if sources.len() >= MAX_TABLE {
+                // A bucket unused for the time it takes to refill is full again.
+                let refill = Duration::from_secs_f64(f64::from(burst) / f64::from(qps));
+                sources.retain(|_, b| now.duration_since(b.used) < refill);
+            }
+            if sources.len() >= MAX_TABLE && !sources.contains_key(&ip) {
+                Err(Duration::ZERO)
+            } else {
+                let b = sources.entry(ip).or_insert_with(|| SourceBucket {
+                    bucket: TokenBucket::new(qps, burst, now),
+                    used: now,
+                });
+                b.used = now;
+                b.bucket.reserve(now, Duration::ZERO).map(|_| ())
+            }
+        };
+        verdict.map_err(|wait| self.shed(ShedReason::SourceBudget, wait))
+    }
+
+    /// Counts one issuance for `identity` under the cap (if any).
+    pub fn take_identity(&self, identity: &str) -> Result<CapTicket<'_>, Shed> {
+        let Some(cap) = self.cfg.identity_cap else {
+            return Ok(CapTicket {
+                admission: self,
+                identity: None,
+            });
+        };
+        let now = Instant::now();
+        let verdict = {
+            let mut caps = lock(&self.caps);
+            if caps.len() >= MAX_TABLE && !caps.contains_key(identity) {
+                caps.retain(|_, w| now < w.started + cap.window);
+            }
+            if caps.len() >= MAX_TABLE && !caps.contains_key(identity) {
+                Err((ShedReason::IdentityCapTableFull, Duration::ZERO))
+            } else {
+                let w = caps.get(identity).copied();
+                match decide::cap_take(w, now, cap.max, cap.window) {
+                    Ok(w) => {
+                        caps.insert(identity.to_string(), w);
+                        Ok(())
+                    }
+                    Err(wait) => Err((ShedReason::IdentityCap, wait)),
+                }
+            }
+        };
+        match verdict {
+            Ok(()) => Ok(CapTicket {
+                admission: self,
+                identity: Some(identity.to_string()),
+            }),
+            Err((r, wait)) => Err(self.shed(r, wait)),
+        }
+    }
+
+    /// The last moment work may start for a request that arrived at
+    /// `arrived` with this `grpc-timeout`.
+    pub fn start_by(&self, arrived: Instant, timeout: Option<Duration>) -> Instant {
+        decide::start_by(
+            arrived,
+            timeout,
+            self.cfg.deadline_margin,
+            self.cfg.max_wait,
+        )
+    }
+
+    /// Waits, fairly under `key`, for a slot to do CPU-heavy work.
+    pub async fn acquire(&self, key: &str, start_by: Instant) -> Result<Permit, Shed> {
+        self.queue
+            .acquire(key, start_by)
+            .await
+            .map_err(|r| self.shed(r, Duration::ZERO))
+    }
+
+    /// (running, queued) now.
+    pub fn stats(&self) -> (usize, usize) {
+        self.queue.stats()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn admission(cfg: AdmissionConfig) -> Admission {
+        Admission::new(cfg, None)
+    }
+
+    #[test]
+    fn reasons_are_distinct_and_prefixed() {
+        let set: std::collections::BTreeSet<_> =
+            ShedReason::ALL.iter().map(|r| r.reason()).collect();
+        assert_eq!(set.len(), ShedReason::ALL.len());
+        assert!(set.iter().all(|r| r.starts_with("admission_")));
+    }
+
+    #[test]
+    fn source_budget_applies_to_new_callers_only() {
+        let a = admission(AdmissionConfig {
+            new_caller_qps_per_ip: 1,
+            new_caller_burst_per_ip: 2,
+            ..Default::default()
+        });
+        let ip = Some("10.0.0.1".parse().unwrap());
+        assert!(a.pre_auth(ip, Familiarity::New).is_ok());
+        assert!(a.pre_auth(ip, Familiarity::New).is_ok());
+        let shed = a.pre_auth(ip, Familiarity::New).unwrap_err();
+        assert_eq!(shed.reason, ShedReason::SourceBudget);
+        assert!(shed.retry_after >= Duration::from_millis(500));
+        // Known callers, and requests refused without a review (cached
+        // rejection, failed pre-check), are not counted against the source.
+        assert!(a.pre_auth(ip, Familiarity::Known).is_ok());
+        assert!(a.pre_auth(ip, Familiarity::RefusedCheaply).is_ok());
+        // Another source has its own budget.
+        assert!(a
+            .pre_auth(Some("10.0.0.2".parse().unwrap()), Familiarity::New)
+            .is_ok());
+    }
+
+    #[test]
+    fn identity_cap_counts_only_committed_issuance() {
+        let a = admission(AdmissionConfig {
+            identity_cap: Some(IdentityCap {
+                max: 2,
+                window: Duration::from_secs(3600),
+            }),
+            ..Default::default()
+        });
+        let id = "spiffe://cluster.local/ns/a/sa/b";
+        a.take_identity(id).unwrap().commit();
+        // Not committed (the request failed later): given back.
+        drop(a.take_identity(id).unwrap());
+        a.take_identity(id).unwrap().commit();
+        let shed = a.take_identity(id).unwrap_err();
+        assert_eq!(shed.reason, ShedReason::IdentityCap);
+        assert!(shed.retry_after > Duration::from_secs(3000), "{shed:?}");
+        // Other identities are not affected.
+        a.take_identity("spiffe://cluster.local/ns/a/sa/c")
+            .unwrap()
+            .commit();
+    }
+
+    #[test]
+    fn no_cap_by_default() {
+        let a = admission(AdmissionConfig::default());
+        for _ in 0..1000 {
+            a.take_identity("spiffe://cluster.local/ns/a/sa/b")
+                .unwrap()
+                .commit();
+        }
+    }
+
+    #[tokio::test]
+    async fn new_callers_are_shed_first_while_busy() {
+        let a = admission(AdmissionConfig {
+            max_running: 1,
+            max_queued: 2,
+            ..Default::default()
+        });
+        let later = Instant::now() + Duration::from_secs(60);
+        let _p = a.acquire("k", later).await.unwrap();
+        let mut w = Box::pin(a.acquire("k", later));
+        assert!(futures::poll!(w.as_mut()).is_pending());
+        for f in [Familiarity::New, Familiarity::RefusedCheaply] {
+            let shed = a.pre_auth(None, f).unwrap_err();
+            assert_eq!(shed.reason, ShedReason::NewCallerWhileBusy);
+        }
+        assert!(a.pre_auth(None, Familiarity::Known).is_ok());
+    }
+}

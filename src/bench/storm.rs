@@ -1,0 +1,471 @@
+//! `meshca bench --mode storm`: a renewal storm. Many simulated node
+//! proxies, each on its own connection and identity (mTLS, or pod-bound
+//! tokens with `--storm-auth token`), each with at most `--streams` requests
+//! in flight and a `grpc-timeout` of `--storm-deadline-ms`.
+//!
+//! 1. Peak: a closed loop from a subset of proxies measures goodput.
+//! 2. Storm: every proxy starts requests on a fixed schedule so that all
+//!    together offer `--storm-overload` times the peak; proxy 0 is greedy
+//!    (`--storm-greedy` times the rate and in-flight cap of the others).
+//!
+//! Reported: storm goodput / peak, p99 of the successes, each proxy's
+//! goodput against its fair share, server RSS, and the server's own count
+//! of certificates issued against the client's count of certificates
+//! received (a certificate signed for a caller that had given up shows as a
+//! difference).
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use serde::Serialize;
+use time::OffsetDateTime;
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
+
+use super::{client_identity, csr_for, percentile, BenchArgs, CaClient, Mode};
+use crate::ca::CaBundle;
+use crate::identity::{SpiffeId, TrustDomain};
+use crate::proto::istio_certificate_service_client::IstioCertificateServiceClient;
+use crate::proto::IstioCertificateRequest;
+
+/// How storm proxies authenticate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum StormAuth {
+    Mtls,
+    Token,
+}
+
+/// One proxy: its connection, identity and request.
+struct Proxy {
+    client: CaClient,
+    csr: String,
+    bearer: Option<String>,
+}
+
+/// Results of one storm run.
+#[derive(Debug, Clone, Serialize)]
+pub struct StormResult {
+    pub auth: StormAuth,
+    pub proxies: usize,
+    pub streams: usize,
+    pub deadline_ms: u64,
+    pub peak_per_s: f64,
+    pub offered_per_s: f64,
+    pub storm_ok_per_s: f64,
+    /// `storm_ok_per_s / peak_per_s` (target >= 0.9).
+    pub goodput_ratio: f64,
+    pub storm_p50_ms: f64,
+    pub storm_p99_ms: f64,
+    pub storm_max_ms: f64,
+    /// Outcomes by gRPC code (client view), plus `ClientTimeout`.
+    pub outcomes: BTreeMap<String, usize>,
+    /// Requests not started because the proxy already had its cap in flight.
+    pub skipped_at_cap: usize,
+    /// Well-behaved proxies' goodput over their fair share (storm goodput / proxies).
+    pub fair_share_mean: f64,
+    pub fair_share_p10: f64,
+    pub fair_share_min: f64,
+    /// The greedy proxy's goodput over its fair share.
+    pub greedy_ratio: f64,
+    /// Server-side `issued` decisions during the storm (from /metrics).
+    pub server_issued: Option<u64>,
+    /// Server sheds during the storm by reason (from /metrics).
+    pub server_shed: BTreeMap<String, u64>,
+    /// Certificates the server issued minus those the clients received: work
+    /// done for callers that had given up (target 0).
+    pub issued_not_received: Option<i64>,
+    pub server_rss_mib_before: Option<f64>,
+    pub server_rss_mib_after: Option<f64>,
+    pub server_rss_hwm_mib: Option<f64>,
+    pub nproc: usize,
+    pub date: String,
+}
+
+fn rss_mib(pid: u32, field: &str) -> Option<f64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = status.lines().find(|l| l.starts_with(field))?;
+    let kb: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb / 1024.0)
+}
+
+/// Scrapes the admin port: `meshca_decisions_total{...reason="issued"}` and
+/// `meshca_admission_shed_total` by reason.
+async fn scrape(admin: std::net::SocketAddr) -> Option<(u64, BTreeMap<String, u64>)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(admin).await.ok()?;
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: meshca\r\nConnection: close\r\n\r\n")
+        .await
+        .ok()?;
+    let mut buf = Vec::new();
+    s.read_to_end(&mut buf).await.ok()?;
+    let text = String::from_utf8_lossy(&buf);
+    let mut issued = 0;
+    let mut shed = BTreeMap::new();
+    for line in text.lines() {
+        let Some((name, value)) = line.rsplit_once(' ') else {
+            continue;
+        };
+        let Ok(v) = value.parse::<f64>() else {
+            continue;
+        };
+        if name.starts_with("meshca_decisions_total{") && name.contains("reason=\"issued\"") {
+            issued += v as u64;
+        }
+        if let Some(rest) = name.strip_prefix("meshca_admission_shed_total{reason=\"") {
+            let reason = rest.trim_end_matches("\"}").to_string();
+            shed.insert(reason, v as u64);
+        }
+    }
+    Some((issued, shed))
+}
+
+async fn connect_one(
+    args: &BenchArgs,
+    bundle: &CaBundle,
+    identity: Option<&(String, String)>,
+) -> anyhow::Result<CaClient> {
+    let mut tls = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(bundle.root_bundle()))
+        .domain_name(args.server_name.clone());
+    if let Some((cert, key)) = identity {
+        tls = tls.identity(Identity::from_pem(cert, key));
+    }
+    let channel = Channel::from_shared(format!("https://{}", args.target))?
+        .tls_config(tls)?
+        .connect_timeout(Duration::from_secs(10))
+        .connect()
+        .await
+        .with_context(|| format!("connecting to {}", args.target))?;
+    Ok(IstioCertificateServiceClient::new(channel))
+}
+
+/// Builds the proxies: identities (mTLS certificates or pod-bound tokens),
+/// one CSR each, one connection each (a few handshakes at a time).
+async fn proxies(
+    args: &BenchArgs,
+    bundle: &Arc<CaBundle>,
+    td: &TrustDomain,
+) -> anyhow::Result<Vec<Proxy>> {
+    let n = args.pods.max(2);
+    // (identity, mTLS certificate and key, bearer token)
+    type Spec = (String, Option<(String, String)>, Option<String>);
+    let mut specs: Vec<Spec> = Vec::new();
+    match args.storm_auth {
+        StormAuth::Mtls => {
+            for i in 0..n {
+                let id = SpiffeId::new(td.clone(), "meshca-storm", &format!("node-{i}"))?;
+                let ident = client_identity(bundle, &id)?;
+                specs.push((id.to_string(), Some(ident), None));
+            }
+        }
+        StormAuth::Token => {
+            let path = args
+                .kubeconfig
+                .as_ref()
+                .context("--storm-auth token needs --kubeconfig (admin)")?;
+            let kube = crate::app::kube_client(Some(path)).await?;
+            let mut a = args.clone();
+            a.mode = Mode::Token;
+            a.pods = n;
+            for c in super::kube_callers(&kube, &a, td).await? {
+                specs.push((c.identity, None, c.bearer));
+            }
+        }
+    }
+    eprintln!("storm: connecting {} proxies", specs.len());
+    let gate = Arc::new(tokio::sync::Semaphore::new(8));
+    let mut tasks = Vec::new();
+    for (id, ident, bearer) in specs {
+        let (args, bundle, gate) = (args.clone(), bundle.clone(), gate.clone());
+        tasks.push(tokio::spawn(async move {
+            let _p = gate.acquire().await;
+            let csr = csr_for(&args.key_type.generate()?, &id)?;
+            let client = connect_one(&args, &bundle, ident.as_ref()).await?;
+            anyhow::Ok(Proxy {
+                client,
+                csr,
+                bearer,
+            })
+        }));
+    }
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await??);
+    }
+    Ok(out)
+}
+
+fn request(
+    p: &Proxy,
+    deadline: Duration,
+) -> anyhow::Result<tonic::Request<IstioCertificateRequest>> {
+    let mut req = tonic::Request::new(IstioCertificateRequest {
+        csr: p.csr.clone(),
+        validity_duration: 0,
+        metadata: None,
+    });
+    req.set_timeout(deadline);
+    if let Some(t) = &p.bearer {
+        req.metadata_mut()
+            .insert("authorization", format!("Bearer {t}").parse()?);
+    }
+    Ok(req)
+}
+
+/// One request's outcome: latency in ns for a success, or the error name.
+async fn one(p: &Proxy, deadline: Duration) -> Result<u64, String> {
+    let start = Instant::now();
+    let Ok(req) = request(p, deadline) else {
+        return Err("BadRequest".into());
+    };
+    let mut c = p.client.clone();
+    match tokio::time::timeout(deadline, c.create_certificate(req)).await {
+        Err(_) => Err("ClientTimeout".into()),
+        Ok(Ok(r)) if r.get_ref().cert_chain.len() >= 2 => Ok(start.elapsed().as_nanos() as u64),
+        Ok(Ok(_)) => Err("BadResponse".into()),
+        Ok(Err(s)) => Err(format!("{:?}", s.code())),
+    }
+}
+
+/// Closed loop over the first `k` proxies, `streams` each: goodput per second.
+async fn peak(
+    proxies: &Arc<Vec<Proxy>>,
+    k: usize,
+    streams: usize,
+    secs: f64,
+    deadline: Duration,
+) -> f64 {
+    let stop = Instant::now() + Duration::from_secs_f64(secs);
+    let ok = Arc::new(AtomicUsize::new(0));
+    let mut tasks = Vec::new();
+    for i in 0..k.min(proxies.len()) {
+        for _ in 0..streams {
+            let (proxies, ok) = (proxies.clone(), ok.clone());
+            tasks.push(tokio::spawn(async move {
+                while Instant::now() < stop {
+                    if one(&proxies[i], deadline).await.is_ok() {
+                        ok.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }));
+        }
+    }
+    let t = Instant::now();
+    for task in tasks {
+        let _ = task.await;
+    }
+    ok.load(Ordering::Relaxed) as f64 / t.elapsed().as_secs_f64()
+}
+
+#[derive(Default)]
+struct StormSamples {
+    latencies: Vec<u64>,
+    outcomes: BTreeMap<String, usize>,
+    per_proxy_ok: Vec<usize>,
+    skipped: usize,
+}
+
+/// Open loop: proxy `i` starts a request every `1/rate_i` s (random phase)
+/// unless it already has its cap in flight.
+async fn storm(
+    proxies: &Arc<Vec<Proxy>>,
+    rate_each: f64,
+    streams: usize,
+    greedy: usize,
+    secs: f64,
+    deadline: Duration,
+) -> StormSamples {
+    let samples = Arc::new(Mutex::new(StormSamples {
+        per_proxy_ok: vec![0; proxies.len()],
+        ..Default::default()
+    }));
+    let stop = Instant::now() + Duration::from_secs_f64(secs);
+    let mut tickers = Vec::new();
+    for i in 0..proxies.len() {
+        let factor = if i == 0 { greedy as f64 } else { 1.0 };
+        let cap = if i == 0 { streams * greedy } else { streams };
+        let period = Duration::from_secs_f64(1.0 / (rate_each * factor));
+        let phase = period.mul_f64((crate::ca::ttl::random_draw() % 1000) as f64 / 1000.0);
+        let (proxies, samples) = (proxies.clone(), samples.clone());
+        tickers.push(tokio::spawn(async move {
+            let inflight = Arc::new(AtomicUsize::new(0));
+            let mut tick = tokio::time::interval_at((Instant::now() + phase).into(), period);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+            let mut running = Vec::new();
+            loop {
+                tick.tick().await;
+                if Instant::now() >= stop {
+                    break;
+                }
+                if inflight.load(Ordering::Relaxed) >= cap {
+                    samples.lock().map(|mut s| s.skipped += 1).ok();
+                    continue;
+                }
+                inflight.fetch_add(1, Ordering::Relaxed);
+                let (proxies, samples, inflight) =
+                    (proxies.clone(), samples.clone(), inflight.clone());
+                running.push(tokio::spawn(async move {
+                    let r = one(&proxies[i], deadline).await;
+                    inflight.fetch_sub(1, Ordering::Relaxed);
+                    if let Ok(mut s) = samples.lock() {
+                        match r {
+                            Ok(ns) => {
+                                s.latencies.push(ns);
+                                s.per_proxy_ok[i] += 1;
+                                *s.outcomes.entry("Ok".into()).or_default() += 1;
+                            }
+                            Err(e) => *s.outcomes.entry(e).or_default() += 1,
+                        }
+                    }
+                }));
+                running.retain(|t: &tokio::task::JoinHandle<()>| !t.is_finished());
+            }
+            for t in running {
+                let _ = t.await;
+            }
+        }));
+    }
+    for t in tickers {
+        let _ = t.await;
+    }
+    let mut s = samples
+        .lock()
+        .map(|mut s| std::mem::take(&mut *s))
+        .unwrap_or_default();
+    s.latencies.sort_unstable();
+    s
+}
+
+/// Runs the storm scenario and prints its results.
+pub async fn run(args: &BenchArgs) -> anyhow::Result<()> {
+    let r = execute(args).await?;
+    eprintln!(
+        "storm: goodput {:.0}/s = {:.2} of peak {:.0}/s; p99 {:.1} ms; well-behaved share mean {:.2} p10 {:.2}; greedy {:.2}x; issued-not-received {:?}; RSS {:?} -> {:?} MiB (HWM {:?})",
+        r.storm_ok_per_s,
+        r.goodput_ratio,
+        r.peak_per_s,
+        r.storm_p99_ms,
+        r.fair_share_mean,
+        r.fair_share_p10,
+        r.greedy_ratio,
+        r.issued_not_received,
+        r.server_rss_mib_before,
+        r.server_rss_mib_after,
+        r.server_rss_hwm_mib,
+    );
+    let line = serde_json::to_string(&r)?;
+    println!("{line}");
+    if let Some(path) = &args.json_out {
+        use std::io::Write;
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)?;
+        writeln!(f, "{line}")?;
+    }
+    Ok(())
+}
+
+/// Runs the storm scenario and returns its results.
+pub async fn execute(args: &BenchArgs) -> anyhow::Result<StormResult> {
+    if !args.target.ip().is_loopback() {
+        bail!("--target {} is not a loopback address", args.target);
+    }
+    let _ = rustls::crypto::aws_lc_rs::default_provider().install_default();
+    let td = TrustDomain::new(&args.trust_domain)?;
+    let bundle = Arc::new(CaBundle::load_dir(&args.ca_dir, OffsetDateTime::now_utc())?);
+    let deadline = Duration::from_millis(args.storm_deadline_ms);
+    let streams = args.streams.max(1);
+    let proxies = Arc::new(proxies(args, &bundle, &td).await?);
+    let n = proxies.len();
+    // Warm every connection (and token cache) once.
+    for p in proxies.iter() {
+        for _ in 0..50 {
+            if one(p, Duration::from_secs(5)).await.is_ok() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    let secs = args.storm_seconds;
+    // Peak: enough concurrency to keep every signing slot busy, not so much
+    // that admission sheds.
+    let k = args.storm_peak_proxies.min(n);
+    eprintln!("storm: peak phase, {k} proxies x 2 in flight, {secs}s");
+    let peak_per_s = peak(&proxies, k, 2, secs, deadline).await;
+    let offered = peak_per_s * args.storm_overload;
+    let rate_each = offered / (n - 1 + args.storm_greedy) as f64;
+    eprintln!(
+        "storm: peak {peak_per_s:.0}/s; storm phase, {n} proxies x {streams} in flight at {offered:.0}/s offered, {secs}s"
+    );
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let before = scrape(args.admin_target).await;
+    let rss_before = args.server_pid.and_then(|p| rss_mib(p, "VmRSS:"));
+    let t = Instant::now();
+    let s = storm(
+        &proxies,
+        rate_each,
+        streams,
+        args.storm_greedy,
+        secs,
+        deadline,
+    )
+    .await;
+    let elapsed = t.elapsed().as_secs_f64();
+    // Let the server finish what it admitted before counting.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let after = scrape(args.admin_target).await;
+    let ok = s.latencies.len();
+    let storm_ok_per_s = ok as f64 / elapsed;
+    let fair = ok as f64 / n as f64;
+    let mut ratios: Vec<f64> = s.per_proxy_ok[1..]
+        .iter()
+        .map(|&c| c as f64 / fair.max(1e-9))
+        .collect();
+    ratios.sort_by(|a, b| a.total_cmp(b));
+    let mean = ratios.iter().sum::<f64>() / ratios.len().max(1) as f64;
+    let p10 = ratios.get(ratios.len() / 10).copied().unwrap_or(0.0);
+    let (server_issued, server_shed) = match (&before, &after) {
+        (Some((i0, s0)), Some((i1, s1))) => (
+            Some(i1 - i0),
+            s1.iter()
+                .map(|(k, v)| (k.clone(), v - s0.get(k).copied().unwrap_or(0)))
+                .filter(|(_, v)| *v > 0)
+                .collect(),
+        ),
+        _ => (None, BTreeMap::new()),
+    };
+    let r = StormResult {
+        auth: args.storm_auth,
+        proxies: n,
+        streams,
+        deadline_ms: args.storm_deadline_ms,
+        peak_per_s,
+        offered_per_s: offered,
+        storm_ok_per_s,
+        goodput_ratio: storm_ok_per_s / peak_per_s.max(1e-9),
+        storm_p50_ms: percentile(&s.latencies, 50.0),
+        storm_p99_ms: percentile(&s.latencies, 99.0),
+        storm_max_ms: percentile(&s.latencies, 100.0),
+        outcomes: s.outcomes,
+        skipped_at_cap: s.skipped,
+        fair_share_mean: mean,
+        fair_share_p10: p10,
+        fair_share_min: ratios.first().copied().unwrap_or(0.0),
+        greedy_ratio: s.per_proxy_ok[0] as f64 / fair.max(1e-9),
+        server_issued,
+        server_shed,
+        issued_not_received: server_issued.map(|i| i as i64 - ok as i64),
+        server_rss_mib_before: rss_before,
+        server_rss_mib_after: args.server_pid.and_then(|p| rss_mib(p, "VmRSS:")),
+        server_rss_hwm_mib: args.server_pid.and_then(|p| rss_mib(p, "VmHWM:")),
+        nproc: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        date: OffsetDateTime::now_utc()
+            .format(&time::format_description::well_known::Rfc3339)
+            .unwrap_or_default(),
+    };
+    Ok(r)
+}
