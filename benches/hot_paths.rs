@@ -290,6 +290,7 @@ fn bench_issue(c: &mut Criterion) {
             node_authz: None,
             audit,
             metrics: None,
+            guards: Default::default(),
         };
         let mut i = 0;
         g.bench_function(name, |b| {

@@ -54,6 +54,10 @@ impl From<IssueError> for Status {
             }
             IssueError::Sign(e) => Status::internal(format!("CSR signing error ({e})")),
             IssueError::Audit(_) => Status::internal("CSR signing error (audit log unavailable)"),
+            IssueError::Renewal(e) if e.is_unavailable() => Status::unavailable(AUTHN_FAILURE),
+            IssueError::Renewal(_) | IssueError::Denied(_) | IssueError::Revoked(_) => {
+                Status::unauthenticated(AUTHN_FAILURE)
+            }
         }
     }
 }

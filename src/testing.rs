@@ -208,6 +208,7 @@ pub fn test_config(ca_dir: PathBuf) -> crate::config::Config {
         transport: Default::default(),
         input: Default::default(),
         admin: Default::default(),
+        kill_switch: Default::default(),
     }
 }
 

@@ -131,7 +131,13 @@ pub async fn authenticate(
         return Err(e.clone());
     }
     if let Some(chain) = creds.peer_chain.as_deref().filter(|c| !c.is_empty()) {
-        let identity = mtls::identity_of(&chain[0], None)?;
+        let leaf = mtls::leaf_of(&chain[0], None)?;
+        // The handshake checked validity once; a long-lived connection (or a
+        // resumed session) must not carry an expired certificate further.
+        if time::OffsetDateTime::now_utc().unix_timestamp() > leaf.not_after {
+            return Err(mtls::MtlsError::Expired(leaf.not_after).into());
+        }
+        let identity = leaf.identity;
         return Ok(Caller {
             method: AuthnMethod::Mtls,
             identity,
