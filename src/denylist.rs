@@ -15,9 +15,10 @@
 //! ```
 //!
 //! A list that does not parse is refused as a whole and the previous one
-//! stays in force (fail closed: a typo never lifts a deny). A deleted file
-//! also keeps the previous list; an empty file, or a deleted ConfigMap,
-//! lifts it.
+//! stays in force (fail closed: a typo never lifts a deny); at startup it
+//! stops the server. A deleted file also keeps the previous list; an empty
+//! file, or a deleted ConfigMap, lifts it. A file that does not exist yet at
+//! startup is an empty list, picked up once it appears.
 
 use std::collections::HashSet;
 use std::path::PathBuf;

@@ -24,8 +24,8 @@ pub struct Started {
 }
 
 /// Builds the guards from the config and starts their background tasks.
-/// A denylist file that does not load stops startup: a server must not come
-/// up without the kill switch it was told to enforce.
+/// A denylist file that exists but does not load stops startup: a server
+/// must not come up without the kill switch it was told to enforce.
 pub fn start(
     cfg: &Config,
     client: Option<kube::Client>,
@@ -45,7 +45,12 @@ pub fn start(
     let denylist = if ks.denylist.enabled() {
         let live = Arc::new(LiveDenylist::new());
         if let Some(path) = &ks.denylist.file {
-            live.set(Source::File, crate::denylist::load_file(path)?);
+            // A file that does not exist yet is an empty list (the chart's state
+            // volume starts empty; `meshca revoke --deny-file` creates it). One
+            // that exists must load.
+            if path.exists() {
+                live.set(Source::File, crate::denylist::load_file(path)?);
+            }
             tasks.push(tokio::spawn(crate::denylist::follow_file(
                 path.clone(),
                 ks.denylist.poll,

@@ -17,6 +17,7 @@ use meshca::ca::{CaBundle, Validity};
 use meshca::testing::TestPki;
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+use serde::Deserialize;
 use time::OffsetDateTime;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tonic::Code;
@@ -469,6 +470,106 @@ async fn metric(srv: &Server, needle: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
+/// A kubeconfig for a fresh ServiceAccount holding exactly the ClusterRole
+/// rules of `cluster_fixtures` and the Role rules of `role` (fixture, in that
+/// namespace): meshca runs with what the chart grants, nothing more.
+async fn kubeconfig_with(
+    k: &common::Kte,
+    cluster_fixtures: &[&str],
+    role: Option<(&str, &str)>,
+) -> std::path::PathBuf {
+    use k8s_openapi::api::rbac::v1::{
+        ClusterRole, ClusterRoleBinding, Role, RoleBinding, RoleRef, Subject,
+    };
+    use kube::api::PostParams;
+    let sa_ns = k.namespace("rbac").await;
+    k.service_account(&sa_ns, "ca").await;
+    let subject = Subject {
+        kind: "ServiceAccount".into(),
+        name: "ca".into(),
+        namespace: Some(sa_ns.clone()),
+        ..Default::default()
+    };
+    let fixture = |rel: &str, kind: &str| -> serde_json::Value {
+        let text =
+            std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/").to_string() + rel)
+                .unwrap();
+        let found = serde_yaml_ng::Deserializer::from_str(&text)
+            .map(|d| serde_json::to_value(serde_yaml_ng::Value::deserialize(d).unwrap()).unwrap())
+            .find(|v| v["kind"] == kind)
+            .unwrap();
+        found
+    };
+    for (i, rel) in cluster_fixtures.iter().enumerate() {
+        let name = format!("{sa_ns}-{i}");
+        let mut v = fixture(rel, "ClusterRole");
+        v["metadata"] = serde_json::json!({"name": name});
+        let role: ClusterRole = serde_json::from_value(v).unwrap();
+        kube::Api::<ClusterRole>::all(k.admin.clone())
+            .create(&PostParams::default(), &role)
+            .await
+            .unwrap();
+        let binding = ClusterRoleBinding {
+            metadata: kube::api::ObjectMeta {
+                name: Some(name.clone()),
+                ..Default::default()
+            },
+            role_ref: RoleRef {
+                api_group: "rbac.authorization.k8s.io".into(),
+                kind: "ClusterRole".into(),
+                name,
+            },
+            subjects: Some(vec![subject.clone()]),
+        };
+        kube::Api::<ClusterRoleBinding>::all(k.admin.clone())
+            .create(&PostParams::default(), &binding)
+            .await
+            .unwrap();
+    }
+    if let Some((ns, rel)) = role {
+        let mut v = fixture(rel, "Role");
+        v["metadata"] = serde_json::json!({"name": "meshca-denylist", "namespace": ns});
+        let r: Role = serde_json::from_value(v).unwrap();
+        kube::Api::<Role>::namespaced(k.admin.clone(), ns)
+            .create(&PostParams::default(), &r)
+            .await
+            .unwrap();
+        let binding = RoleBinding {
+            metadata: kube::api::ObjectMeta {
+                name: Some("meshca-denylist".into()),
+                ..Default::default()
+            },
+            role_ref: RoleRef {
+                api_group: "rbac.authorization.k8s.io".into(),
+                kind: "Role".into(),
+                name: "meshca-denylist".into(),
+            },
+            subjects: Some(vec![subject.clone()]),
+        };
+        kube::Api::<RoleBinding>::namespaced(k.admin.clone(), ns)
+            .create(&PostParams::default(), &binding)
+            .await
+            .unwrap();
+    }
+    let token = k
+        .token(
+            &sa_ns,
+            "ca",
+            None,
+            "https://kubernetes.default.svc.cluster.local",
+        )
+        .await;
+    let mut kc: serde_yaml_ng::Value =
+        serde_yaml_ng::from_str(&std::fs::read_to_string(k.meshca_kubeconfig()).unwrap()).unwrap();
+    kc["users"][0]["user"] =
+        serde_yaml_ng::to_value(serde_json::json!({ "token": token })).unwrap();
+    let path = k.dir.join(format!("{sa_ns}.kubeconfig"));
+    std::fs::write(&path, serde_yaml_ng::to_string(&kc).unwrap()).unwrap();
+    path
+}
+
+const TESTENV_RBAC: &str = "scripts/kube-testenv.d/meshca-rbac.yaml";
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn denylist_changes_take_effect_within_seconds_under_load() {
     use k8s_openapi::api::core::v1::ConfigMap;
@@ -477,10 +578,15 @@ async fn denylist_changes_take_effect_within_seconds_under_load() {
     let deny_file = dir.path().join("denylist");
     std::fs::write(&deny_file, "# empty\n").unwrap();
     let cm_ns = k.namespace("deny").await;
+    // Exactly the chart's RBAC: the test cluster's meshca rules plus the denylist Role.
+    let kc = kubeconfig_with(
+        &k,
+        &[TESTENV_RBAC],
+        Some((&cm_ns, "tests/fixtures/rbac-denylist.yaml")),
+    )
+    .await;
     let (ns, id, srv) = renewal_setup(&k, Duration::from_secs(24 * 3600), |cfg| {
-        // The admin identity stands in for the chart's namespaced ConfigMap
-        // read access (tests/chart.rs checks the chart grants exactly that).
-        cfg.kube.as_mut().unwrap().kubeconfig = Some(k.dir.join("admin.kubeconfig"));
+        cfg.kube.as_mut().unwrap().kubeconfig = Some(kc);
         cfg.kill_switch.denylist = meshca::denylist::DenylistSettings {
             file: Some(deny_file.clone()),
             poll: Duration::from_millis(200),
@@ -593,9 +699,15 @@ async fn revoked_serial_is_in_a_crl_openssl_verifies_and_in_the_configmap() {
         .unwrap();
     let dir = tempfile::tempdir().unwrap();
     let store = dir.path().join("revoked-serials.jsonl");
+    // Exactly the chart's RBAC with CRL publishing on.
+    let kc = kubeconfig_with(
+        &k,
+        &[TESTENV_RBAC, "tests/fixtures/rbac-crl-publisher.yaml"],
+        None,
+    )
+    .await;
     let (_ns, id, srv) = renewal_setup(&k, Duration::from_secs(24 * 3600), |cfg| {
-        // The admin identity stands in for the chart's publisher RBAC.
-        cfg.kube.as_mut().unwrap().kubeconfig = Some(k.dir.join("admin.kubeconfig"));
+        cfg.kube.as_mut().unwrap().kubeconfig = Some(kc);
         cfg.kill_switch.revocation = Some(meshca::revocation::RevocationSettings {
             file: store.clone(),
             poll: Duration::from_millis(200),
