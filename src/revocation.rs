@@ -312,6 +312,13 @@ impl LiveRevocations {
         Self::default()
     }
 
+    /// A set of revoked serials without a store (benches, tests).
+    pub fn with_serials(serials: impl IntoIterator<Item = String>) -> Self {
+        let live = Self::default();
+        live.serials.store(Arc::new(serials.into_iter().collect()));
+        live
+    }
+
     pub fn is_revoked(&self, serial_hex: &str) -> bool {
         let s = self.serials.load();
         !s.is_empty() && s.contains(serial_hex)
