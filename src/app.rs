@@ -145,8 +145,10 @@ impl App {
         let mut background = Vec::new();
         let mut pod_index = None;
         let mut token_reviewer = None;
+        let mut kube_client_opt = None;
         if let Some(kube) = &cfg.kube {
             let client = kube_client(kube.kubeconfig.as_deref()).await?;
+            kube_client_opt = Some(client.clone());
             if let Some(settings) = cfg.root_publisher.clone() {
                 // Feed the publisher the raw root bundle (what istiod publishes), on every CA swap.
                 let (tx, rx) = tokio::sync::watch::channel(ca.snapshot().root_bundle().to_string());
@@ -169,12 +171,16 @@ impl App {
                     rx,
                 )));
             }
-            if !cfg.trusted_node_accounts.is_empty() {
+            let renewal_index = cfg.kill_switch.renewal_pod_check;
+            if !cfg.trusted_node_accounts.is_empty() || renewal_index {
                 let index = Arc::new(PodIndex::new());
                 background.push(tokio::spawn(crate::podindex::watch::run(
                     client.clone(),
                     index.clone(),
                 )));
+                pod_index = Some(index);
+            }
+            if let (Some(index), false) = (&pod_index, cfg.trusted_node_accounts.is_empty()) {
                 let policy = NodePolicy {
                     trusted: cfg.trusted_node_accounts.iter().cloned().collect(),
                     trust_domains: cfg.trust_domains(),
@@ -185,9 +191,9 @@ impl App {
                     Arc::new(KubeNodeAuthorizer {
                         policy,
                         index: index.clone(),
+                        max_index_staleness: cfg.kill_switch.renewal.max_index_staleness,
                     })
                 });
-                pod_index = Some(index);
             }
             if deps.tokens.is_none() {
                 let settings = TokenReviewSettings {
@@ -210,6 +216,15 @@ impl App {
                 "CA_TRUSTED_NODE_ACCOUNTS is set but Kubernetes is off: impersonation is disabled"
             );
         }
+        let kill_switch = crate::guards::start(
+            cfg,
+            kube_client_opt.clone(),
+            ca.clone(),
+            pod_index.clone(),
+            audit.clone(),
+            metrics.clone(),
+        )?;
+        background.extend(kill_switch.tasks);
         let tls = Arc::new(ServingTls::new(
             &ca.snapshot(),
             cfg.serving_names.clone(),
@@ -231,6 +246,7 @@ impl App {
                 cfg.admission,
                 Some(metrics.clone()),
             ))),
+            guards: kill_switch.guards.clone(),
         });
         let incoming = crate::transport::tls_incoming(
             listener,
@@ -270,6 +286,7 @@ impl App {
             index: pod_index.clone(),
             metrics: metrics.clone(),
             token_reviewer: token_reviewer.clone(),
+            crl: kill_switch.guards.revocations.clone(),
         };
         let (admin_addr, admin) =
             crate::http::bind(cfg.admin_listen, health, cfg.admin, Some(metrics.clone()))

@@ -42,6 +42,10 @@ pub enum ImpersonationError {
     CallerPodUnscheduled(String),
     #[error("no instances of {0:?} found on node {1:?}")]
     NoPodOnNode(String, String),
+    /// Source-IP impersonation while the pod watch is disconnected beyond
+    /// its bound: the IP may belong to a pod long gone.
+    #[error("source-IP impersonation refused: {0}")]
+    IndexStale(String),
 }
 
 impl ImpersonationError {
@@ -61,12 +65,13 @@ impl ImpersonationError {
             Self::CallerPodTerminal(_) => "impersonation_caller_pod_terminal",
             Self::CallerPodAmbiguous(_) => "impersonation_caller_pod_ambiguous",
             Self::NoPodOnNode(..) => "impersonation_no_pod_on_node",
+            Self::IndexStale(_) => "impersonation_index_stale",
         }
     }
 
     /// Retryable: the client should try again shortly.
     pub fn is_unavailable(&self) -> bool {
-        matches!(self, Self::IndexNotReady)
+        matches!(self, Self::IndexNotReady | Self::IndexStale(_))
     }
 }
 
@@ -225,6 +230,9 @@ fn caller_node_from_ip(
 pub struct KubeNodeAuthorizer {
     pub policy: NodePolicy,
     pub index: Arc<PodIndex>,
+    /// Source-IP (mTLS) impersonation is refused while the watch has been
+    /// disconnected longer than this.
+    pub max_index_staleness: std::time::Duration,
 }
 
 impl NodeAuthorizer for KubeNodeAuthorizer {
@@ -235,6 +243,13 @@ impl NodeAuthorizer for KubeNodeAuthorizer {
         creds: &Credentials,
     ) -> Result<(SpiffeId, Evidence), ImpersonationError> {
         let synced = self.index.is_synced();
+        if caller.kube.is_none() {
+            crate::renewal::source_ip_allowed(
+                self.index.disconnected_for(),
+                self.max_index_staleness,
+            )
+            .map_err(|e| ImpersonationError::IndexStale(e.to_string()))?;
+        }
         self.index.read(|state| {
             authorize_impersonation(&self.policy, caller, requested, creds, synced, state)
         })

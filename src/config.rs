@@ -239,6 +239,159 @@ pub struct ServeArgs {
     /// Admission in front of signing (`admission` module).
     #[command(flatten)]
     pub admission: crate::admission::AdmissionArgs,
+    #[command(flatten)]
+    pub kill_switch: KillSwitchArgs,
+}
+
+/// Bounded mTLS renewal, the denylist and revocation (issue 16).
+#[derive(Debug, Clone, clap::Args)]
+pub struct KillSwitchArgs {
+    /// With Kubernetes on, run the pod index and let an mTLS caller renew its
+    /// own identity only while a live pod runs as that service account.
+    #[arg(long, env = "MESHCA_MTLS_RENEWAL_POD_CHECK", default_value_t = true, action = clap::ArgAction::Set)]
+    pub mtls_renewal_pod_check: bool,
+    /// Longest leaf issued to an mTLS caller (renewals); default: DEFAULT_WORKLOAD_CERT_TTL.
+    #[arg(long, env = "MESHCA_MTLS_RENEWAL_MAX_TTL")]
+    pub mtls_renewal_max_ttl: Option<String>,
+    /// Pod watch disconnected longer than this: mTLS renewals and source-IP
+    /// impersonation are refused (retryable).
+    #[arg(long, env = "MESHCA_POD_INDEX_MAX_STALENESS", default_value = "60s")]
+    pub pod_index_max_staleness: String,
+    /// Denylist file (one `<kind> <value>` per line), re-read every MESHCA_DENYLIST_POLL.
+    #[arg(long, env = "MESHCA_DENYLIST_FILE")]
+    pub denylist_file: Option<PathBuf>,
+    #[arg(long, env = "MESHCA_DENYLIST_POLL", default_value = "2s")]
+    pub denylist_poll: String,
+    /// Denylist ConfigMap `namespace/name` (key `denylist`), watched when Kubernetes is on.
+    #[arg(long, env = "MESHCA_DENYLIST_CONFIGMAP")]
+    pub denylist_configmap: Option<String>,
+    /// Revoked serials (JSON lines, appended by `meshca revoke`); enables the CRL.
+    #[arg(long, env = "MESHCA_REVOCATION_FILE")]
+    pub revocation_file: Option<PathBuf>,
+    #[arg(long, env = "MESHCA_REVOCATION_POLL", default_value = "2s")]
+    pub revocation_poll: String,
+    /// CRL validity (nextUpdate - thisUpdate); re-signed at half.
+    #[arg(long, env = "MESHCA_CRL_VALIDITY", default_value = "24h")]
+    pub crl_validity: String,
+    /// Publish the CRL as the `istio-ca-crl` ConfigMap (key `ca-crl.pem`) in
+    /// the namespaces MESHCA_PUBLISH_ROOT_NAMESPACE_SELECTOR selects.
+    #[arg(long, env = "MESHCA_PUBLISH_CRL", default_value_t = false, action = clap::ArgAction::Set)]
+    pub publish_crl: bool,
+}
+
+/// Parsed [`KillSwitchArgs`].
+#[derive(Debug, Clone, Default)]
+pub struct KillSwitchSettings {
+    /// Run the pod index for renewals (with Kubernetes on).
+    pub renewal_pod_check: bool,
+    pub renewal: crate::renewal::RenewalPolicy,
+    pub denylist: crate::denylist::DenylistSettings,
+    pub revocation: Option<crate::revocation::RevocationSettings>,
+}
+
+impl KillSwitchArgs {
+    fn parse(
+        &self,
+        a: &ServeArgs,
+        ttl: &TtlPolicy,
+        kube_on: bool,
+    ) -> Result<KillSwitchSettings, ConfigError> {
+        let max_ttl = match &self.mtls_renewal_max_ttl {
+            Some(v) => bounded_duration("MESHCA_MTLS_RENEWAL_MAX_TTL", v, false, MAX_TTL_LIMIT)?,
+            None => ttl.default,
+        };
+        let renewal = crate::renewal::RenewalPolicy {
+            max_ttl,
+            max_index_staleness: bounded_duration(
+                "MESHCA_POD_INDEX_MAX_STALENESS",
+                &self.pod_index_max_staleness,
+                false,
+                MAX_PERIOD,
+            )?,
+        };
+        let configmap = match self.denylist_configmap.as_deref().map(str::trim) {
+            None | Some("") => None,
+            Some(v) => {
+                let (ns, name) = v
+                    .split_once('/')
+                    .filter(|(n, m)| !n.is_empty() && !m.is_empty() && !m.contains('/'))
+                    .ok_or_else(|| {
+                        err("MESHCA_DENYLIST_CONFIGMAP", v, "expected namespace/name")
+                    })?;
+                if !kube_on {
+                    return Err(err("MESHCA_DENYLIST_CONFIGMAP", v, "needs Kubernetes"));
+                }
+                Some((ns.to_string(), name.to_string()))
+            }
+        };
+        let denylist = crate::denylist::DenylistSettings {
+            file: self.denylist_file.clone(),
+            poll: bounded_duration(
+                "MESHCA_DENYLIST_POLL",
+                &self.denylist_poll,
+                false,
+                MAX_PERIOD,
+            )?,
+            configmap,
+        };
+        let publish = if self.publish_crl {
+            if !kube_on {
+                return Err(err("MESHCA_PUBLISH_CRL", "true", "needs Kubernetes"));
+            }
+            if self.revocation_file.is_none() {
+                return Err(err(
+                    "MESHCA_PUBLISH_CRL",
+                    "true",
+                    "needs MESHCA_REVOCATION_FILE",
+                ));
+            }
+            let selector = a.publish_root_namespace_selector.trim();
+            crate::rootpub::parse_selector(selector).map_err(|e| {
+                err(
+                    "MESHCA_PUBLISH_ROOT_NAMESPACE_SELECTOR",
+                    selector,
+                    e.to_string(),
+                )
+            })?;
+            Some(crate::rootpub::RootPublisherSettings {
+                configmap_name: crate::revocation::CRL_CONFIGMAP.into(),
+                namespace_selector: Some(selector.to_string()).filter(|s| !s.is_empty()),
+                resync: bounded_duration(
+                    "MESHCA_PUBLISH_ROOT_RESYNC",
+                    &a.publish_root_resync,
+                    false,
+                    MAX_PERIOD,
+                )?,
+            })
+        } else {
+            None
+        };
+        let revocation = match &self.revocation_file {
+            None => None,
+            Some(file) => Some(crate::revocation::RevocationSettings {
+                file: file.clone(),
+                poll: bounded_duration(
+                    "MESHCA_REVOCATION_POLL",
+                    &self.revocation_poll,
+                    false,
+                    MAX_PERIOD,
+                )?,
+                crl_validity: bounded_duration(
+                    "MESHCA_CRL_VALIDITY",
+                    &self.crl_validity,
+                    false,
+                    Duration::from_secs(30 * 24 * 3600),
+                )?,
+                publish,
+            }),
+        };
+        Ok(KillSwitchSettings {
+            renewal_pod_check: self.mtls_renewal_pod_check,
+            renewal,
+            denylist,
+            revocation,
+        })
+    }
 }
 
 /// Flags bounding what callers can make the server hold (see
@@ -636,6 +789,8 @@ pub struct Config {
     pub admin: AdminLimits,
     /// Admission in front of signing: slots, fair queue, shedding, identity caps.
     pub admission: crate::admission::AdmissionConfig,
+    /// Bounded renewal, denylist, revocation.
+    pub kill_switch: KillSwitchSettings,
 }
 
 impl Config {
@@ -813,8 +968,10 @@ impl Config {
         };
         let (transport, input, admin) = a.limits.parse()?;
         let admission = a.admission.parse()?;
+        let kill_switch = a.kill_switch.parse(a, &ttl, kube.is_some())?;
         Ok(Self {
             admission,
+            kill_switch,
             transport,
             input,
             admin,

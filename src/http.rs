@@ -29,6 +29,8 @@ pub struct Health {
     pub index: Option<Arc<PodIndex>>,
     pub metrics: Arc<Metrics>,
     pub token_reviewer: Option<Arc<KubeTokenAuthenticator>>,
+    /// The CRL in force, served at `/ca-crl.pem` when revocation is on.
+    pub crl: Option<Arc<crate::revocation::LiveRevocations>>,
 }
 
 impl Health {
@@ -76,6 +78,18 @@ async fn metrics_handler(
     )
 }
 
+/// The CRL signed by the issuing intermediate (what `istio-ca-crl` holds).
+async fn crl_handler(State(h): State<Health>) -> (StatusCode, String) {
+    match h.crl.as_ref().map(|c| c.crl_pem()) {
+        Some(pem) if !pem.is_empty() => (StatusCode::OK, pem.to_string()),
+        Some(_) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "no CRL signed yet\n".into(),
+        ),
+        None => (StatusCode::NOT_FOUND, "revocation is off\n".into()),
+    }
+}
+
 async fn healthz() -> &'static str {
     "ok\n"
 }
@@ -108,6 +122,7 @@ pub async fn bind(
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics_handler))
+        .route("/ca-crl.pem", get(crl_handler))
         .with_state(health);
     let slots = ConnTracker::for_pool(
         Pool::Admin,

@@ -74,6 +74,15 @@ pub enum IssueError {
     /// Shed by admission before any signing work; retryable.
     #[error("{0}")]
     Shed(#[from] Shed),
+    /// Bounded mTLS renewal refused (no live pod, stale or unsynced index).
+    #[error("renewal denied: {0}")]
+    Renewal(#[from] crate::renewal::RenewalError),
+    /// The kill switch matched.
+    #[error("denied: {0}")]
+    Denied(#[from] crate::denylist::DenyHit),
+    /// The client certificate's serial is revoked.
+    #[error("client certificate serial {0} is revoked")]
+    Revoked(String),
 }
 
 impl IssueError {
@@ -88,6 +97,9 @@ impl IssueError {
             Self::Audit(_) => "audit_write_failed",
             Self::AuditShed(r) => r,
             Self::Shed(e) => e.reason.reason(),
+            Self::Renewal(e) => e.reason(),
+            Self::Denied(e) => e.reason(),
+            Self::Revoked(_) => "mtls_cert_revoked",
         }
     }
 
@@ -97,6 +109,7 @@ impl IssueError {
         Some(match self {
             Self::Shed(_) | Self::AuditShed(_) => return None,
             Self::Unauthenticated(_) | Self::Impersonation(_) => ErrorClass::Authentication,
+            Self::Renewal(_) | Self::Denied(_) | Self::Revoked(_) => ErrorClass::Authentication,
             Self::Request(_) => ErrorClass::Csr { parsing: false },
             Self::Csr(e) => ErrorClass::Csr {
                 parsing: matches!(
@@ -124,6 +137,72 @@ pub struct CertificateIssuer {
     pub metrics: Option<Arc<Metrics>>,
     /// Admission in front of signing; `None` admits everything at once.
     pub admission: Option<Arc<Admission>>,
+    /// Bounded renewal, denylist and revocation checks (issue 16).
+    pub guards: IssueGuards,
+}
+
+/// The checks that stop an identity outliving its pod; all off by default.
+#[derive(Debug, Clone, Default)]
+pub struct IssueGuards {
+    pub renewal: Option<Arc<crate::renewal::RenewalGuard>>,
+    pub denylist: Option<Arc<crate::denylist::LiveDenylist>>,
+    pub revocations: Option<Arc<crate::revocation::LiveRevocations>>,
+}
+
+impl IssueGuards {
+    fn deny_check(
+        &self,
+        creds: &Credentials,
+        caller: &authn::Caller,
+        requested: Option<&crate::identity::SpiffeId>,
+        node: Option<&str>,
+    ) -> Result<(), IssueError> {
+        let Some(list) = &self.denylist else {
+            return Ok(());
+        };
+        let kid = creds
+            .bearer
+            .as_deref()
+            .filter(|_| caller.method == authn::AuthnMethod::TokenReview)
+            .and_then(crate::denylist::token_key_id);
+        let pod = caller
+            .kube
+            .as_ref()
+            .map(|k| format!("{}/{}", k.pod_namespace, k.pod_name));
+        let sa = caller
+            .kube
+            .as_ref()
+            .map(|k| format!("{}/{}", k.pod_namespace, k.service_account));
+        let subject = crate::denylist::Subject {
+            caller_identity: Some(&caller.identity),
+            requested_identity: requested,
+            nodes: [
+                caller.kube.as_ref().and_then(|k| k.node_name.as_deref()),
+                node,
+            ],
+            caller_pod: pod.as_deref(),
+            caller_pod_uid: caller.kube.as_ref().map(|k| k.pod_uid.as_str()),
+            caller_service_account: sa.as_deref(),
+            token_key: kid.as_deref(),
+        };
+        Ok(list.check(&subject)?)
+    }
+
+    fn revocation_check(&self, creds: &Credentials) -> Result<(), IssueError> {
+        let Some(r) = self.revocations.as_ref().filter(|r| r.any()) else {
+            return Ok(());
+        };
+        let Some(leaf) = creds.peer_chain.as_deref().and_then(|c| c.first()) else {
+            return Ok(());
+        };
+        let serial = crate::authn::mtls::leaf_of(leaf, None)
+            .map_err(AuthnError::from)?
+            .serial_hex;
+        if r.is_revoked(&serial) {
+            return Err(IssueError::Revoked(serial));
+        }
+        Ok(())
+    }
 }
 
 /// When a request arrived and how long its caller waits (`grpc-timeout`).
@@ -210,6 +289,19 @@ impl CertificateIssuer {
                 r.node = k.node_name.clone();
             }
         }
+        let result = self.guards.deny_check(creds, &caller, None, None);
+        if let (Err(IssueError::Denied(hit)), Some(m)) = (&result, &self.metrics) {
+            m.kill_switch
+                .denylist_hits
+                .get_or_create(&crate::metrics::ReasonLabels {
+                    reason: hit.reason().into(),
+                })
+                .inc();
+        }
+        result?;
+        if caller.method == authn::AuthnMethod::Mtls {
+            self.guards.revocation_check(creds)?;
+        }
         let req = req?;
         let identity = match &req.impersonate {
             None => caller.identity.clone(),
@@ -229,6 +321,42 @@ impl CertificateIssuer {
             }
         };
         audit.record().requested_identity = Some(identity.to_string());
+        // Second pass with what authorization found (requested identity, node).
+        let node = audit.record().node.clone();
+        let result = self
+            .guards
+            .deny_check(creds, &caller, Some(&identity), node.as_deref());
+        if let (Err(IssueError::Denied(hit)), Some(m)) = (&result, &self.metrics) {
+            m.kill_switch
+                .denylist_hits
+                .get_or_create(&crate::metrics::ReasonLabels {
+                    reason: hit.reason().into(),
+                })
+                .inc();
+        }
+        result?;
+        // Bounded mTLS renewal: a certificate alone no longer renews itself
+        // forever, and never for longer than the renewal cap.
+        let mut validity_secs = req.validity_secs;
+        if caller.method == authn::AuthnMethod::Mtls {
+            let mut check = Vec::new();
+            if req.impersonate.is_none() {
+                if let Some(g) = &self.guards.renewal {
+                    check.push(g.check(&identity)?.as_str());
+                }
+            }
+            if let Some(g) = &self.guards.renewal {
+                let (secs, capped) =
+                    crate::renewal::capped_ttl(validity_secs, &self.ttl, g.policy.max_ttl);
+                validity_secs = secs;
+                if capped {
+                    check.push("capped");
+                }
+            }
+            if !check.is_empty() {
+                audit.record().renewal_check = Some(check.join(","));
+            }
+        }
 
         // Admission: the identity cap, then a fair turn for the CPU-heavy
         // work; the slot is held until the certificate is signed.
@@ -248,7 +376,7 @@ impl CertificateIssuer {
         let bundle = self.ca.snapshot();
         let job = SignJob {
             csr_pem: req.csr,
-            validity_secs: req.validity_secs,
+            validity_secs,
             identity,
             csr_policy: self.csr_policy,
             ttl: self.ttl,
@@ -439,6 +567,7 @@ mod tests {
             CallerPodAmbiguous("10.0.0.1".into()),
             CallerPodUnscheduled("a/b".into()),
             NoPodOnNode("a/b".into(), "n".into()),
+            IndexStale("disconnected".into()),
         ]
     }
 
@@ -467,6 +596,7 @@ mod tests {
                 audit: sink.clone(),
                 metrics: Some(metrics.clone()),
                 admission: None,
+                guards: Default::default(),
             };
             let req = IssueRequest {
                 csr: csr.clone(),
@@ -509,6 +639,7 @@ mod tests {
             audit: sink.clone(),
             metrics: None,
             admission: None,
+            guards: Default::default(),
         };
         let other = "spiffe://cluster.local/ns/x/sa/y";
         let req = IssueRequest {
@@ -557,6 +688,7 @@ mod tests {
             audit: Arc::new(FullDisk),
             metrics: None,
             admission: None,
+            guards: Default::default(),
         };
         let req = IssueRequest {
             csr: csr_for(&rcgen::KeyPair::generate().unwrap(), id),

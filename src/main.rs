@@ -66,6 +66,44 @@ enum Command {
     /// Ask a CA for a certificate as a workload does (fresh key, CSR, mTLS or
     /// token) and print the chain.
     Request(Box<meshca::certs::RequestArgs>),
+    /// Revoke certificates found in the audit log (by serial, identity or
+    /// node): append them to the revocation file the server signs its CRL
+    /// from, and optionally deny the identity or node from now on.
+    Revoke(Box<RevokeArgs>),
+}
+
+#[derive(clap::Args)]
+#[command(group(clap::ArgGroup::new("target").required(true).args(["serial", "identity", "node"])))]
+struct RevokeArgs {
+    /// Serial(s) to revoke (hex; as the audit log and istioctl show them).
+    #[arg(long, num_args = 1..)]
+    serial: Vec<String>,
+    /// Revoke every unexpired certificate issued for this SPIFFE identity.
+    #[arg(long)]
+    identity: Option<String>,
+    /// Revoke every unexpired certificate issued through, or to a caller on, this node.
+    #[arg(long)]
+    node: Option<String>,
+    /// RFC 5280 reason: unspecified, key-compromise, ca-compromise,
+    /// affiliation-changed, superseded, cessation-of-operation, privilege-withdrawn.
+    #[arg(long)]
+    reason: String,
+    /// Who revokes, or the incident id (recorded).
+    #[arg(long)]
+    by: Option<String>,
+    /// The server's revocation file.
+    #[arg(long, env = "MESHCA_REVOCATION_FILE")]
+    revocation_file: PathBuf,
+    /// Also add the --identity or --node to this denylist file (the server's
+    /// MESHCA_DENYLIST_FILE), so nothing new is issued for it.
+    #[arg(long)]
+    deny_file: Option<PathBuf>,
+    /// Show what would be revoked; write nothing.
+    #[arg(long)]
+    dry_run: bool,
+    /// Audit log files, oldest first (audit.log.2 audit.log.1 audit.log), or - for stdin.
+    #[arg(required = true)]
+    audit_files: Vec<PathBuf>,
 }
 
 #[derive(Subcommand)]
@@ -201,6 +239,7 @@ async fn main() -> anyhow::Result<()> {
         Command::Audit(cmd) => audit(cmd),
         Command::Certs(args) => certs(args).await,
         Command::Request(args) => meshca::certs::request(&args).await,
+        Command::Revoke(args) => revoke(*args),
         Command::Init {
             out,
             key_type,
@@ -496,6 +535,81 @@ fn audit(cmd: AuditCommand) -> anyhow::Result<()> {
             Ok(())
         }
     }
+}
+
+fn revoke(a: RevokeArgs) -> anyhow::Result<()> {
+    use meshca::revocation::{self, Target};
+    revocation::parse_reason(&a.reason)?;
+    let target = if let Some(id) = &a.identity {
+        id.parse::<meshca::identity::SpiffeId>()
+            .with_context(|| format!("--identity {id}"))?;
+        Target::Identity(id.clone())
+    } else if let Some(n) = &a.node {
+        Target::Node(n.clone())
+    } else {
+        Target::Serials(
+            a.serial
+                .iter()
+                .map(|s| revocation::normalize_serial(s))
+                .collect::<Result<_, _>>()?,
+        )
+    };
+    let lines = meshca::audit::verify::read_lines(&a.audit_files)?;
+    let (records, unreadable) =
+        meshca::audit::verify::query(&lines, &meshca::audit::verify::Query::default());
+    if !unreadable.is_empty() {
+        eprintln!(
+            "warning: {} audit line(s) could not be read; run `meshca audit verify`",
+            unreadable.len()
+        );
+    }
+    let now = OffsetDateTime::now_utc();
+    let found = revocation::select(&records, &target, &a.reason, a.by.as_deref(), now);
+    for r in &found {
+        println!(
+            "{}\t{}\t{}\t{}",
+            r.serial,
+            r.identity.as_deref().unwrap_or("-"),
+            r.node.as_deref().unwrap_or("-"),
+            r.not_after
+                .map(|t| t.to_string())
+                .unwrap_or_else(|| "-".into())
+        );
+    }
+    let deny_line = match (&a.identity, &a.node) {
+        (Some(id), _) => Some(format!("identity {id}")),
+        (_, Some(n)) => Some(format!("node {n}")),
+        _ => None,
+    };
+    if a.dry_run {
+        eprintln!("dry run: {} serial(s) would be revoked", found.len());
+        return Ok(());
+    }
+    if !found.is_empty() {
+        revocation::append_store(&a.revocation_file, &found)?;
+    }
+    eprintln!(
+        "revoked {} serial(s) into {} (the server audits each and re-signs its CRL within MESHCA_REVOCATION_POLL)",
+        found.len(),
+        a.revocation_file.display()
+    );
+    if let (Some(file), Some(line)) = (&a.deny_file, deny_line) {
+        use std::io::Write as _;
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(file)
+            .with_context(|| format!("opening {}", file.display()))?;
+        writeln!(
+            f,
+            "\n{line}  # meshca revoke {} {}",
+            a.reason,
+            a.by.as_deref().unwrap_or("")
+        )?;
+        f.sync_all()?;
+        eprintln!("denylisted: {line} (in {})", file.display());
+    }
+    Ok(())
 }
 
 async fn certs(args: CertsArgs) -> anyhow::Result<()> {

@@ -87,6 +87,8 @@ pub struct Metrics {
     pub admission_shed: Family<RefusalLabels, Counter>,
     pub admission_running: Gauge,
     pub admission_queued: Gauge,
+    /// Denylist and revocation (issue 16).
+    pub kill_switch: KillSwitchMetrics,
     registry: Registry,
 }
 
@@ -258,10 +260,12 @@ impl Metrics {
             "Requests waiting for a signing slot",
             admission_queued.clone(),
         );
+        let kill_switch = KillSwitchMetrics::register(&mut registry);
         Self {
             admission_shed,
             admission_running,
             admission_queued,
+            kill_switch,
             transport_refusals,
             open_connections,
             pending_handshakes,
@@ -281,6 +285,14 @@ impl Metrics {
             audit_shed,
             registry,
         }
+    }
+
+    /// Counts one denylist reload attempt.
+    pub fn denylist_reload(&self, source: &'static str, result: &'static str) {
+        self.kill_switch
+            .denylist_reloads
+            .get_or_create(&SourceResultLabels { source, result })
+            .inc();
     }
 
     /// Counts a connection or request refused by a transport limit.
@@ -502,5 +514,59 @@ mod tests {
         }
         assert!(!text.contains("citadel_server_csr_count_total"));
         assert!(!text.contains("# EOF"));
+    }
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SourceResultLabels {
+    pub source: &'static str,
+    pub result: &'static str,
+}
+
+/// The kill switch's own families: denylist hits by reason, denylist
+/// reloads by source and result, and CRLs signed.
+#[derive(Debug, Default)]
+pub struct KillSwitchMetrics {
+    pub denylist_hits: Family<ReasonLabels, Counter>,
+    pub denylist_reloads: Family<SourceResultLabels, Counter>,
+    pub crl_signed: Family<ResultLabels, Counter>,
+    pub revoked_serials: Gauge,
+}
+
+impl KillSwitchMetrics {
+    fn register(registry: &mut Registry) -> Self {
+        let m = Self::default();
+        registry.register(
+            "meshca_denylist_hits",
+            "Requests refused by the denylist, by reason",
+            m.denylist_hits.clone(),
+        );
+        for r in [
+            "denylist_identity",
+            "denylist_node",
+            "denylist_pod",
+            "denylist_service_account",
+            "denylist_token_key",
+        ] {
+            let _ = m
+                .denylist_hits
+                .get_or_create(&ReasonLabels { reason: r.into() });
+        }
+        registry.register(
+            "meshca_denylist_reloads",
+            "Denylist reload attempts, by source (file, configmap) and result",
+            m.denylist_reloads.clone(),
+        );
+        registry.register(
+            "meshca_crl_signed",
+            "CRLs signed, by result",
+            m.crl_signed.clone(),
+        );
+        registry.register(
+            "meshca_revoked_serials",
+            "Serials in the CRL in force",
+            m.revoked_serials.clone(),
+        );
+        m
     }
 }

@@ -364,6 +364,9 @@ pub struct IndexState {
     /// Addresses owned by more than one pod (host-network pods).
     ip_shared: HashMap<IpAddr, Vec<u32>>,
     extra: HashMap<u32, Extra>,
+    /// Non-terminal pods per (namespace, service account): answers "does any
+    /// live pod still run as this identity?" (mTLS renewal) in O(1).
+    live_by_sa: HashMap<(u32, u32), u32>,
     relist: Option<Vec<LeanPod>>,
     synced: bool,
 }
@@ -520,9 +523,15 @@ impl IndexState {
             && node == r.node
             && self.strings.lookup(&pod.service_account) == Some(r.sa);
         if same {
+            let (ns, sa, was) = (r.ns, r.sa, r.phase);
             let rec = &mut self.pods[slot as usize];
             rec.uid = uid;
             rec.phase = pod.phase;
+            match (was.is_terminal(), pod.phase.is_terminal()) {
+                (false, true) => self.count_live(ns, sa, false),
+                (true, false) => self.count_live(ns, sa, true),
+                _ => {}
+            }
         }
         same
     }
@@ -568,6 +577,9 @@ impl IndexState {
             self.extra.remove(&slot);
             self.pods[slot as usize].flags &= !F_EXTRA;
         }
+        if !pod.phase.is_terminal() {
+            self.count_live(ns, sa, true);
+        }
         if node != NONE && !pod.service_account.is_empty() {
             self.by_node
                 .entry(node)
@@ -579,10 +591,26 @@ impl IndexState {
         }
     }
 
+    /// Keeps [`Self::live_by_sa`] in step with a pod entering (`up`) or
+    /// leaving the non-terminal set.
+    fn count_live(&mut self, ns: u32, sa: u32, up: bool) {
+        if up {
+            *self.live_by_sa.entry((ns, sa)).or_default() += 1;
+        } else if let Entry::Occupied(mut e) = self.live_by_sa.entry((ns, sa)) {
+            *e.get_mut() -= 1;
+            if *e.get() == 0 {
+                e.remove();
+            }
+        }
+    }
+
     /// Undoes [`Self::fill`]: drops the slot from the node and IP indexes and
     /// releases its service account and node.
     fn unlink(&mut self, slot: u32) {
         let r = self.pods[slot as usize];
+        if r.flags & F_LIVE != 0 && !r.phase.is_terminal() {
+            self.count_live(r.ns, r.sa, false);
+        }
         if r.node != NONE {
             if let Some(v) = self.by_node.get_mut(&r.node) {
                 if let Some(i) = v.iter().position(|e| e.slot == slot) {
@@ -795,6 +823,17 @@ impl IndexState {
             .map(|slot| self.view(slot))
     }
 
+    /// Whether any non-terminal pod runs as `namespace/service_account`.
+    pub fn has_live_pod(&self, namespace: &str, service_account: &str) -> bool {
+        let (Some(ns), Some(sa)) = (
+            self.strings.lookup(namespace),
+            self.strings.lookup(service_account),
+        ) else {
+            return false;
+        };
+        self.live_by_sa.get(&(ns, sa)).is_some_and(|&n| n > 0)
+    }
+
     /// Pods that have `ip` as one of their pod IPs.
     pub fn with_ip<'a>(&'a self, ip: IpAddr) -> impl Iterator<Item = PodRef<'a>> + 'a {
         let single = match ip {
@@ -841,6 +880,7 @@ impl IndexState {
             ("by_ip6", table(&self.by_ip6)),
             ("ip_shared", table(&self.ip_shared)),
             ("extra", table(&self.extra)),
+            ("live_by_sa", table(&self.live_by_sa)),
             (
                 "strings",
                 table(&self.strings.ids) + self.strings.strs.capacity() * 24,
@@ -868,11 +908,53 @@ pub struct PodIndex {
     synced: AtomicBool,
     size: AtomicU64,
     events: AtomicU64,
+    /// Milliseconds since `epoch` + 1 at which the watch lost the API
+    /// server; 0 while connected.
+    disconnected_at: AtomicU64,
+    epoch: Epoch,
+}
+
+/// The index's own clock origin (a `Default` wrapper around `Instant`).
+#[derive(Debug, Clone, Copy)]
+struct Epoch(std::time::Instant);
+
+impl Default for Epoch {
+    fn default() -> Self {
+        Self(std::time::Instant::now())
+    }
 }
 
 impl PodIndex {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.epoch.0.elapsed().as_millis()).unwrap_or(u64::MAX - 1)
+    }
+
+    /// The watch failed: the index stops following the API server from now
+    /// (the first failure counts; later ones do not move it).
+    pub fn mark_disconnected(&self) {
+        let now = self.now_ms() + 1;
+        let _ = self
+            .disconnected_at
+            .compare_exchange(0, now, Ordering::AcqRel, Ordering::Acquire);
+    }
+
+    /// The watch delivered a current event again.
+    pub fn mark_connected(&self) {
+        self.disconnected_at.store(0, Ordering::Release);
+    }
+
+    /// How long the watch has been disconnected; `None` while connected.
+    pub fn disconnected_for(&self) -> Option<std::time::Duration> {
+        match self.disconnected_at.load(Ordering::Acquire) {
+            0 => None,
+            at => Some(std::time::Duration::from_millis(
+                self.now_ms().saturating_sub(at - 1),
+            )),
+        }
     }
 
     pub fn apply(&self, event: IndexEvent) {
@@ -990,6 +1072,42 @@ mod tests {
             "sa-a",
             Phase::Running,
         )
+    }
+
+    /// `has_live_pod` follows every way a pod enters or leaves the live set.
+    #[test]
+    fn live_pod_count_follows_phase_moves_and_deletes() {
+        let uuid = |n: u8| format!("{n:08x}-0000-4000-8000-000000000000");
+        let p = |name: &str, uid: String, node: Option<&str>, phase: Phase| {
+            pod("ns-a", name, &uid, node, "sa-a", phase)
+        };
+        let mut s = IndexState::default();
+        let live = |s: &IndexState| s.has_live_pod("ns-a", "sa-a");
+        assert!(!live(&s));
+        s.apply(Apply(p("x", uuid(1), None, Phase::Pending)));
+        assert!(live(&s), "an unscheduled pending pod is live");
+        s.apply(Apply(p("y", uuid(2), Some("n"), Phase::Running)));
+        // Fast path (same node/sa/ips): phase only.
+        s.apply(Apply(p("y", uuid(2), Some("n"), Phase::Succeeded)));
+        s.apply(Delete(p("x", uuid(1), None, Phase::Pending)));
+        assert!(!live(&s), "only a succeeded pod is left");
+        // Back to running via the fast path, then a node move (slow path).
+        s.apply(Apply(p("y", uuid(2), Some("n"), Phase::Running)));
+        assert!(live(&s));
+        s.apply(Apply(p("y", uuid(2), Some("m"), Phase::Running)));
+        assert!(live(&s));
+        // A non-UUID uid goes through the side table.
+        s.apply(Apply(p("z", "odd-uid".into(), Some("m"), Phase::Running)));
+        s.apply(Apply(p("y", uuid(2), Some("m"), Phase::Failed)));
+        assert!(live(&s), "z still runs");
+        s.apply(Delete(p("z", "odd-uid".into(), Some("m"), Phase::Running)));
+        assert!(!live(&s));
+        assert!(!s.has_live_pod("ns-a", "other"));
+        // A relist rebuilds the count from scratch.
+        s.apply(Init);
+        s.apply(InitApply(p("w", uuid(3), Some("n"), Phase::Running)));
+        s.apply(InitDone);
+        assert!(live(&s));
     }
 
     fn names_on(s: &IndexState, node: &str) -> Vec<String> {

@@ -253,6 +253,26 @@ pub fn decide(
     configmap_name: &str,
     root_pem: &str,
 ) -> Decision {
+    decide_key(
+        ns,
+        selector,
+        existing,
+        configmap_name,
+        ROOT_CERT_KEY,
+        root_pem,
+    )
+}
+
+/// [`decide`] for any data key: the same policy publishes the CRL
+/// (`istio-ca-crl`, key `ca-crl.pem`).
+pub fn decide_key(
+    ns: &Namespace,
+    selector: &Selector,
+    existing: Option<&ConfigMap>,
+    configmap_name: &str,
+    key: &str,
+    root_pem: &str,
+) -> Decision {
     let name = ns.metadata.name.as_deref().unwrap_or_default();
     if EXCLUDED_NAMESPACES.contains(&name) {
         return Decision::Skip(Skip::Excluded);
@@ -277,13 +297,13 @@ pub fn decide(
             },
             ..Default::default()
         };
-        set_root(&mut cm, root_pem);
+        set_root(&mut cm, key, root_pem);
         return Decision::Create(cm);
     };
     let has_root = current
         .data
         .as_ref()
-        .and_then(|d| d.get(ROOT_CERT_KEY))
+        .and_then(|d| d.get(key))
         .is_some_and(|v| v == root_pem);
     let has_label = current
         .metadata
@@ -297,18 +317,18 @@ pub fn decide(
     let mut cm = current.clone();
     // The server keeps managedFields when they are omitted; no need to echo them.
     cm.metadata.managed_fields = None;
-    set_root(&mut cm, root_pem);
+    set_root(&mut cm, key, root_pem);
     Decision::Update(cm)
 }
 
-fn set_root(cm: &mut ConfigMap, root_pem: &str) {
+fn set_root(cm: &mut ConfigMap, key: &str, root_pem: &str) {
     cm.metadata
         .labels
         .get_or_insert_with(BTreeMap::new)
         .insert(CONFIG_LABEL.0.into(), CONFIG_LABEL.1.into());
     cm.data
         .get_or_insert_with(BTreeMap::new)
-        .insert(ROOT_CERT_KEY.into(), root_pem.into());
+        .insert(key.into(), root_pem.into());
 }
 
 /// The benign races istiod also ignores: the object appeared or vanished
@@ -331,6 +351,8 @@ fn race_kind(e: &kube::Error) -> Option<&'static str> {
 /// Publisher state: what the two watches have shown, and what to retry.
 struct State {
     settings: RootPublisherSettings,
+    /// The data key written (`root-cert.pem`, or `ca-crl.pem` for the CRL).
+    key: &'static str,
     selector: Selector,
     namespaces: BTreeMap<String, Namespace>,
     configmaps: BTreeMap<String, ConfigMap>,
@@ -356,11 +378,12 @@ impl State {
         let Some(ns) = self.namespaces.get(ns_name) else {
             return;
         };
-        let decision = decide(
+        let decision = decide_key(
             ns,
             &self.selector,
             self.configmaps.get(ns_name),
             &self.settings.configmap_name,
+            self.key,
             root,
         );
         let api: Api<ConfigMap> = Api::namespaced(self.client.clone(), ns_name);
@@ -491,9 +514,15 @@ fn apply_event<K: kube::Resource>(
 /// restored), re-publishes everywhere when the root bundle changes, and
 /// re-checks all namespaces every `resync`. An invalid selector is logged
 /// and nothing is published; validate it at startup with [`parse_selector`].
-pub async fn run(
+pub async fn run(client: Client, settings: RootPublisherSettings, roots: watch::Receiver<String>) {
+    run_keyed(client, settings, ROOT_CERT_KEY, roots).await
+}
+
+/// [`run`] writing `key` (the CRL publisher uses `ca-crl.pem`).
+pub async fn run_keyed(
     client: Client,
     settings: RootPublisherSettings,
+    key: &'static str,
     mut roots: watch::Receiver<String>,
 ) {
     let selector_src = settings.namespace_selector.clone().unwrap_or_default();
@@ -525,6 +554,7 @@ pub async fn run(
     );
     let resync_every = settings.resync.max(Duration::from_secs(1));
     let mut state = State {
+        key,
         settings,
         selector,
         namespaces: BTreeMap::new(),

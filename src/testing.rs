@@ -216,6 +216,7 @@ pub fn test_config(ca_dir: PathBuf) -> crate::config::Config {
         input: Default::default(),
         admin: Default::default(),
         admission: Default::default(),
+        kill_switch: Default::default(),
     }
 }
 

@@ -96,7 +96,36 @@ fn build(
         .with_client_cert_verifier(Arc::new(verifier))
         .with_single_cert(chain, key)?;
     config.alpn_protocols = vec![b"h2".to_vec()];
+    // No session resumption (TLS 1.2 session ids or TLS 1.3 tickets): a
+    // resumed session brings back the peer chain verified at the first
+    // handshake, so it could outlive the client certificate or a revocation.
+    // Every connection is a full handshake with a fresh verification; CA
+    // clients keep long-lived connections, so the cost is one handshake per
+    // connection.
+    config.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
+    config.send_tls13_tickets = 0;
+    config.ticketer = Arc::new(NoTickets);
     Ok(config)
+}
+
+/// A ticketer that never issues tickets (rustls' default is the same, but
+/// the choice must not depend on a default).
+#[derive(Debug)]
+struct NoTickets;
+
+impl rustls::server::ProducesTickets for NoTickets {
+    fn enabled(&self) -> bool {
+        false
+    }
+    fn lifetime(&self) -> u32 {
+        0
+    }
+    fn encrypt(&self, _: &[u8]) -> Option<Vec<u8>> {
+        None
+    }
+    fn decrypt(&self, _: &[u8]) -> Option<Vec<u8>> {
+        None
+    }
 }
 
 /// Issues a serving certificate for `names` (DNS names or IP addresses).

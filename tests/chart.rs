@@ -77,9 +77,14 @@ fn set(v: &Value, key: &str) -> BTreeSet<String> {
 
 /// The rules of every ClusterRole in `docs`, sorted (a multiset).
 fn rules(docs: &[Value]) -> Vec<Rule> {
+    rules_of(docs, "ClusterRole")
+}
+
+/// The rules of every object of `kind` (ClusterRole or Role) in `docs`, sorted.
+fn rules_of(docs: &[Value], kind: &str) -> Vec<Rule> {
     let mut out: Vec<Rule> = docs
         .iter()
-        .filter(|d| d["kind"].as_str() == Some("ClusterRole"))
+        .filter(|d| d["kind"].as_str() == Some(kind))
         .flat_map(|d| d["rules"].as_sequence().cloned().unwrap_or_default())
         .map(|r| Rule {
             api_groups: set(&r, "apiGroups"),
@@ -160,13 +165,137 @@ fn publisher_rules_follow_the_configmap_name() {
 }
 
 #[test]
-fn no_trusted_node_accounts_means_no_pod_access() {
-    let got = chart_rules(&["--set-json", "trustedNodeAccounts=[]"]);
+fn no_trusted_node_accounts_and_no_renewal_pod_check_means_no_pod_access() {
+    let got = chart_rules(&[
+        "--set-json",
+        "trustedNodeAccounts=[]",
+        "--set",
+        "killSwitch.renewalPodCheck=false",
+    ]);
     let expected: Vec<Rule> = fixture_rules(TESTENV_RBAC)
         .into_iter()
         .filter(|r| !r.resources.contains("pods"))
         .collect();
     assert_eq!(got, expected);
+}
+
+const DENYLIST_RBAC: &str = "tests/fixtures/rbac-denylist.yaml";
+const CRL_PUBLISHER_RBAC: &str = "tests/fixtures/rbac-crl-publisher.yaml";
+
+#[test]
+fn renewal_pod_check_alone_keeps_exactly_the_pod_rule() {
+    // Bounded mTLS renewal reads the pod index even with no trusted node account.
+    let got = chart_rules(&["--set-json", "trustedNodeAccounts=[]"]);
+    assert_eq!(got, fixture_rules(TESTENV_RBAC));
+}
+
+#[test]
+fn crl_publishing_adds_exactly_the_crl_publisher_rules() {
+    let mut expected = fixture_rules(TESTENV_RBAC);
+    expected.extend(fixture_rules(CRL_PUBLISHER_RBAC));
+    expected.sort();
+    let crl = [
+        "--set",
+        "killSwitch.revocation.enabled=true",
+        "--set",
+        "killSwitch.revocation.publish=true",
+    ];
+    assert_eq!(chart_rules(&crl), expected);
+    // Revocation without publishing needs no Kubernetes access at all.
+    assert_eq!(
+        chart_rules(&["--set", "killSwitch.revocation.enabled=true"]),
+        fixture_rules(TESTENV_RBAC)
+    );
+    // With root publishing on too, only the istio-ca-crl name is added.
+    let mut both = crl.to_vec();
+    both.extend(["--set", "rootPublisher.enabled=true"]);
+    let mut expected = fixture_rules(TESTENV_RBAC);
+    expected.extend(fixture_rules(PUBLISHER_RBAC));
+    expected.extend(
+        fixture_rules(CRL_PUBLISHER_RBAC)
+            .into_iter()
+            .filter(|r| !r.resource_names.is_empty()),
+    );
+    expected.sort();
+    assert_eq!(chart_rules(&both), expected);
+}
+
+#[test]
+fn denylist_role_is_exactly_the_fixture_and_namespaced() {
+    let docs = render("templates/role.yaml", "meshca", "istio-system", &[]);
+    assert_eq!(
+        rules_of(&docs, "Role"),
+        rules_of(
+            &self::docs(&std::fs::read_to_string(repo().join(DENYLIST_RBAC)).unwrap()),
+            "Role"
+        )
+    );
+    let binding = docs
+        .iter()
+        .find(|d| d["kind"].as_str() == Some("RoleBinding"))
+        .expect("RoleBinding");
+    assert_eq!(
+        binding["subjects"][0]["namespace"].as_str(),
+        Some("istio-system")
+    );
+    // The env names the same ConfigMap in the release namespace.
+    let d = render("templates/deployment.yaml", "meshca", "istio-system", &[]);
+    assert!(env_of(&d[0]).contains(&(
+        "MESHCA_DENYLIST_CONFIGMAP".into(),
+        "istio-system/meshca-denylist".into()
+    )));
+    // No name: no Role.
+    let out = Command::new(helm())
+        .args(["template", "meshca"])
+        .arg(repo().join("charts/meshca"))
+        .args(["--set", "killSwitch.denylist.configMapName="])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("kind: Role\n"));
+}
+
+#[test]
+fn revocation_mounts_a_writable_state_volume() {
+    let d = render(
+        "templates/deployment.yaml",
+        "meshca",
+        "istio-system",
+        &[
+            "--set",
+            "killSwitch.revocation.enabled=true",
+            "--set",
+            "killSwitch.revocation.existingClaim=meshca-state",
+        ],
+    );
+    let pod = &d[0]["spec"]["template"]["spec"];
+    let mount = pod["containers"][0]["volumeMounts"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .find(|m| m["name"].as_str() == Some("state"))
+        .expect("state mount");
+    assert_eq!(mount["mountPath"].as_str(), Some("/var/lib/meshca"));
+    assert!(mount.get("readOnly").is_none());
+    let vol = pod["volumes"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"].as_str() == Some("state"))
+        .expect("state volume");
+    assert_eq!(
+        vol["persistentVolumeClaim"]["claimName"].as_str(),
+        Some("meshca-state")
+    );
+    let env = env_of(&d[0]);
+    assert!(env.contains(&(
+        "MESHCA_REVOCATION_FILE".into(),
+        "/var/lib/meshca/revoked-serials.jsonl".into()
+    )));
+    assert!(env.contains(&(
+        "MESHCA_DENYLIST_FILE".into(),
+        "/var/lib/meshca/denylist".into()
+    )));
 }
 
 /// Leaf paths of a values tree; lists and empty maps are leaves.

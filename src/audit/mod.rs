@@ -59,6 +59,13 @@ pub struct AuditRecord {
     /// reduced form was written instead.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reduced: Option<Reduced>,
+    /// RFC 5280 reason of a revocation record (`meshca revoke`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub revocation_reason: Option<String>,
+    /// How an mTLS renewal was allowed (`pod_live`, `index_off`), and
+    /// whether its TTL was cut to the renewal cap (`capped`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub renewal_check: Option<String>,
 }
 
 /// What a reduced record stands for.
@@ -106,6 +113,8 @@ impl AuditRecord {
             lifetime: None,
             latency_ms: 0.0,
             reduced: None,
+            revocation_reason: None,
+            renewal_check: None,
         }
     }
 
@@ -129,6 +138,8 @@ impl AuditRecord {
             &mut self.spki_sha256,
             &mut self.csr_sha256,
             &mut self.issuer_key_id,
+            &mut self.revocation_reason,
+            &mut self.renewal_check,
         ] {
             bound_opt(f, FIELD_MAX);
         }

@@ -172,7 +172,13 @@ pub async fn authenticate(
         return Err(e.clone());
     }
     if let Some(chain) = creds.peer_chain.as_deref().filter(|c| !c.is_empty()) {
-        let identity = mtls::identity_of(&chain[0], None)?;
+        let leaf = mtls::leaf_of(&chain[0], None)?;
+        // The handshake checked validity once; a long-lived connection (or a
+        // resumed session) must not carry an expired certificate further.
+        if time::OffsetDateTime::now_utc().unix_timestamp() > leaf.not_after {
+            return Err(mtls::MtlsError::Expired(leaf.not_after).into());
+        }
+        let identity = leaf.identity;
         return Ok(Caller {
             method: AuthnMethod::Mtls,
             identity,
@@ -183,5 +189,44 @@ pub async fn authenticate(
         (Some(token), Some(auth)) => auth.authenticate(token, creds.cluster_id.as_deref()).await,
         (Some(_), None) => Err(AuthnError::TokenAuthnDisabled),
         (None, _) => Err(AuthnError::NoCredentials),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ca::generate::KeyType;
+    use crate::testing::{client_identity, TestPki};
+    use rustls_pki_types::pem::PemObject;
+
+    fn creds_for(secs_left: i64) -> Credentials {
+        let pki = TestPki::new(KeyType::EcdsaP256);
+        let bundle =
+            crate::ca::CaBundle::load_dir(pki.path(), time::OffsetDateTime::now_utc()).unwrap();
+        let now = time::OffsetDateTime::now_utc();
+        let v = crate::ca::Validity {
+            not_before: now - time::Duration::hours(1),
+            not_after: now + time::Duration::seconds(secs_left),
+            clamped: false,
+        };
+        let (chain, _) = client_identity(&bundle, "spiffe://cluster.local/ns/a/sa/b", &v);
+        let peer_chain: Vec<CertificateDer<'static>> =
+            CertificateDer::pem_slice_iter(chain.as_bytes())
+                .collect::<Result<_, _>>()
+                .unwrap();
+        Credentials {
+            peer_chain: Some(peer_chain.into()),
+            ..Default::default()
+        }
+    }
+
+    /// The handshake's check is not enough: a connection (or anything that
+    /// carries a verified chain) past notAfter is refused per request.
+    #[tokio::test]
+    async fn client_certificate_expiry_is_checked_per_request() {
+        let ok = authenticate(&creds_for(60), None).await.unwrap();
+        assert_eq!(ok.method, AuthnMethod::Mtls);
+        let e = authenticate(&creds_for(-2), None).await.unwrap_err();
+        assert_eq!(e.reason(), "mtls_cert_expired");
     }
 }

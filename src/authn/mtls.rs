@@ -26,6 +26,9 @@ pub enum MtlsError {
     NotSpiffe(IdentityError),
     #[error("trust domain {0} is not the mesh trust domain")]
     ForeignTrustDomain(String),
+    /// Checked per request: a connection may outlive the handshake's check.
+    #[error("client certificate expired at unix time {0}")]
+    Expired(i64),
 }
 
 impl MtlsError {
@@ -35,8 +38,38 @@ impl MtlsError {
             Self::UriSanCount(_) => "mtls_uri_san_count",
             Self::NotSpiffe(_) => "mtls_not_spiffe",
             Self::ForeignTrustDomain(_) => "mtls_foreign_trust_domain",
+            Self::Expired(_) => "mtls_cert_expired",
         }
     }
+}
+
+/// What a request needs from its client certificate.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Leaf {
+    pub identity: SpiffeId,
+    /// `notAfter`, unix seconds.
+    pub not_after: i64,
+    /// Serial number as the audit log writes it ([`crate::ca::serial_hex`]).
+    pub serial_hex: String,
+}
+
+/// [`identity_of`] plus the certificate's expiry and serial, from one parse.
+pub fn leaf_of(
+    cert: &CertificateDer<'_>,
+    trust_domains: Option<&[TrustDomain]>,
+) -> Result<Leaf, MtlsError> {
+    let (_, parsed) = X509Certificate::from_der(cert).map_err(|_| MtlsError::Malformed)?;
+    Ok(Leaf {
+        identity: identity_of_parsed(&parsed, trust_domains)?,
+        not_after: parsed.validity().not_after.timestamp(),
+        serial_hex: crate::ca::serial_hex(parsed.raw_serial()),
+    })
+}
+
+/// The certificate's `notAfter` (unix seconds), if it parses.
+pub fn not_after_of(cert: &CertificateDer<'_>) -> Option<i64> {
+    let (_, parsed) = X509Certificate::from_der(cert).ok()?;
+    Some(parsed.validity().not_after.timestamp())
 }
 
 /// The SPIFFE identity of a client certificate: exactly one URI SAN, a
@@ -46,6 +79,13 @@ pub fn identity_of(
     trust_domains: Option<&[TrustDomain]>,
 ) -> Result<SpiffeId, MtlsError> {
     let (_, parsed) = X509Certificate::from_der(cert).map_err(|_| MtlsError::Malformed)?;
+    identity_of_parsed(&parsed, trust_domains)
+}
+
+fn identity_of_parsed(
+    parsed: &X509Certificate<'_>,
+    trust_domains: Option<&[TrustDomain]>,
+) -> Result<SpiffeId, MtlsError> {
     let uris: Vec<&str> = match parsed.subject_alternative_name() {
         Ok(Some(san)) => san
             .value

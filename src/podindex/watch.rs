@@ -115,12 +115,19 @@ pub async fn run(client: Client, index: Arc<PodIndex>) {
         match event {
             Ok(e) => {
                 let done = matches!(e, Event::InitDone);
+                // A relist in progress is not current yet; anything else is.
+                if !matches!(e, Event::Init | Event::InitApply(_)) {
+                    index.mark_connected();
+                }
                 index.apply(convert(e));
                 if done {
                     tracing::info!(pods = index.len(), "pod index synced");
                 }
             }
-            Err(e) => tracing::warn!(error = %e, "pod watch error; retrying with backoff"),
+            Err(e) => {
+                index.mark_disconnected();
+                tracing::warn!(error = %e, "pod watch error; retrying with backoff");
+            }
         }
     }
 }

@@ -512,3 +512,27 @@ mod tests {
         assert!(i.max_message_bytes > crate::ca::csr::MAX_CSR_BYTES);
     }
 }
+
+/// The earlier of two optional deadlines.
+pub fn earliest(a: Option<Duration>, b: Option<Duration>) -> Option<Duration> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+#[cfg(test)]
+mod earliest_tests {
+    use super::*;
+    use test_case::test_case;
+
+    #[test_case(None, None, None ; "no deadline")]
+    #[test_case(Some(5), None, Some(5) ; "age only")]
+    #[test_case(None, Some(3), Some(3) ; "cert only")]
+    #[test_case(Some(5), Some(3), Some(3) ; "cert first")]
+    #[test_case(Some(2), Some(3), Some(2) ; "age first")]
+    fn picks_the_earlier(a: Option<u64>, b: Option<u64>, want: Option<u64>) {
+        let s = |v: Option<u64>| v.map(Duration::from_secs);
+        assert_eq!(earliest(s(a), s(b)), s(want));
+    }
+}

@@ -294,6 +294,15 @@ impl AsyncWrite for TlsConn {
     }
 }
 
+/// Time left until `leaf`'s notAfter (zero if past, or if it does not parse:
+/// the handshake verified it, so that cannot happen).
+pub fn until_expiry(leaf: &CertificateDer<'_>, now: time::OffsetDateTime) -> Duration {
+    crate::authn::mtls::not_after_of(leaf)
+        .and_then(|t| time::OffsetDateTime::from_unix_timestamp(t).ok())
+        .and_then(|t| Duration::try_from(t - now).ok())
+        .unwrap_or(Duration::ZERO)
+}
+
 /// The hard end of a connection opened now, if connections age out.
 pub fn hard_deadline(limits: &TransportLimits) -> Option<Duration> {
     (!limits.max_connection_age.is_zero())
@@ -381,6 +390,13 @@ pub fn tls_incoming(
                         .collect::<Vec<_>>()
                         .into()
                 });
+                // A connection never outlives its client certificate: it is
+                // closed at notAfter (requests are also checked one by one).
+                let cert_left = peer_chain
+                    .as_deref()
+                    .and_then(|c: &[CertificateDer<'static>]| c.first())
+                    .map(|leaf| until_expiry(leaf, time::OffsetDateTime::now_utc()));
+                let deadline = limits::earliest(deadline, cert_left);
                 let conn = TlsConn {
                     inner: stream,
                     info: ConnInfo {

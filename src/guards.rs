@@ -1,0 +1,115 @@
+//! Wiring of the kill switch (issue 16): bounded renewal, the denylist and
+//! its reloaders, the revocation follower and the CRL publisher. Kept out of
+//! app.rs so the server's wiring only calls [`start`].
+
+use std::sync::Arc;
+
+use anyhow::Context;
+use tokio::task::JoinHandle;
+
+use crate::audit::AuditSink;
+use crate::ca::CaStore;
+use crate::config::Config;
+use crate::denylist::{LiveDenylist, Source};
+use crate::issue::IssueGuards;
+use crate::metrics::Metrics;
+use crate::podindex::PodIndex;
+use crate::renewal::RenewalGuard;
+use crate::revocation::LiveRevocations;
+
+/// The guards for the issuer and the tasks that keep them current.
+pub struct Started {
+    pub guards: IssueGuards,
+    pub tasks: Vec<JoinHandle<()>>,
+}
+
+/// Builds the guards from the config and starts their background tasks.
+/// A denylist file that exists but does not load stops startup: a server
+/// must not come up without the kill switch it was told to enforce.
+pub fn start(
+    cfg: &Config,
+    client: Option<kube::Client>,
+    ca: Arc<CaStore>,
+    pod_index: Option<Arc<PodIndex>>,
+    audit: Arc<dyn AuditSink>,
+    metrics: Arc<Metrics>,
+) -> anyhow::Result<Started> {
+    let ks = &cfg.kill_switch;
+    let mut tasks = Vec::new();
+    let renewal = Some(Arc::new(RenewalGuard {
+        policy: ks.renewal,
+        // Only an index started for renewals (or node authorization) counts.
+        index: pod_index.filter(|_| ks.renewal_pod_check),
+    }));
+
+    let denylist = if ks.denylist.enabled() {
+        let live = Arc::new(LiveDenylist::new());
+        if let Some(path) = &ks.denylist.file {
+            // A file that does not exist yet is an empty list (the chart's state
+            // volume starts empty; `meshca revoke --deny-file` creates it). One
+            // that exists must load.
+            if path.exists() {
+                live.set(Source::File, crate::denylist::load_file(path)?);
+            }
+            tasks.push(tokio::spawn(crate::denylist::follow_file(
+                path.clone(),
+                ks.denylist.poll,
+                live.clone(),
+                Some(metrics.clone()),
+            )));
+        }
+        if let Some((ns, name)) = &ks.denylist.configmap {
+            let client = client
+                .clone()
+                .context("MESHCA_DENYLIST_CONFIGMAP needs Kubernetes")?;
+            tasks.push(tokio::spawn(crate::denylist::follow_configmap(
+                client,
+                ns.clone(),
+                name.clone(),
+                live.clone(),
+                Some(metrics.clone()),
+            )));
+        }
+        Some(live)
+    } else {
+        None
+    };
+
+    let revocations = match &ks.revocation {
+        None => None,
+        Some(settings) => {
+            // An unreadable store stops startup rather than serving without it.
+            crate::revocation::read_store(&settings.file)?;
+            let live = Arc::new(LiveRevocations::new());
+            let (tx, rx) = tokio::sync::watch::channel(String::new());
+            if let Some(publish) = settings.publish.clone() {
+                let client = client
+                    .clone()
+                    .context("MESHCA_PUBLISH_CRL needs Kubernetes")?;
+                tasks.push(tokio::spawn(crate::rootpub::run_keyed(
+                    client,
+                    publish,
+                    crate::revocation::CRL_KEY,
+                    rx,
+                )));
+            }
+            tasks.push(tokio::spawn(crate::revocation::follow(
+                settings.clone(),
+                ca,
+                live.clone(),
+                audit,
+                Some(metrics),
+                tx,
+            )));
+            Some(live)
+        }
+    };
+    Ok(Started {
+        guards: IssueGuards {
+            renewal,
+            denylist,
+            revocations,
+        },
+        tasks,
+    })
+}

@@ -1,0 +1,667 @@
+//! Revocation: a store of revoked serials, a CRL signed by the issuing
+//! intermediate, and the request-path check that refuses a revoked client
+//! certificate.
+//!
+//! **Where revoked serials persist.** One JSON object per line in the
+//! revocation file (`MESHCA_REVOCATION_FILE`, default
+//! `<data dir>/revoked-serials.jsonl`): `meshca revoke` appends, the server
+//! polls it. It is append-only and survives restarts as long as the file's
+//! volume does (in Kubernetes: a PersistentVolume, not an emptyDir). The
+//! server is the only writer of the audit log, so it records each entry it
+//! has not seen before as an audit record (`reason: "revoked"`); at startup
+//! it records one `revocation_list_loaded` record naming how many serials are
+//! in force and the file's SHA-256.
+//!
+//! The CRL lists every stored serial whose certificate has not expired yet
+//! (an expired certificate needs no CRL entry, RFC 5280 3.3), is re-signed
+//! when the file or the CA changes and at half of its validity, and is
+//! published as the `istio-ca-crl` ConfigMap (`ca-crl.pem`) and on the admin
+//! port (`/ca-crl.pem`).
+
+use std::collections::{BTreeMap, HashSet};
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use rcgen::{CertificateRevocationListParams, KeyIdMethod, RevocationReason, RevokedCertParams};
+use serde::{Deserialize, Serialize};
+use time::OffsetDateTime;
+
+use crate::audit::{AuditRecord, AuditSink, Decision};
+use crate::ca::{CaBundle, CaStore};
+use crate::metrics::Metrics;
+
+/// Istio's CRL ConfigMap (ztunnel >= 1.29 reads it) and its data key.
+pub const CRL_CONFIGMAP: &str = "istio-ca-crl";
+pub const CRL_KEY: &str = "ca-crl.pem";
+
+/// One revoked certificate, as stored.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Revocation {
+    /// As the audit log writes serials ([`crate::ca::serial_hex`]).
+    pub serial: String,
+    /// RFC 5280 reason, kebab-case (see [`REASONS`]).
+    pub reason: String,
+    #[serde(with = "time::serde::rfc3339")]
+    pub revoked_at: OffsetDateTime,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub identity: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<String>,
+    /// The certificate's expiry: after it the serial leaves the CRL.
+    #[serde(
+        default,
+        with = "time::serde::rfc3339::option",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub not_after: Option<OffsetDateTime>,
+    /// Who ran `meshca revoke` (free text, e.g. an incident id).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub by: Option<String>,
+}
+
+/// Accepted `--reason` values and their RFC 5280 codes.
+pub const REASONS: [(&str, RevocationReason); 7] = [
+    ("unspecified", RevocationReason::Unspecified),
+    ("key-compromise", RevocationReason::KeyCompromise),
+    ("ca-compromise", RevocationReason::CaCompromise),
+    ("affiliation-changed", RevocationReason::AffiliationChanged),
+    ("superseded", RevocationReason::Superseded),
+    (
+        "cessation-of-operation",
+        RevocationReason::CessationOfOperation,
+    ),
+    ("privilege-withdrawn", RevocationReason::PrivilegeWithdrawn),
+];
+
+/// Why revocation work failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RevocationError {
+    #[error("unknown revocation reason {0:?}")]
+    UnknownReason(String),
+    #[error("serial {0:?} is not hex")]
+    BadSerial(String),
+    #[error("revocation file {path}: {detail}")]
+    Store { path: String, detail: String },
+    #[error("signing the CRL: {0}")]
+    Sign(String),
+}
+
+impl RevocationError {
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Self::UnknownReason(_) => "revocation_unknown_reason",
+            Self::BadSerial(_) => "revocation_bad_serial",
+            Self::Store { .. } => "revocation_store_failed",
+            Self::Sign(_) => "crl_sign_failed",
+        }
+    }
+}
+
+pub fn parse_reason(s: &str) -> Result<RevocationReason, RevocationError> {
+    REASONS
+        .iter()
+        .find(|(n, _)| *n == s)
+        .map(|(_, r)| *r)
+        .ok_or_else(|| RevocationError::UnknownReason(s.to_string()))
+}
+
+/// A serial as the audit log writes it, from user input (`0x`, colons,
+/// upper case and leading zeros accepted).
+pub fn normalize_serial(s: &str) -> Result<String, RevocationError> {
+    let t: String = s
+        .trim()
+        .trim_start_matches("0x")
+        .chars()
+        .filter(|c| *c != ':')
+        .collect::<String>()
+        .to_ascii_lowercase();
+    if t.is_empty() || !t.chars().all(|c| c.is_ascii_hexdigit()) {
+        return Err(RevocationError::BadSerial(s.to_string()));
+    }
+    let even = if t.len() % 2 == 1 { format!("0{t}") } else { t };
+    let bytes = hex::decode(&even).map_err(|_| RevocationError::BadSerial(s.to_string()))?;
+    Ok(crate::ca::serial_hex(&bytes))
+}
+
+/// Reads the store; a missing file is an empty store. Unreadable lines are
+/// an error (never silently drop a revocation).
+pub fn read_store(path: &Path) -> Result<Vec<Revocation>, RevocationError> {
+    let err = |detail: String| RevocationError::Store {
+        path: path.display().to_string(),
+        detail,
+    };
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(err(e.to_string())),
+    };
+    text.lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+        .map(|(i, l)| {
+            serde_json::from_str::<Revocation>(l).map_err(|e| err(format!("line {}: {e}", i + 1)))
+        })
+        .collect()
+}
+
+/// Appends entries durably (fsync) to the store.
+pub fn append_store(path: &Path, entries: &[Revocation]) -> Result<(), RevocationError> {
+    let err = |detail: String| RevocationError::Store {
+        path: path.display().to_string(),
+        detail,
+    };
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(|e| err(e.to_string()))?;
+    }
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .map_err(|e| err(e.to_string()))?;
+    let mut buf = String::new();
+    for e in entries {
+        buf.push_str(&serde_json::to_string(e).map_err(|e| err(e.to_string()))?);
+        buf.push('\n');
+    }
+    f.write_all(buf.as_bytes())
+        .and_then(|_| f.sync_all())
+        .map_err(|e| err(e.to_string()))
+}
+
+/// The entries a CRL signed at `now` lists: one per serial (the earliest
+/// revocation wins), certificates not yet expired, ordered by serial.
+pub fn crl_entries(store: &[Revocation], now: OffsetDateTime) -> Vec<Revocation> {
+    let mut by_serial: BTreeMap<&str, &Revocation> = BTreeMap::new();
+    for r in store {
+        if r.not_after.is_some_and(|t| t < now) {
+            continue;
+        }
+        by_serial
+            .entry(&r.serial)
+            .and_modify(|cur| {
+                if r.revoked_at < cur.revoked_at {
+                    *cur = r;
+                }
+            })
+            .or_insert(r);
+    }
+    by_serial.into_values().cloned().collect()
+}
+
+/// Signs a CRL over `entries` with the bundle's issuing intermediate.
+pub fn sign_crl(
+    bundle: &CaBundle,
+    entries: &[Revocation],
+    now: OffsetDateTime,
+    validity: Duration,
+) -> Result<String, RevocationError> {
+    let revoked_certs = entries
+        .iter()
+        .map(|r| {
+            let serial = hex::decode(if r.serial.len() % 2 == 1 {
+                format!("0{}", r.serial)
+            } else {
+                r.serial.clone()
+            })
+            .map_err(|_| RevocationError::BadSerial(r.serial.clone()))?;
+            Ok(RevokedCertParams {
+                serial_number: serial.into(),
+                revocation_time: r.revoked_at,
+                reason_code: Some(parse_reason(&r.reason)?),
+                invalidity_date: None,
+            })
+        })
+        .collect::<Result<Vec<_>, RevocationError>>()?;
+    let next = now + validity;
+    // The number only has to grow: seconds since the epoch do, across restarts.
+    let number = u64::try_from(now.unix_timestamp())
+        .unwrap_or(0)
+        .to_be_bytes();
+    let params = CertificateRevocationListParams {
+        this_update: now - time::Duration::minutes(2),
+        next_update: next.min(
+            bundle
+                .signing_not_after()
+                .max(now + time::Duration::minutes(1)),
+        ),
+        crl_number: number.to_vec().into(),
+        issuing_distribution_point: None,
+        revoked_certs,
+        key_identifier_method: KeyIdMethod::Sha256,
+    };
+    let crl = params
+        .signed_by(bundle.issuer())
+        .map_err(|e| RevocationError::Sign(e.to_string()))?;
+    crl.pem().map_err(|e| RevocationError::Sign(e.to_string()))
+}
+
+/// What `meshca revoke` was asked to revoke.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Target {
+    /// Normalized serials.
+    Serials(Vec<String>),
+    /// Every certificate issued for this identity.
+    Identity(String),
+    /// Every certificate issued through, or to a caller on, this node.
+    Node(String),
+}
+
+/// The revocations for `target`, from the audit log's `issued` records:
+/// certificates still valid at `now` (an expired one needs no revocation),
+/// one entry per serial. A serial given explicitly but absent from the log
+/// is still revoked (the log may have been rotated away), without details.
+pub fn select(
+    records: &[crate::audit::AuditRecord],
+    target: &Target,
+    reason: &str,
+    by: Option<&str>,
+    now: OffsetDateTime,
+) -> Vec<Revocation> {
+    let issued = records.iter().filter(|r| {
+        r.decision == Decision::Allow
+            && r.reason == "issued"
+            && r.serial.is_some()
+            && r.not_after.is_none_or(|t| t > now)
+    });
+    let matches = |r: &&crate::audit::AuditRecord| match target {
+        Target::Serials(s) => r.serial.as_ref().is_some_and(|x| s.contains(x)),
+        Target::Identity(id) => r.requested_identity.as_deref() == Some(id.as_str()),
+        Target::Node(n) => r.node.as_deref() == Some(n.as_str()),
+    };
+    let mut out: BTreeMap<String, Revocation> = BTreeMap::new();
+    for r in issued.filter(matches) {
+        let serial = r.serial.clone().unwrap_or_default();
+        out.entry(serial.clone()).or_insert(Revocation {
+            serial,
+            reason: reason.to_string(),
+            revoked_at: now,
+            identity: r.requested_identity.clone(),
+            node: r.node.clone(),
+            not_after: r.not_after,
+            by: by.map(str::to_string),
+        });
+    }
+    if let Target::Serials(serials) = target {
+        for s in serials {
+            out.entry(s.clone()).or_insert(Revocation {
+                serial: s.clone(),
+                reason: reason.to_string(),
+                revoked_at: now,
+                identity: None,
+                node: None,
+                not_after: None,
+                by: by.map(str::to_string),
+            });
+        }
+    }
+    out.into_values().collect()
+}
+
+/// What the request path and the publishers read.
+#[derive(Debug, Default)]
+pub struct LiveRevocations {
+    serials: ArcSwap<HashSet<String>>,
+    crl: ArcSwap<String>,
+}
+
+impl LiveRevocations {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A set of revoked serials without a store (benches, tests).
+    pub fn with_serials(serials: impl IntoIterator<Item = String>) -> Self {
+        let live = Self::default();
+        live.serials.store(Arc::new(serials.into_iter().collect()));
+        live
+    }
+
+    pub fn is_revoked(&self, serial_hex: &str) -> bool {
+        let s = self.serials.load();
+        !s.is_empty() && s.contains(serial_hex)
+    }
+
+    pub fn any(&self) -> bool {
+        !self.serials.load().is_empty()
+    }
+
+    /// The current CRL PEM (empty until the first one is signed).
+    pub fn crl_pem(&self) -> Arc<String> {
+        self.crl.load_full()
+    }
+}
+
+/// Revocation settings, parsed once from flags.
+#[derive(Debug, Clone)]
+pub struct RevocationSettings {
+    /// `MESHCA_REVOCATION_FILE`.
+    pub file: PathBuf,
+    /// `MESHCA_REVOCATION_POLL`.
+    pub poll: Duration,
+    /// `MESHCA_CRL_VALIDITY`: nextUpdate - thisUpdate; re-signed at half.
+    pub crl_validity: Duration,
+    /// Publish `istio-ca-crl` (`MESHCA_PUBLISH_CRL`), with the root publisher's selector.
+    pub publish: Option<crate::rootpub::RootPublisherSettings>,
+}
+
+fn audit_revocation(sink: &dyn AuditSink, r: &Revocation, reason: &str) {
+    let mut id = [0u8; 8];
+    let _ = aws_lc_rs::rand::fill(&mut id);
+    let mut rec = AuditRecord::new(
+        OffsetDateTime::now_utc(),
+        hex::encode(id),
+        Decision::Deny,
+        reason.into(),
+    );
+    rec.serial = Some(r.serial.clone());
+    rec.requested_identity = r.identity.clone();
+    rec.node = r.node.clone();
+    rec.not_after = r.not_after;
+    rec.detail = Some(format!(
+        "revoked at {} ({}){}",
+        r.revoked_at,
+        r.reason,
+        r.by.as_deref()
+            .map(|b| format!(" by {b}"))
+            .unwrap_or_default()
+    ));
+    rec.revocation_reason = Some(r.reason.clone());
+    rec.bound();
+    if let Err(e) = sink.emit(&rec) {
+        tracing::error!(error = %e, serial = %r.serial, "revocation audit record lost");
+    }
+}
+
+/// Follows the store: keeps the revoked set and the CRL current, audits new
+/// entries, and feeds `crl_tx` (the ConfigMap publisher) on every new CRL.
+pub async fn follow(
+    settings: RevocationSettings,
+    ca: Arc<CaStore>,
+    live: Arc<LiveRevocations>,
+    audit: Arc<dyn AuditSink>,
+    metrics: Option<Arc<Metrics>>,
+    crl_tx: tokio::sync::watch::Sender<String>,
+) {
+    let mut generations = ca.subscribe();
+    let mut known: Option<HashSet<(String, String)>> = None;
+    let mut last_bytes: Option<Vec<u8>> = None;
+    let mut signed_at: Option<std::time::Instant> = None;
+    loop {
+        let bytes = std::fs::read(&settings.file).unwrap_or_default();
+        let ca_changed = generations.has_changed().unwrap_or(false);
+        if ca_changed {
+            generations.borrow_and_update();
+        }
+        let stale = signed_at.is_none_or(|t| t.elapsed() >= settings.crl_validity / 2);
+        if last_bytes.as_deref() != Some(&bytes[..]) || ca_changed || stale {
+            match read_store(&settings.file) {
+                Ok(store) => {
+                    let now = OffsetDateTime::now_utc();
+                    let keys: HashSet<(String, String)> = store
+                        .iter()
+                        .map(|r| (r.serial.clone(), r.revoked_at.to_string()))
+                        .collect();
+                    match &known {
+                        None => {
+                            let sha = hex::encode(
+                                aws_lc_rs::digest::digest(&aws_lc_rs::digest::SHA256, &bytes)
+                                    .as_ref(),
+                            );
+                            let mut id = [0u8; 8];
+                            let _ = aws_lc_rs::rand::fill(&mut id);
+                            let mut r = AuditRecord::new(
+                                now,
+                                hex::encode(id),
+                                Decision::Allow,
+                                "revocation_list_loaded".into(),
+                            );
+                            r.detail = Some(format!(
+                                "{} revocation(s) in {}, sha256 {sha}",
+                                store.len(),
+                                settings.file.display(),
+                            ));
+                            r.bound();
+                            if let Err(e) = audit.emit(&r) {
+                                tracing::error!(error = %e, "revocation audit record lost");
+                            }
+                        }
+                        Some(old) => {
+                            for r in store.iter().filter(|r| {
+                                !old.contains(&(r.serial.clone(), r.revoked_at.to_string()))
+                            }) {
+                                audit_revocation(audit.as_ref(), r, "revoked");
+                            }
+                        }
+                    }
+                    known = Some(keys);
+                    let entries = crl_entries(&store, now);
+                    live.serials
+                        .store(Arc::new(store.iter().map(|r| r.serial.clone()).collect()));
+                    match sign_crl(&ca.snapshot(), &entries, now, settings.crl_validity) {
+                        Ok(pem) => {
+                            live.crl.store(Arc::new(pem.clone()));
+                            crl_tx.send_replace(pem);
+                            signed_at = Some(std::time::Instant::now());
+                            if let Some(m) = &metrics {
+                                m.kill_switch
+                                    .crl_signed
+                                    .get_or_create(&crate::metrics::ResultLabels {
+                                        result: "ok".into(),
+                                    })
+                                    .inc();
+                                m.kill_switch.revoked_serials.set(entries.len() as i64);
+                            }
+                            tracing::info!(serials = entries.len(), "CRL signed");
+                        }
+                        Err(e) => {
+                            tracing::error!(reason = e.reason(), error = %e, "CRL not signed; keeping the previous one");
+                            if let Some(m) = &metrics {
+                                m.kill_switch
+                                    .crl_signed
+                                    .get_or_create(&crate::metrics::ResultLabels {
+                                        result: "error".into(),
+                                    })
+                                    .inc();
+                            }
+                        }
+                    }
+                    last_bytes = Some(bytes);
+                }
+                Err(e) => {
+                    // Keep what is in force: a torn write must not lift revocations.
+                    tracing::error!(reason = e.reason(), error = %e, "revocation file unreadable; keeping the list in force");
+                }
+            }
+        }
+        tokio::time::sleep(settings.poll).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use test_case::test_case;
+    use time::macros::datetime;
+
+    fn rev(serial: &str, at: OffsetDateTime, not_after: Option<OffsetDateTime>) -> Revocation {
+        Revocation {
+            serial: serial.into(),
+            reason: "key-compromise".into(),
+            revoked_at: at,
+            identity: None,
+            node: None,
+            not_after,
+            by: None,
+        }
+    }
+
+    #[test_case("0x00AB:CD", Ok("abcd") ; "prefix colons case and leading zero")]
+    #[test_case("abc", Ok("abc") ; "odd length")]
+    #[test_case("0", Ok("0") ; "zero")]
+    #[test_case("xyz", Err(()) ; "not hex")]
+    #[test_case("", Err(()) ; "empty")]
+    fn serials(input: &str, want: Result<&str, ()>) {
+        assert_eq!(
+            normalize_serial(input).map_err(|_| ()),
+            want.map(String::from)
+        );
+    }
+
+    #[test]
+    fn crl_lists_each_unexpired_serial_once_earliest_revocation_first() {
+        let now = datetime!(2026-06-01 00:00 UTC);
+        let store = vec![
+            rev("aa", datetime!(2026-05-02 00:00 UTC), None),
+            rev("aa", datetime!(2026-05-01 00:00 UTC), None),
+            rev(
+                "bb",
+                datetime!(2026-05-01 00:00 UTC),
+                Some(datetime!(2026-05-30 00:00 UTC)),
+            ),
+            rev(
+                "cc",
+                datetime!(2026-05-01 00:00 UTC),
+                Some(datetime!(2026-06-02 00:00 UTC)),
+            ),
+        ];
+        let got = crl_entries(&store, now);
+        let serials: Vec<_> = got.iter().map(|r| r.serial.as_str()).collect();
+        assert_eq!(serials, ["aa", "cc"], "bb expired");
+        assert_eq!(got[0].revoked_at, datetime!(2026-05-01 00:00 UTC));
+    }
+
+    #[test]
+    fn store_round_trips_and_a_torn_line_is_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("r.jsonl");
+        assert!(read_store(&p).unwrap().is_empty(), "missing = empty");
+        let a = rev("aa", datetime!(2026-05-01 00:00 UTC), None);
+        append_store(&p, std::slice::from_ref(&a)).unwrap();
+        append_store(&p, std::slice::from_ref(&a)).unwrap();
+        assert_eq!(read_store(&p).unwrap(), vec![a.clone(), a]);
+        std::fs::OpenOptions::new()
+            .append(true)
+            .open(&p)
+            .unwrap()
+            .write_all(b"{\"serial\":")
+            .unwrap();
+        assert_eq!(
+            read_store(&p).unwrap_err().reason(),
+            "revocation_store_failed"
+        );
+    }
+
+    #[test]
+    fn select_finds_live_issued_serials_by_identity_node_or_serial() {
+        use crate::audit::AuditRecord;
+        let now = datetime!(2026-06-01 00:00 UTC);
+        let rec =
+            |serial: &str, id: &str, node: Option<&str>, reason: &str, exp: OffsetDateTime| {
+                let mut r = AuditRecord::new(now, "x".into(), Decision::Allow, reason.into());
+                if reason != "issued" {
+                    r.decision = Decision::Deny;
+                }
+                r.serial = Some(serial.into());
+                r.requested_identity = Some(id.into());
+                r.node = node.map(str::to_string);
+                r.not_after = Some(exp);
+                r
+            };
+        let later = datetime!(2026-06-02 00:00 UTC);
+        let log = vec![
+            rec("a1", "spiffe://td/ns/a/sa/a", Some("n1"), "issued", later),
+            rec("a1", "spiffe://td/ns/a/sa/a", Some("n1"), "issued", later),
+            rec("a2", "spiffe://td/ns/a/sa/a", None, "issued", later),
+            rec(
+                "a3",
+                "spiffe://td/ns/a/sa/a",
+                None,
+                "issued",
+                datetime!(2026-05-01 00:00 UTC),
+            ),
+            rec("b1", "spiffe://td/ns/b/sa/b", Some("n1"), "issued", later),
+            rec(
+                "c1",
+                "spiffe://td/ns/c/sa/c",
+                Some("n2"),
+                "ttl_too_long",
+                later,
+            ),
+        ];
+        let serials = |t: Target| -> Vec<String> {
+            select(&log, &t, "key-compromise", Some("ir-1"), now)
+                .into_iter()
+                .map(|r| r.serial)
+                .collect()
+        };
+        assert_eq!(
+            serials(Target::Identity("spiffe://td/ns/a/sa/a".into())),
+            ["a1", "a2"]
+        );
+        assert_eq!(serials(Target::Node("n1".into())), ["a1", "b1"]);
+        assert!(
+            serials(Target::Node("n2".into())).is_empty(),
+            "denied records carry no certificate"
+        );
+        assert_eq!(
+            serials(Target::Serials(vec!["b1".into(), "ff".into()])),
+            ["b1", "ff"]
+        );
+        let r = select(
+            &log,
+            &Target::Serials(vec!["b1".into()]),
+            "superseded",
+            None,
+            now,
+        );
+        assert_eq!(
+            r[0].node.as_deref(),
+            Some("n1"),
+            "details come from the log"
+        );
+        assert_eq!(r[0].reason, "superseded");
+    }
+
+    #[test]
+    fn every_reason_parses_and_unknown_is_refused() {
+        for (name, _) in REASONS {
+            parse_reason(name).unwrap();
+        }
+        assert_eq!(
+            parse_reason("keyCompromise").unwrap_err().reason(),
+            "revocation_unknown_reason"
+        );
+    }
+
+    #[test]
+    fn signed_crl_verifies_with_the_intermediate_and_lists_the_serial() {
+        use x509_parser::prelude::FromDer;
+        let pki = crate::testing::TestPki::new(crate::ca::generate::KeyType::EcdsaP256);
+        let bundle = CaBundle::load_dir(pki.path(), OffsetDateTime::now_utc()).unwrap();
+        let now = OffsetDateTime::now_utc();
+        let pem = sign_crl(
+            &bundle,
+            &[rev("0123ab", now, None)],
+            now,
+            Duration::from_secs(3600),
+        )
+        .unwrap();
+        let der = rustls_pki_types::pem::PemObject::from_pem_slice(pem.as_bytes())
+            .map(|d: rustls_pki_types::CertificateRevocationListDer<'_>| d.to_vec())
+            .unwrap();
+        let (_, crl) =
+            x509_parser::revocation_list::CertificateRevocationList::from_der(&der).unwrap();
+        let (_, issuer) =
+            x509_parser::certificate::X509Certificate::from_der(bundle.signing_cert()).unwrap();
+        crl.verify_signature(issuer.public_key())
+            .expect("signed by the intermediate");
+        let serials: Vec<String> = crl
+            .iter_revoked_certificates()
+            .map(|r| crate::ca::serial_hex(r.raw_serial()))
+            .collect();
+        assert_eq!(serials, ["123ab"]);
+    }
+}

@@ -1,0 +1,204 @@
+//! `meshca revoke` end to end, without Kubernetes: a running server writes
+//! its chained audit log to a file, the release CLI finds an identity's
+//! serials in it, the server picks the revocation up (CRL on the admin port,
+//! one `revoked` audit record per serial, in its own hash chain), and the
+//! denylist file written by `--deny-file` stops new issuance.
+#![allow(clippy::unwrap_used)]
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use meshca::ca::generate::KeyType;
+use meshca::ca::CaBundle;
+use meshca::config::AuditSinkKind;
+use meshca::testing::{self, TestPki};
+use rustls_pki_types::pem::PemObject;
+use time::OffsetDateTime;
+
+fn meshca(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_meshca"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn revoke_finds_serials_in_the_audit_log_and_the_server_enforces_them() {
+    let pki = TestPki::new(KeyType::EcdsaP256);
+    let dir = tempfile::tempdir().unwrap();
+    let audit = dir.path().join("audit.log");
+    let store = dir.path().join("revoked-serials.jsonl");
+    let deny = dir.path().join("denylist");
+    let mut cfg = testing::test_config(pki.path_buf());
+    cfg.audit.sink = AuditSinkKind::File;
+    cfg.audit.file = audit.clone();
+    cfg.kill_switch.denylist = meshca::denylist::DenylistSettings {
+        file: Some(deny.clone()),
+        poll: Duration::from_millis(100),
+        configmap: None,
+    };
+    cfg.kill_switch.revocation = Some(meshca::revocation::RevocationSettings {
+        file: store.clone(),
+        poll: Duration::from_millis(100),
+        crl_validity: Duration::from_secs(3600),
+        publish: None,
+    });
+    let app = meshca::app::App::start(&cfg, Default::default())
+        .await
+        .unwrap();
+    let bundle = CaBundle::load_dir(pki.path(), OffsetDateTime::now_utc()).unwrap();
+    let (a, b) = (
+        "spiffe://cluster.local/ns/shop/sa/cart",
+        "spiffe://cluster.local/ns/shop/sa/web",
+    );
+    let ask = |id: &'static str| {
+        let (cert, key) = testing::client_identity(&bundle, id, &testing::validity_hours(-1, 1));
+        let (addr, root) = (app.addr, pki.ca.root_cert.clone());
+        async move {
+            let mut c = testing::client(addr, &root, Some((&cert, &key)))
+                .await
+                .unwrap();
+            let k = rcgen::KeyPair::generate().unwrap();
+            c.create_certificate(testing::request(testing::csr_for(&k, id), 0, &[]))
+                .await
+        }
+    };
+    let mut serials_a = Vec::new();
+    for id in [a, a, b] {
+        let chain = ask(id).await.unwrap().into_inner().cert_chain;
+        let der = rustls_pki_types::CertificateDer::from_pem_slice(chain[0].as_bytes()).unwrap();
+        let (_, c) = x509_parser::parse_x509_certificate(&der).unwrap();
+        if id == a {
+            serials_a.push(meshca::ca::serial_hex(c.raw_serial()));
+        }
+    }
+    serials_a.sort();
+
+    // Dry run writes nothing.
+    let audit_s = audit.to_str().unwrap();
+    let store_s = store.to_str().unwrap();
+    let deny_s = deny.to_str().unwrap();
+    let out = meshca(&[
+        "revoke",
+        "--identity",
+        a,
+        "--reason",
+        "key-compromise",
+        "--dry-run",
+        "--revocation-file",
+        store_s,
+        audit_s,
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!store.exists());
+    let out = meshca(&[
+        "revoke",
+        "--identity",
+        a,
+        "--reason",
+        "key-compromise",
+        "--by",
+        "INC-1",
+        "--deny-file",
+        deny_s,
+        "--revocation-file",
+        store_s,
+        audit_s,
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut printed: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| l.split('\t').next().unwrap().to_string())
+        .collect();
+    printed.sort();
+    assert_eq!(
+        printed, serials_a,
+        "exactly the identity's two certificates"
+    );
+    let stored: Vec<String> = meshca::revocation::read_store(&store)
+        .unwrap()
+        .into_iter()
+        .map(|r| r.serial)
+        .collect();
+    assert_eq!(stored.len(), 2);
+    assert!(std::fs::read_to_string(&deny)
+        .unwrap()
+        .contains(&format!("identity {a}")));
+    // A bad reason is refused before anything is written.
+    let out = meshca(&[
+        "revoke",
+        "--serial",
+        "ab",
+        "--reason",
+        "because",
+        "--revocation-file",
+        store_s,
+        audit_s,
+    ]);
+    assert!(!out.status.success());
+
+    // The server: CRL on the admin port lists both serials; the denylist stops `a`.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (code, body) = testing::http_get(app.admin_addr, "/ca-crl.pem").await;
+        let listed = (code == 200).then(|| {
+            let der =
+                rustls_pki_types::CertificateRevocationListDer::from_pem_slice(body.as_bytes())
+                    .unwrap();
+            let (_, crl) = x509_parser::parse_x509_crl(&der).unwrap();
+            let mut s: Vec<String> = crl
+                .iter_revoked_certificates()
+                .map(|r| meshca::ca::serial_hex(r.raw_serial()))
+                .collect();
+            s.sort();
+            s
+        });
+        if listed.as_ref() == Some(&serials_a) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "CRL never listed {serials_a:?}: {listed:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while ask(a).await.is_ok() {
+        assert!(Instant::now() < deadline, "denylist file never took effect");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    ask(b).await.unwrap();
+    app.shutdown().await.unwrap();
+
+    // The audit log: still one intact chain, with one `revoked` record per serial.
+    let out = meshca(&["audit", "verify", "--strict", audit_s]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let out = meshca(&[
+        "audit", "query", "--reason", "revoked", "-o", "json", audit_s,
+    ]);
+    let mut revoked: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            assert_eq!(v["revocation_reason"], "key-compromise");
+            assert_eq!(v["requested_identity"], a);
+            v["serial"].as_str().unwrap().to_string()
+        })
+        .collect();
+    revoked.sort();
+    assert_eq!(revoked, serials_a);
+    let out = meshca(&["audit", "query", "--reason", "denylist_identity", audit_s]);
+    assert!(String::from_utf8_lossy(&out.stdout).contains("denylist_identity"));
+}
