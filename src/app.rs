@@ -73,6 +73,8 @@ pub struct App {
     pub pod_index: Option<Arc<PodIndex>>,
     /// The TokenReview authenticator, when Kubernetes is on.
     pub token_reviewer: Option<Arc<KubeTokenAuthenticator>>,
+    /// The issuer keys of local token verification, when it is on.
+    pub issuer_keys: Option<Arc<crate::authn::jwks::IssuerKeys>>,
     pub metrics: Arc<Metrics>,
     /// The chained audit writer, unless the caller supplied its own sink.
     pub audit_chain: Option<Arc<ChainedSink>>,
@@ -102,6 +104,7 @@ impl App {
         let mut background = Vec::new();
         let mut pod_index = None;
         let mut token_reviewer = None;
+        let mut issuer_keys = None;
         if let Some(kube) = &cfg.kube {
             let client = kube_client(kube.kubeconfig.as_deref()).await?;
             if let Some(settings) = cfg.root_publisher.clone() {
@@ -126,12 +129,16 @@ impl App {
                     rx,
                 )));
             }
-            if !cfg.trusted_node_accounts.is_empty() {
+            let verification = kube.token_verification;
+            if !cfg.trusted_node_accounts.is_empty() || verification.mode.uses_local() {
                 let index = Arc::new(PodIndex::new());
                 background.push(tokio::spawn(crate::podindex::watch::run(
                     client.clone(),
                     index.clone(),
                 )));
+                pod_index = Some(index);
+            }
+            if let (false, Some(index)) = (cfg.trusted_node_accounts.is_empty(), &pod_index) {
                 let policy = NodePolicy {
                     trusted: cfg.trusted_node_accounts.iter().cloned().collect(),
                     trust_domains: cfg.trust_domains(),
@@ -144,7 +151,6 @@ impl App {
                         index: index.clone(),
                     })
                 });
-                pod_index = Some(index);
             }
             if deps.tokens.is_none() {
                 let settings = TokenReviewSettings {
@@ -156,10 +162,22 @@ impl App {
                     limits: kube.review_limits,
                 };
                 let reviewer = Arc::new(
-                    KubeTokenAuthenticator::new(client, settings, pod_index.clone())
+                    KubeTokenAuthenticator::new(client.clone(), settings, pod_index.clone())
                         .with_metrics(metrics.clone()),
                 );
-                deps.tokens = Some(reviewer.clone());
+                let (verifier, keys) = crate::authn::local::build(
+                    &client,
+                    verification,
+                    cfg,
+                    pod_index.clone(),
+                    reviewer.clone(),
+                    metrics.clone(),
+                );
+                if let Some(keys) = &keys {
+                    background.push(tokio::spawn(keys.clone().run()));
+                }
+                issuer_keys = keys;
+                deps.tokens = Some(verifier);
                 token_reviewer = Some(reviewer);
             }
         } else if !cfg.trusted_node_accounts.is_empty() && deps.node_authz.is_none() {
@@ -245,6 +263,7 @@ impl App {
             admin_addr,
             pod_index,
             token_reviewer,
+            issuer_keys,
             metrics,
             audit_chain,
             ca,

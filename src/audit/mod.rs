@@ -64,6 +64,12 @@ pub struct AuditRecord {
     /// reduced form was written instead.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reduced: Option<Reduced>,
+    /// Token callers: which path verified the caller, `local` or `review`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_verified_by: Option<String>,
+    /// Why local verification handed the token to TokenReview (a reason code).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_local_fallback: Option<String>,
 }
 
 /// What a reduced record stands for.
@@ -111,6 +117,8 @@ impl AuditRecord {
             lifetime: None,
             latency_ms: 0.0,
             reduced: None,
+            token_verified_by: None,
+            token_local_fallback: None,
         }
     }
 

@@ -306,6 +306,7 @@ pub fn kube_config(pki: &TestPki, kubeconfig: PathBuf, trusted: &[String]) -> Co
         token_cache_ttl: Duration::from_secs(60),
         tokenreview_timeout: Duration::from_secs(3),
         review_limits: Default::default(),
+        token_verification: Default::default(),
     });
     cfg.trusted_node_accounts = meshca::config::parse_service_accounts(&trusted.join(",")).unwrap();
     cfg
