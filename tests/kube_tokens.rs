@@ -277,6 +277,20 @@ async fn local_verification_accepts_exactly_what_tokenreview_accepts() {
             assert_eq!(local.2.as_deref(), Some("local"));
             assert_eq!(both.2.as_deref(), Some("local"), "no review needed");
         } else {
+            // What local verification could not decide went to TokenReview, which refused it.
+            let code = local.1.split(' ').next().unwrap();
+            let undecided = [
+                "token_local_unknown_issuer",
+                "token_local_unknown_kid",
+                "token_local_pod_not_indexed",
+                "token_local_pod_uid_mismatch",
+            ];
+            assert_eq!(
+                both.1
+                    .contains(&format!("after local verification: {code})")),
+                undecided.contains(&code),
+                "{name}: {both:?}"
+            );
             assert!(
                 local.1.starts_with("token_local_") || local.1.starts_with("authn_"),
                 "{name}: local refusal names its reason: {local:?}"

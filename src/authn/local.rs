@@ -454,19 +454,24 @@ impl TokenVerifier {
         let Some(review) = &self.review else {
             return Err(AuthnError::TokenAuthnDisabled);
         };
-        let result = review
-            .authenticate(token, cluster_id)
-            .await
-            .and_then(|mut c| {
-                let unbound = c.kube.as_ref().is_none_or(|k| k.pod_name.is_empty());
-                if self.require_pod_binding && unbound {
-                    return Err(AuthnError::Local(LocalError::PodBindingRequired));
-                }
-                if let Some(reason) = after {
-                    c.method = AuthnMethod::TokenReviewAfterLocal(reason);
-                }
-                Ok(c)
-            });
+        let result = match (review.authenticate(token, cluster_id).await, after) {
+            // A refusal after a fallback says so in its detail (the reason stays the review's).
+            (Err(AuthnError::Token(detail, reason)), Some(fallback)) => Err(AuthnError::Token(
+                format!("{detail} (TokenReview after local verification: {fallback})"),
+                reason,
+            )),
+            (other, _) => other,
+        };
+        let result = result.and_then(|mut c| {
+            let unbound = c.kube.as_ref().is_none_or(|k| k.pod_name.is_empty());
+            if self.require_pod_binding && unbound {
+                return Err(AuthnError::Local(LocalError::PodBindingRequired));
+            }
+            if let Some(reason) = after {
+                c.method = AuthnMethod::TokenReviewAfterLocal(reason);
+            }
+            Ok(c)
+        });
         self.count(
             "review",
             match &result {
