@@ -85,6 +85,18 @@ async fn main() {
         .await;
     eprintln!("created {n} pods in {:?}", t.elapsed());
 
+    // The signing key's id, as the API server puts it in every token it mints.
+    let jwks = k
+        .admin
+        .request_text(
+            http::Request::get("/openid/v1/jwks")
+                .body(Vec::new())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    let jwks: serde_json::Value = serde_json::from_str(&jwks).unwrap();
+    let kid = jwks["keys"][0]["kid"].as_str().unwrap().to_string();
     let key = rcgen::KeyPair::generate().unwrap();
     let csr = testing::csr_for(&key, &id);
     let mut lines = Vec::new();
@@ -93,7 +105,15 @@ async fn main() {
         let tokens: Vec<String> = uids
             .iter()
             .map(|(name, uid)| {
-                k.signed_token(&ns, "bench", &sa_uid, Some((name, uid)), now, now + 3600)
+                k.signed_token_with_kid(
+                    Some(&kid),
+                    &ns,
+                    "bench",
+                    &sa_uid,
+                    Some((name, uid)),
+                    now,
+                    now + 3600,
+                )
             })
             .collect();
         let pki = TestPki::new(KeyType::EcdsaP256);
