@@ -84,6 +84,8 @@ pub struct App {
     pub pod_index: Option<Arc<PodIndex>>,
     /// The TokenReview authenticator, when Kubernetes is on.
     pub token_reviewer: Option<Arc<KubeTokenAuthenticator>>,
+    /// The issuer keys of local token verification, when it is on.
+    pub issuer_keys: Option<Arc<crate::authn::jwks::IssuerKeys>>,
     pub metrics: Arc<Metrics>,
     /// The audit writer thread, unless the caller supplied its own sink.
     pub audit_writer: Option<Arc<AuditWriter>>,
@@ -146,6 +148,7 @@ impl App {
         let mut pod_index = None;
         let mut token_reviewer = None;
         let mut kube_client_opt = None;
+        let mut issuer_keys = None;
         if let Some(kube) = &cfg.kube {
             let client = kube_client(kube.kubeconfig.as_deref()).await?;
             kube_client_opt = Some(client.clone());
@@ -172,7 +175,11 @@ impl App {
                 )));
             }
             let renewal_index = cfg.kill_switch.renewal_pod_check;
-            if !cfg.trusted_node_accounts.is_empty() || renewal_index {
+            let verification = kube.token_verification;
+            if !cfg.trusted_node_accounts.is_empty()
+                || renewal_index
+                || verification.mode.uses_local()
+            {
                 let index = Arc::new(PodIndex::new());
                 background.push(tokio::spawn(crate::podindex::watch::run(
                     client.clone(),
@@ -205,10 +212,22 @@ impl App {
                     limits: kube.review_limits,
                 };
                 let reviewer = Arc::new(
-                    KubeTokenAuthenticator::new(client, settings, pod_index.clone())
+                    KubeTokenAuthenticator::new(client.clone(), settings, pod_index.clone())
                         .with_metrics(metrics.clone()),
                 );
-                deps.tokens = Some(reviewer.clone());
+                let (verifier, keys) = crate::authn::local::build(
+                    &client,
+                    verification,
+                    cfg,
+                    pod_index.clone(),
+                    reviewer.clone(),
+                    metrics.clone(),
+                );
+                if let Some(keys) = &keys {
+                    background.push(tokio::spawn(keys.clone().run()));
+                }
+                issuer_keys = keys;
+                deps.tokens = Some(verifier);
                 token_reviewer = Some(reviewer);
             }
         } else if !cfg.trusted_node_accounts.is_empty() && deps.node_authz.is_none() {
@@ -299,6 +318,7 @@ impl App {
             admin_addr,
             pod_index,
             token_reviewer,
+            issuer_keys,
             metrics,
             audit_writer,
             audit_anchor,

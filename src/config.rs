@@ -5,6 +5,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use crate::authn::local::TokenVerificationMode;
 use crate::authn::token::ReviewLimits;
 use crate::ca::ttl::parse_go_duration;
 use crate::ca::ttl::JitterBand;
@@ -241,6 +242,8 @@ pub struct ServeArgs {
     pub admission: crate::admission::AdmissionArgs,
     #[command(flatten)]
     pub kill_switch: KillSwitchArgs,
+    #[command(flatten)]
+    pub token_verification: TokenVerificationArgs,
 }
 
 /// Bounded mTLS renewal, the denylist and revocation (issue 16).
@@ -390,6 +393,79 @@ impl KillSwitchArgs {
             renewal,
             denylist,
             revocation,
+        })
+    }
+}
+
+/// Flags of local token verification (`authn::local`, `authn::jwks`).
+#[derive(Debug, Clone, clap::Args)]
+pub struct TokenVerificationArgs {
+    /// How bearer tokens are verified: `review` (a TokenReview per new token,
+    /// as istiod), `local` (signature against the issuer's keys from the API
+    /// server's OIDC discovery, claims, and the bound pod in the pod index;
+    /// nothing sent per token), or `local-then-review` (local, and a
+    /// TokenReview for what local verification cannot decide: unknown issuer
+    /// or key, pod not in the index, index not synced).
+    #[arg(long, env = "MESHCA_TOKEN_VERIFICATION", value_enum, default_value_t = TokenVerificationMode::Review)]
+    pub token_verification: TokenVerificationMode,
+    /// Refuse tokens that are not bound to a pod (any verification mode).
+    #[arg(long, env = "MESHCA_TOKEN_REQUIRE_POD_BINDING", default_value_t = false, action = clap::ArgAction::Set)]
+    pub token_require_pod_binding: bool,
+    /// Periodic refresh of the issuer's keys.
+    #[arg(long, env = "MESHCA_JWKS_REFRESH_INTERVAL", default_value = "10m")]
+    pub jwks_refresh_interval: String,
+    /// Fewest time between two key fetches (an unknown `kid` triggers one).
+    #[arg(long, env = "MESHCA_JWKS_MIN_REFRESH_INTERVAL", default_value = "30s")]
+    pub jwks_min_refresh_interval: String,
+}
+
+/// Parsed [`TokenVerificationArgs`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TokenVerification {
+    pub mode: TokenVerificationMode,
+    pub require_pod_binding: bool,
+    pub refresh: crate::authn::jwks::RefreshPolicy,
+}
+
+impl Default for TokenVerification {
+    fn default() -> Self {
+        Self {
+            mode: TokenVerificationMode::Review,
+            require_pod_binding: false,
+            refresh: Default::default(),
+        }
+    }
+}
+
+impl TokenVerificationArgs {
+    pub fn parse(&self, fetch_timeout: Duration) -> Result<TokenVerification, ConfigError> {
+        let interval = bounded_duration(
+            "MESHCA_JWKS_REFRESH_INTERVAL",
+            &self.jwks_refresh_interval,
+            false,
+            MAX_PERIOD,
+        )?;
+        let min_interval = bounded_duration(
+            "MESHCA_JWKS_MIN_REFRESH_INTERVAL",
+            &self.jwks_min_refresh_interval,
+            false,
+            MAX_PERIOD,
+        )?;
+        if min_interval > interval {
+            return Err(err(
+                "MESHCA_JWKS_MIN_REFRESH_INTERVAL",
+                &self.jwks_min_refresh_interval,
+                "must not exceed MESHCA_JWKS_REFRESH_INTERVAL",
+            ));
+        }
+        Ok(TokenVerification {
+            mode: self.token_verification,
+            require_pod_binding: self.token_require_pod_binding,
+            refresh: crate::authn::jwks::RefreshPolicy {
+                interval,
+                min_interval,
+                timeout: fetch_timeout,
+            },
         })
     }
 }
@@ -761,6 +837,8 @@ pub struct KubeSettings {
     pub tokenreview_timeout: Duration,
     /// TokenReview budget, in-flight cap and negative cache.
     pub review_limits: ReviewLimits,
+    /// Token verification mode and issuer key refresh.
+    pub token_verification: TokenVerification,
 }
 
 /// Parsed, typed configuration of the server.
@@ -859,8 +937,18 @@ impl Config {
             KubeMode::Off => false,
             KubeMode::Auto => a.kubeconfig.is_some() || in_cluster,
         };
+        if !kube_on && a.token_verification.token_verification.uses_local() {
+            return Err(err(
+                "MESHCA_TOKEN_VERIFICATION",
+                a.token_verification.token_verification.as_str(),
+                "local verification needs Kubernetes (MESHCA_KUBERNETES)",
+            ));
+        }
         let kube = if kube_on {
+            let tokenreview_timeout =
+                duration("MESHCA_TOKENREVIEW_TIMEOUT", &a.tokenreview_timeout)?;
             Some(KubeSettings {
+                token_verification: a.token_verification.parse(tokenreview_timeout)?,
                 kubeconfig: a.kubeconfig.clone(),
                 token_cache_ttl: bounded_duration(
                     "MESHCA_TOKEN_CACHE_TTL",
@@ -868,10 +956,7 @@ impl Config {
                     true,
                     MAX_PERIOD,
                 )?,
-                tokenreview_timeout: duration(
-                    "MESHCA_TOKENREVIEW_TIMEOUT",
-                    &a.tokenreview_timeout,
-                )?,
+                tokenreview_timeout,
                 review_limits: review_limits(a)?,
             })
         } else {
@@ -1125,6 +1210,44 @@ mod tests {
     }
 
     #[test]
+    fn token_verification_defaults_to_review_and_parses() {
+        let k = parse(&["--kubernetes", "on"]).unwrap().kube.unwrap();
+        assert_eq!(k.token_verification, TokenVerification::default());
+        let k = parse(&[
+            "--kubernetes",
+            "on",
+            "--token-verification",
+            "local-then-review",
+            "--token-require-pod-binding",
+            "true",
+            "--jwks-refresh-interval",
+            "5m",
+            "--jwks-min-refresh-interval",
+            "10s",
+            "--tokenreview-timeout",
+            "2s",
+        ])
+        .unwrap()
+        .kube
+        .unwrap();
+        let t = k.token_verification;
+        assert_eq!(t.mode, TokenVerificationMode::LocalThenReview);
+        assert!(t.require_pod_binding);
+        assert_eq!(
+            (
+                t.refresh.interval,
+                t.refresh.min_interval,
+                t.refresh.timeout
+            ),
+            (
+                Duration::from_secs(300),
+                Duration::from_secs(10),
+                Duration::from_secs(2)
+            )
+        );
+    }
+
+    #[test]
     fn jitter_is_on_by_default_and_can_be_turned_off() {
         assert_eq!(parse(&[]).unwrap().ttl.jitter, Some(JitterBand::DEFAULT));
         assert_eq!(
@@ -1175,6 +1298,10 @@ mod tests {
     #[test_case(&["--trust-domain", "a b"], "TRUST_DOMAIN" ; "bad trust domain")]
     #[test_case(&["--token-audiences", ","], "TOKEN_AUDIENCES" ; "no audience")]
     #[test_case(&["--publish-root", "true"], "MESHCA_PUBLISH_ROOT" ; "publishing without kubernetes")]
+    #[test_case(&["--token-verification", "local"], "MESHCA_TOKEN_VERIFICATION" ; "local verification without kubernetes")]
+    #[test_case(&["--kubernetes", "on", "--jwks-min-refresh-interval", "0s"], "MESHCA_JWKS_MIN_REFRESH_INTERVAL" ; "zero jwks min interval")]
+    #[test_case(&["--kubernetes", "on", "--jwks-refresh-interval", "1m", "--jwks-min-refresh-interval", "2m"], "MESHCA_JWKS_MIN_REFRESH_INTERVAL" ; "min above periodic")]
+    #[test_case(&["--kubernetes", "on", "--jwks-refresh-interval", "1000000h"], "MESHCA_JWKS_REFRESH_INTERVAL" ; "huge jwks interval")]
     #[test_case(&["--publish-root", "true", "--kubernetes", "on", "--publish-root-namespace-selector", "a in (b"], "MESHCA_PUBLISH_ROOT_NAMESPACE_SELECTOR" ; "bad selector")]
     fn rejects_with_variable_name(args: &[&str], name: &str) {
         assert_eq!(parse(args).unwrap_err().name, name);

@@ -282,6 +282,8 @@ impl CertificateIssuer {
         {
             let r = audit.record();
             r.authn_method = Some(caller.method.as_str().to_string());
+            r.token_verified_by = caller.method.token_verified_by().map(str::to_string);
+            r.token_local_fallback = caller.method.local_fallback().map(str::to_string);
             r.caller_identity = Some(caller.identity.to_string());
             if let Some(k) = &caller.kube {
                 r.caller_pod = Some(format!("{}/{}", k.pod_namespace, k.pod_name));

@@ -89,7 +89,56 @@ pub struct Metrics {
     pub admission_queued: Gauge,
     /// Denylist and revocation (issue 16).
     pub kill_switch: KillSwitchMetrics,
+    /// Token verification by path (local or TokenReview) and the issuer keys.
+    pub token_paths: TokenPathMetrics,
     registry: Registry,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TokenPathLabels {
+    /// `local` or `review`.
+    pub path: &'static str,
+    /// `allowed`, `refused`, `unavailable`, or `fell_back` (local only: sent to TokenReview).
+    pub result: &'static str,
+}
+
+/// Metrics of `authn::local` and `authn::jwks`.
+#[derive(Debug, Clone, Default)]
+pub struct TokenPathMetrics {
+    pub verifications: Family<TokenPathLabels, Counter>,
+    /// Local refusals and fallbacks, by reason code.
+    pub local_outcomes: Family<RefusalLabels, Counter>,
+    /// Issuer key fetches by result (`ok`, `failed`).
+    pub jwks_fetches: Family<ResultLabels, Counter>,
+    /// Keys in the last good issuer key set.
+    pub jwks_keys: Gauge,
+}
+
+impl TokenPathMetrics {
+    fn register(registry: &mut Registry) -> Self {
+        let m = Self::default();
+        registry.register(
+            "meshca_token_verifications",
+            "Bearer token verifications by path (local, review) and result",
+            m.verifications.clone(),
+        );
+        registry.register(
+            "meshca_token_local_outcomes",
+            "Tokens local verification refused or handed to TokenReview, by reason",
+            m.local_outcomes.clone(),
+        );
+        registry.register(
+            "meshca_jwks_fetches",
+            "ServiceAccount issuer key fetches (OIDC discovery) by result",
+            m.jwks_fetches.clone(),
+        );
+        registry.register(
+            "meshca_jwks_keys",
+            "Keys in the last good ServiceAccount issuer key set",
+            m.jwks_keys.clone(),
+        );
+        m
+    }
 }
 
 impl OutcomeObserver for Metrics {
@@ -261,11 +310,13 @@ impl Metrics {
             admission_queued.clone(),
         );
         let kill_switch = KillSwitchMetrics::register(&mut registry);
+        let token_paths = TokenPathMetrics::register(&mut registry);
         Self {
             admission_shed,
             admission_running,
             admission_queued,
             kill_switch,
+            token_paths,
             transport_refusals,
             open_connections,
             pending_handshakes,

@@ -165,18 +165,64 @@ fn publisher_rules_follow_the_configmap_name() {
 }
 
 #[test]
-fn no_trusted_node_accounts_and_no_renewal_pod_check_means_no_pod_access() {
+fn no_trusted_node_accounts_no_renewal_pod_check_and_review_only_means_no_pod_access() {
     let got = chart_rules(&[
         "--set-json",
         "trustedNodeAccounts=[]",
         "--set",
         "killSwitch.renewalPodCheck=false",
+        "--set",
+        "tokenVerification.mode=review",
     ]);
     let expected: Vec<Rule> = fixture_rules(TESTENV_RBAC)
         .into_iter()
         .filter(|r| !r.resources.contains("pods"))
         .collect();
     assert_eq!(got, expected);
+    // Local token verification needs the pod index even without impersonation.
+    let got = chart_rules(&[
+        "--set-json",
+        "trustedNodeAccounts=[]",
+        "--set",
+        "killSwitch.renewalPodCheck=false",
+        "--set",
+        "tokenVerification.mode=local",
+    ]);
+    assert_eq!(got, fixture_rules(TESTENV_RBAC));
+}
+
+/// The ClusterRole names the ClusterRoleBindings in `docs` grant.
+fn bound_roles(docs: &[Value]) -> BTreeSet<String> {
+    docs.iter()
+        .filter(|d| d["kind"].as_str() == Some("ClusterRoleBinding"))
+        .map(|d| d["roleRef"]["name"].as_str().unwrap().to_string())
+        .collect()
+}
+
+#[test]
+fn local_token_verification_binds_issuer_discovery_like_the_test_cluster() {
+    let discovery = "system:service-account-issuer-discovery".to_string();
+    let testenv = docs(&std::fs::read_to_string(repo().join(TESTENV_RBAC)).unwrap());
+    assert!(bound_roles(&testenv).contains(&discovery));
+    let render_binding = |mode: &str| {
+        bound_roles(&render(
+            "templates/clusterrolebinding.yaml",
+            "meshca",
+            "istio-system",
+            &["--set", &format!("tokenVerification.mode={mode}")],
+        ))
+    };
+    for mode in ["local", "local-then-review"] {
+        let got = render_binding(mode);
+        assert_eq!(
+            got,
+            BTreeSet::from(["meshca".to_string(), discovery.clone()])
+        );
+    }
+    assert_eq!(
+        render_binding("review"),
+        BTreeSet::from(["meshca".to_string()])
+    );
 }
 
 const DENYLIST_RBAC: &str = "tests/fixtures/rbac-denylist.yaml";
@@ -185,7 +231,12 @@ const CRL_PUBLISHER_RBAC: &str = "tests/fixtures/rbac-crl-publisher.yaml";
 #[test]
 fn renewal_pod_check_alone_keeps_exactly_the_pod_rule() {
     // Bounded mTLS renewal reads the pod index even with no trusted node account.
-    let got = chart_rules(&["--set-json", "trustedNodeAccounts=[]"]);
+    let got = chart_rules(&[
+        "--set-json",
+        "trustedNodeAccounts=[]",
+        "--set",
+        "tokenVerification.mode=review",
+    ]);
     assert_eq!(got, fixture_rules(TESTENV_RBAC));
 }
 

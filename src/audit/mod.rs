@@ -66,6 +66,12 @@ pub struct AuditRecord {
     /// whether its TTL was cut to the renewal cap (`capped`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub renewal_check: Option<String>,
+    /// Token callers: which path verified the caller, `local` or `review`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_verified_by: Option<String>,
+    /// Why local verification handed the token to TokenReview (a reason code).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_local_fallback: Option<String>,
 }
 
 /// What a reduced record stands for.
@@ -115,6 +121,8 @@ impl AuditRecord {
             reduced: None,
             revocation_reason: None,
             renewal_check: None,
+            token_verified_by: None,
+            token_local_fallback: None,
         }
     }
 

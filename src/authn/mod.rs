@@ -1,5 +1,7 @@
 //! Caller authentication: who is asking, proven how.
 
+pub mod jwks;
+pub mod local;
 pub mod mtls;
 pub mod token;
 
@@ -16,13 +18,36 @@ use crate::identity::SpiffeId;
 pub enum AuthnMethod {
     Mtls,
     TokenReview,
+    /// A projected token verified locally against the issuer's keys and the pod index.
+    TokenLocal,
+    /// A TokenReview after local verification could not decide (the reason
+    /// code of [`local::LocalError`] that sent it there).
+    TokenReviewAfterLocal(&'static str),
 }
 
 impl AuthnMethod {
     pub fn as_str(&self) -> &'static str {
         match self {
             Self::Mtls => "mtls",
-            Self::TokenReview => "token-review",
+            Self::TokenReview | Self::TokenReviewAfterLocal(_) => "token-review",
+            Self::TokenLocal => "token-local",
+        }
+    }
+
+    /// Which path verified a token caller (`local` or `review`), for the audit record.
+    pub fn token_verified_by(&self) -> Option<&'static str> {
+        match self {
+            Self::Mtls => None,
+            Self::TokenReview | Self::TokenReviewAfterLocal(_) => Some("review"),
+            Self::TokenLocal => Some("local"),
+        }
+    }
+
+    /// Why local verification handed the token to TokenReview.
+    pub fn local_fallback(&self) -> Option<&'static str> {
+        match self {
+            Self::TokenReviewAfterLocal(r) => Some(r),
+            _ => None,
         }
     }
 }
@@ -88,6 +113,9 @@ pub enum AuthnError {
     TokenTooLarge { len: usize, max: usize },
     #[error("clusterid header is {len} bytes, over the limit of {max}")]
     ClusterIdTooLarge { len: usize, max: usize },
+    /// Refused by local token verification (see [`local::LocalError`]).
+    #[error("local token verification: {0}")]
+    Local(#[from] local::LocalError),
 }
 
 impl AuthnError {
@@ -101,12 +129,17 @@ impl AuthnError {
             Self::Overloaded { reason, .. } => reason,
             Self::TokenTooLarge { .. } => "authn_token_too_large",
             Self::ClusterIdTooLarge { .. } => "authn_clusterid_too_large",
+            Self::Local(e) => e.reason(),
         }
     }
 
     /// Worth retrying: no verdict on the credentials was reached.
     pub fn is_retryable(&self) -> bool {
-        matches!(self, Self::Unavailable(_) | Self::Overloaded { .. })
+        match self {
+            Self::Unavailable(_) | Self::Overloaded { .. } => true,
+            Self::Local(e) => e.is_retryable(),
+            _ => false,
+        }
     }
 }
 

@@ -187,6 +187,22 @@ impl Kte {
         iat: i64,
         exp: i64,
     ) -> String {
+        self.signed_token_with_kid(None, ns, sa, sa_uid, pod, iat, exp)
+    }
+
+    /// [`Self::signed_token`] with a `kid` header, as the API server writes
+    /// (local verification looks the key up by it).
+    #[allow(clippy::too_many_arguments)]
+    pub fn signed_token_with_kid(
+        &self,
+        kid: Option<&str>,
+        ns: &str,
+        sa: &str,
+        sa_uid: &str,
+        pod: Option<(&str, &str)>,
+        iat: i64,
+        exp: i64,
+    ) -> String {
         let key_pem = std::fs::read(self.dir.join("pki/sa.key")).unwrap();
         use rustls_pki_types::pem::PemObject;
         let key_der = rustls_pki_types::PrivateKeyDer::from_pem_slice(&key_pem).unwrap();
@@ -199,7 +215,11 @@ impl Kte {
         let b64 = |v: &serde_json::Value| {
             base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(serde_json::to_vec(v).unwrap())
         };
-        let header = b64(&json!({"alg": "RS256", "typ": "JWT"}));
+        let mut header = json!({"alg": "RS256", "typ": "JWT"});
+        if let Some(kid) = kid {
+            header["kid"] = json!(kid);
+        }
+        let header = b64(&header);
         let mut jti = [0u8; 16];
         aws_lc_rs::rand::fill(&mut jti).unwrap();
         let mut k8s = json!({"namespace": ns, "serviceaccount": {"name": sa, "uid": sa_uid}});
@@ -306,6 +326,7 @@ pub fn kube_config(pki: &TestPki, kubeconfig: PathBuf, trusted: &[String]) -> Co
         token_cache_ttl: Duration::from_secs(60),
         tokenreview_timeout: Duration::from_secs(3),
         review_limits: Default::default(),
+        token_verification: Default::default(),
     });
     cfg.trusted_node_accounts = meshca::config::parse_service_accounts(&trusted.join(",")).unwrap();
     cfg

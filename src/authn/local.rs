@@ -1,0 +1,807 @@
+//! Local verification of projected ServiceAccount tokens: the signature
+//! against the cluster issuer's keys ([`super::jwks`]), the claims, and the
+//! bound pod against the live pod index. That is what a TokenReview checks,
+//! without the round trip; the index's lag is the only window in which a
+//! deleted pod's token still passes (measured in docs/BENCHMARKS.md).
+//!
+//! Whatever local verification cannot decide (an unknown issuer or `kid`, a
+//! pod the index does not show, an index not yet synced) goes to TokenReview
+//! in `local-then-review` mode and is refused in `local` mode. The decisions
+//! are plain functions ([`verify_token`], [`bind_to_pod`]) tested by tables;
+//! [`LocalVerifier`] is one per (cluster, issuer), so a verifier per remote
+//! cluster is just another instance.
+
+use std::sync::Arc;
+
+use jsonwebtoken::errors::ErrorKind;
+use jsonwebtoken::Validation;
+
+use super::jwks::{IssuerKeys, KeySet};
+use super::{AuthnError, AuthnMethod, Caller, KubernetesInfo, TokenAuthenticator};
+use crate::identity::{SpiffeId, TrustDomain};
+use crate::podindex::{IndexState, PodIndex};
+
+/// Leeway on `exp` and `nbf`: the API server's own (go-jose's default of one
+/// minute), so local verification accepts no token a review would refuse for time.
+pub const CLOCK_SKEW_SECS: u64 = 60;
+
+/// How bearer tokens are verified (`--token-verification`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum TokenVerificationMode {
+    /// A TokenReview for every new token (istiod's behaviour).
+    #[default]
+    Review,
+    /// Locally only: nothing is sent to the API server per token.
+    Local,
+    /// Locally, and TokenReview for whatever local verification cannot decide.
+    LocalThenReview,
+}
+
+impl TokenVerificationMode {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Self::Review => "review",
+            Self::Local => "local",
+            Self::LocalThenReview => "local-then-review",
+        }
+    }
+    pub fn uses_local(&self) -> bool {
+        !matches!(self, Self::Review)
+    }
+}
+
+/// Why local verification refused a token or could not decide.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LocalError {
+    #[error("not a JWT: {0}")]
+    Malformed(String),
+    #[error("signing algorithm {0} is not the one the key allows")]
+    AlgorithmNotAllowed(String),
+    #[error("issuer {0:?} is not this cluster's")]
+    UnknownIssuer(String),
+    #[error("no issuer key with kid {0:?}")]
+    UnknownKey(String),
+    #[error("the issuer's keys have not been fetched yet")]
+    KeysUnavailable,
+    #[error("signature does not verify")]
+    BadSignature,
+    #[error("the token has expired")]
+    Expired,
+    #[error("the token is not valid yet")]
+    NotYetValid,
+    #[error("token audiences do not include {0:?}")]
+    AudienceMismatch(Vec<String>),
+    #[error("claims: {0}")]
+    InvalidClaims(String),
+    #[error("the token is not bound to a pod")]
+    NotPodBound,
+    #[error("the token is not bound to a pod, and a pod binding is required")]
+    PodBindingRequired,
+    #[error("pod index has not completed its first sync")]
+    IndexNotSynced,
+    #[error("pod {0} is not in the index")]
+    PodNotIndexed(String),
+    #[error("pod {pod} has UID {indexed}, the token names {token}")]
+    PodUidMismatch {
+        pod: String,
+        indexed: String,
+        token: String,
+    },
+    #[error("pod {pod} runs as {indexed}, the token names {token}")]
+    ServiceAccountMismatch {
+        pod: String,
+        indexed: String,
+        token: String,
+    },
+    #[error("pod {pod} is on node {indexed}, the token names {token}")]
+    NodeMismatch {
+        pod: String,
+        indexed: String,
+        token: String,
+    },
+    #[error("pod {0} has no node in the index, the token names one")]
+    NodeNotIndexed(String),
+    #[error("client claims to be in cluster {0:?}, this verifier is for {1:?}")]
+    UnknownCluster(String, String),
+}
+
+impl LocalError {
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Self::Malformed(_) => "token_local_malformed",
+            Self::AlgorithmNotAllowed(_) => "token_local_alg_not_allowed",
+            Self::UnknownIssuer(_) => "token_local_unknown_issuer",
+            Self::UnknownKey(_) => "token_local_unknown_kid",
+            Self::KeysUnavailable => "token_local_keys_unavailable",
+            Self::BadSignature => "token_local_bad_signature",
+            Self::Expired => "token_local_expired",
+            Self::NotYetValid => "token_local_not_yet_valid",
+            Self::AudienceMismatch(_) => "token_local_audience_mismatch",
+            Self::InvalidClaims(_) => "token_local_invalid_claims",
+            Self::NotPodBound => "token_local_not_pod_bound",
+            Self::PodBindingRequired => "token_pod_binding_required",
+            Self::IndexNotSynced => "token_local_index_not_synced",
+            Self::PodNotIndexed(_) => "token_local_pod_not_indexed",
+            Self::PodUidMismatch { .. } => "token_local_pod_uid_mismatch",
+            Self::ServiceAccountMismatch { .. } => "token_local_sa_mismatch",
+            Self::NodeMismatch { .. } => "token_local_node_mismatch",
+            Self::NodeNotIndexed(_) => "token_local_node_not_indexed",
+            Self::UnknownCluster(..) => "token_unknown_cluster",
+        }
+    }
+
+    /// TokenReview may still decide: local verification lacks a key, an
+    /// issuer, or an up-to-date view of the pod (the index may lag a create
+    /// or a recreation). Everything else is a verdict a review would share:
+    /// the signature or the claims are wrong under a key the API server
+    /// itself published.
+    pub fn falls_back(&self) -> bool {
+        matches!(
+            self,
+            Self::UnknownIssuer(_)
+                | Self::UnknownKey(_)
+                | Self::KeysUnavailable
+                | Self::NotPodBound
+                | Self::IndexNotSynced
+                | Self::PodNotIndexed(_)
+                | Self::PodUidMismatch { .. }
+                | Self::NodeNotIndexed(_)
+        )
+    }
+
+    /// With no review to fall back to, the client should retry later.
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, Self::KeysUnavailable | Self::IndexNotSynced)
+    }
+}
+
+/// `kubernetes.io` claims of a projected token.
+#[derive(Debug, Clone, serde::Deserialize)]
+struct KubeClaims {
+    namespace: String,
+    serviceaccount: ObjectRef,
+    pod: Option<ObjectRef>,
+    node: Option<ObjectRef>,
+}
+
+#[derive(Debug, Clone, serde::Deserialize)]
+struct ObjectRef {
+    name: String,
+    /// The API server leaves a node's UID out when it could not read the Node.
+    #[serde(default)]
+    uid: String,
+}
+
+#[derive(Debug, serde::Deserialize)]
+struct Claims {
+    sub: String,
+    #[serde(rename = "kubernetes.io")]
+    kube: Option<KubeClaims>,
+}
+
+#[derive(Debug, serde::Deserialize)]
+struct Peek {
+    iss: Option<serde_json::Value>,
+}
+
+/// What a verified token says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Verified {
+    pub namespace: String,
+    pub service_account: String,
+    pub service_account_uid: String,
+    /// `(name, uid)`.
+    pub pod: Option<(String, String)>,
+    /// `(name, uid)`; the uid may be empty (see [`ObjectRef`]).
+    pub node: Option<(String, String)>,
+}
+
+fn raw_alg(token: &str) -> Option<String> {
+    use base64::Engine;
+    let header = token.split('.').next()?;
+    let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(header.trim_end_matches('='))
+        .ok()?;
+    let v: serde_json::Value = serde_json::from_slice(&bytes).ok()?;
+    v.get("alg")?.as_str().map(str::to_string)
+}
+
+/// Verifies a token's signature and claims against `issuer`'s `keys`.
+/// Only the algorithm the key allows is accepted: `none`, and `HS256` keyed
+/// with the public key, are refused before any signature check.
+pub fn verify_token(
+    token: &str,
+    issuer: &str,
+    keys: &KeySet,
+    audiences: &[String],
+) -> Result<Verified, LocalError> {
+    let header = jsonwebtoken::decode_header(token).map_err(|e| match raw_alg(token) {
+        Some(alg) if matches!(e.kind(), ErrorKind::Json(_)) => LocalError::AlgorithmNotAllowed(alg),
+        _ => LocalError::Malformed(e.to_string()),
+    })?;
+    let peek: Peek = jsonwebtoken::dangerous::insecure_decode_claims(token)
+        .map_err(|e| LocalError::Malformed(e.to_string()))?;
+    match peek.iss {
+        Some(serde_json::Value::String(iss)) if iss == issuer => {}
+        Some(serde_json::Value::String(iss)) => return Err(LocalError::UnknownIssuer(iss)),
+        other => return Err(LocalError::UnknownIssuer(format!("{other:?}"))),
+    }
+    let kid = header.kid.clone().unwrap_or_default();
+    let key = keys
+        .get(&kid)
+        .ok_or_else(|| LocalError::UnknownKey(kid.clone()))?;
+    if header.alg != key.alg {
+        return Err(LocalError::AlgorithmNotAllowed(format!("{:?}", header.alg)));
+    }
+    let mut v = Validation::new(key.alg);
+    v.leeway = CLOCK_SKEW_SECS;
+    v.validate_nbf = true;
+    v.set_audience(audiences);
+    v.set_issuer(&[issuer]);
+    v.set_required_spec_claims(&["exp", "iss", "aud", "sub"]);
+    let data = jsonwebtoken::decode::<Claims>(token, &key.key, &v).map_err(|e| match e.kind() {
+        ErrorKind::InvalidSignature => LocalError::BadSignature,
+        ErrorKind::ExpiredSignature => LocalError::Expired,
+        ErrorKind::ImmatureSignature => LocalError::NotYetValid,
+        ErrorKind::InvalidAudience => LocalError::AudienceMismatch(audiences.to_vec()),
+        ErrorKind::InvalidIssuer => LocalError::UnknownIssuer(String::new()),
+        ErrorKind::InvalidAlgorithm => LocalError::AlgorithmNotAllowed(format!("{:?}", header.alg)),
+        ErrorKind::MissingRequiredClaim(c) => LocalError::InvalidClaims(format!("no {c}")),
+        ErrorKind::InvalidClaimFormat(c) => LocalError::InvalidClaims(format!("bad {c}")),
+        ErrorKind::Json(j) => LocalError::InvalidClaims(j.to_string()),
+        _ => LocalError::Malformed(e.to_string()),
+    })?;
+    let claims = data.claims;
+    let k = claims
+        .kube
+        .ok_or_else(|| LocalError::InvalidClaims("no kubernetes.io claims".into()))?;
+    let want_sub = format!(
+        "system:serviceaccount:{}:{}",
+        k.namespace, k.serviceaccount.name
+    );
+    if claims.sub != want_sub {
+        return Err(LocalError::InvalidClaims(format!(
+            "sub {:?} does not name {want_sub:?}",
+            claims.sub
+        )));
+    }
+    if k.namespace.is_empty() || k.serviceaccount.name.is_empty() {
+        return Err(LocalError::InvalidClaims(
+            "empty namespace or serviceaccount".into(),
+        ));
+    }
+    if k.serviceaccount.uid.is_empty() {
+        return Err(LocalError::InvalidClaims("no serviceaccount uid".into()));
+    }
+    let pod = match k.pod {
+        Some(p) if p.name.is_empty() || p.uid.is_empty() => {
+            return Err(LocalError::InvalidClaims("pod without name or uid".into()))
+        }
+        Some(p) => Some((p.name, p.uid)),
+        None => None,
+    };
+    let node = match k.node {
+        Some(n) if n.name.is_empty() => {
+            return Err(LocalError::InvalidClaims("node without name".into()))
+        }
+        Some(n) => Some((n.name, n.uid)),
+        None => None,
+    };
+    Ok(Verified {
+        namespace: k.namespace,
+        service_account: k.serviceaccount.name,
+        service_account_uid: k.serviceaccount.uid,
+        pod,
+        node,
+    })
+}
+
+/// The pod named by a verified token must be live in the index with the
+/// same UID and service account (and node, when the token names one).
+pub fn bind_to_pod(
+    v: &Verified,
+    require_pod_binding: bool,
+    synced: bool,
+    index: &IndexState,
+) -> Result<(), LocalError> {
+    let Some((pod_name, pod_uid)) = &v.pod else {
+        return Err(if require_pod_binding {
+            LocalError::PodBindingRequired
+        } else {
+            LocalError::NotPodBound
+        });
+    };
+    if !synced {
+        return Err(LocalError::IndexNotSynced);
+    }
+    let pod_ref = format!("{}/{pod_name}", v.namespace);
+    let pod = index
+        .get(&v.namespace, pod_name)
+        .ok_or_else(|| LocalError::PodNotIndexed(pod_ref.clone()))?;
+    if *pod.uid != **pod_uid {
+        return Err(LocalError::PodUidMismatch {
+            pod: pod_ref,
+            indexed: pod.uid.to_string(),
+            token: pod_uid.clone(),
+        });
+    }
+    if *pod.service_account != *v.service_account {
+        return Err(LocalError::ServiceAccountMismatch {
+            pod: pod_ref,
+            indexed: pod.service_account.to_string(),
+            token: v.service_account.clone(),
+        });
+    }
+    if let Some((node, _)) = &v.node {
+        match pod.node {
+            None => return Err(LocalError::NodeNotIndexed(pod_ref)),
+            Some(n) if n != node.as_str() => {
+                return Err(LocalError::NodeMismatch {
+                    pod: pod_ref,
+                    indexed: n.to_string(),
+                    token: node.clone(),
+                })
+            }
+            Some(_) => {}
+        }
+    }
+    Ok(())
+}
+
+/// Local verification for one cluster: its issuer keys and its pod index.
+#[derive(Debug)]
+pub struct LocalVerifier {
+    pub cluster_id: String,
+    pub keys: Arc<IssuerKeys>,
+    pub index: Arc<PodIndex>,
+    pub audiences: Vec<String>,
+    pub trust_domain: TrustDomain,
+    pub require_pod_binding: bool,
+}
+
+impl LocalVerifier {
+    /// Verifies `token` for a caller that named `cluster_id` (none: this one).
+    pub async fn verify(
+        &self,
+        token: &str,
+        cluster_id: Option<&str>,
+    ) -> Result<Caller, LocalError> {
+        match cluster_id {
+            None | Some("") => {}
+            Some(c) if c == self.cluster_id => {}
+            Some(c) => {
+                return Err(LocalError::UnknownCluster(
+                    c.into(),
+                    self.cluster_id.clone(),
+                ))
+            }
+        }
+        let verified = match self.verify_signed(token) {
+            // An unknown kid may be a rotated key: fetch (paced) and try once more.
+            Err(LocalError::UnknownKey(_) | LocalError::KeysUnavailable)
+                if self.keys.refresh().await =>
+            {
+                self.verify_signed(token)
+            }
+            other => other,
+        }?;
+        let synced = self.index.is_synced();
+        self.index
+            .read(|s| bind_to_pod(&verified, self.require_pod_binding, synced, s))?;
+        let identity = SpiffeId::new(
+            self.trust_domain.clone(),
+            &verified.namespace,
+            &verified.service_account,
+        )
+        .map_err(|e| LocalError::InvalidClaims(format!("service account: {e}")))?;
+        let (pod_name, pod_uid) = verified.pod.unwrap_or_default();
+        Ok(Caller {
+            method: AuthnMethod::TokenLocal,
+            identity,
+            kube: Some(KubernetesInfo {
+                pod_namespace: verified.namespace,
+                pod_name,
+                pod_uid,
+                service_account: verified.service_account,
+                node_name: verified.node.map(|n| n.0),
+            }),
+        })
+    }
+
+    fn verify_signed(&self, token: &str) -> Result<Verified, LocalError> {
+        let snap = self.keys.current().ok_or(LocalError::KeysUnavailable)?;
+        verify_token(token, &snap.issuer, &snap.keys, &self.audiences)
+    }
+}
+
+/// The token authenticator in every mode: TokenReview, local, or local with
+/// TokenReview for what local verification cannot decide. Also enforces
+/// `MESHCA_TOKEN_REQUIRE_POD_BINDING` on reviewed tokens.
+#[derive(Debug)]
+pub struct TokenVerifier {
+    pub mode: TokenVerificationMode,
+    pub local: Option<Arc<LocalVerifier>>,
+    pub review: Option<Arc<dyn TokenAuthenticator>>,
+    pub require_pod_binding: bool,
+    pub metrics: Option<Arc<crate::metrics::Metrics>>,
+}
+
+impl TokenVerifier {
+    fn count(&self, path: &'static str, result: &'static str) {
+        if let Some(m) = &self.metrics {
+            m.token_paths
+                .verifications
+                .get_or_create(&crate::metrics::TokenPathLabels { path, result })
+                .inc();
+        }
+    }
+
+    fn local_outcome(&self, reason: &'static str) {
+        if let Some(m) = &self.metrics {
+            m.token_paths
+                .local_outcomes
+                .get_or_create(&crate::metrics::RefusalLabels { reason })
+                .inc();
+        }
+    }
+
+    async fn review(
+        &self,
+        token: &str,
+        cluster_id: Option<&str>,
+        after: Option<&'static str>,
+    ) -> Result<Caller, AuthnError> {
+        let Some(review) = &self.review else {
+            return Err(AuthnError::TokenAuthnDisabled);
+        };
+        let result = match (review.authenticate(token, cluster_id).await, after) {
+            // A refusal after a fallback says so in its detail (the reason stays the review's).
+            (Err(AuthnError::Token(detail, reason)), Some(fallback)) => Err(AuthnError::Token(
+                format!("{detail} (TokenReview after local verification: {fallback})"),
+                reason,
+            )),
+            (other, _) => other,
+        };
+        let result = result.and_then(|mut c| {
+            let unbound = c.kube.as_ref().is_none_or(|k| k.pod_name.is_empty());
+            if self.require_pod_binding && unbound {
+                return Err(AuthnError::Local(LocalError::PodBindingRequired));
+            }
+            if let Some(reason) = after {
+                c.method = AuthnMethod::TokenReviewAfterLocal(reason);
+            }
+            Ok(c)
+        });
+        self.count(
+            "review",
+            match &result {
+                Ok(_) => "allowed",
+                Err(e) if e.is_retryable() => "unavailable",
+                Err(_) => "refused",
+            },
+        );
+        result
+    }
+}
+
+#[tonic::async_trait]
+impl TokenAuthenticator for TokenVerifier {
+    async fn authenticate(
+        &self,
+        token: &str,
+        cluster_id: Option<&str>,
+    ) -> Result<Caller, AuthnError> {
+        let local = match (&self.local, self.mode) {
+            (Some(l), TokenVerificationMode::Local | TokenVerificationMode::LocalThenReview) => l,
+            _ => return self.review(token, cluster_id, None).await,
+        };
+        match local.verify(token, cluster_id).await {
+            Ok(caller) => {
+                self.count("local", "allowed");
+                Ok(caller)
+            }
+            Err(e) if e.falls_back() && self.mode == TokenVerificationMode::LocalThenReview => {
+                self.local_outcome(e.reason());
+                self.count("local", "fell_back");
+                tracing::debug!(reason = e.reason(), error = %e, "local token verification undecided: TokenReview");
+                self.review(token, cluster_id, Some(e.reason())).await
+            }
+            Err(e) => {
+                self.local_outcome(e.reason());
+                self.count(
+                    "local",
+                    if e.is_retryable() {
+                        "unavailable"
+                    } else {
+                        "refused"
+                    },
+                );
+                Err(AuthnError::Local(e))
+            }
+        }
+    }
+}
+
+/// Wiring for one cluster: the token authenticator of `verification`'s mode
+/// over `reviewer`, and the issuer keys to keep fresh (their `run` loop is
+/// the caller's to spawn) when local verification is on.
+pub fn build(
+    client: &kube::Client,
+    verification: crate::config::TokenVerification,
+    cfg: &crate::config::Config,
+    index: Option<Arc<PodIndex>>,
+    reviewer: Arc<dyn TokenAuthenticator>,
+    metrics: Arc<crate::metrics::Metrics>,
+) -> (Arc<TokenVerifier>, Option<Arc<IssuerKeys>>) {
+    let mode = verification.mode;
+    let (local, keys) = match (mode.uses_local(), index) {
+        (true, Some(index)) => {
+            let keys = Arc::new(
+                IssuerKeys::new(
+                    Arc::new(super::jwks::KubeKeySource(client.clone())),
+                    verification.refresh,
+                )
+                .with_metrics(metrics.clone()),
+            );
+            let local = LocalVerifier {
+                cluster_id: cfg.cluster_id.clone(),
+                keys: keys.clone(),
+                index,
+                audiences: cfg.token_audiences.clone(),
+                trust_domain: cfg.trust_domain.clone(),
+                require_pod_binding: verification.require_pod_binding,
+            };
+            (Some(Arc::new(local)), Some(keys))
+        }
+        _ => (None, None),
+    };
+    let verifier = TokenVerifier {
+        mode,
+        local,
+        review: (mode != TokenVerificationMode::Local).then_some(reviewer),
+        require_pod_binding: verification.require_pod_binding,
+        metrics: Some(metrics),
+    };
+    (Arc::new(verifier), keys)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::authn::jwks::VerifyKey;
+    use crate::podindex::{pod, IndexEvent, LeanPod, Phase};
+    use jsonwebtoken::Algorithm;
+    use jsonwebtoken::{DecodingKey, EncodingKey, Header};
+    use serde_json::json;
+    use test_case::test_case;
+
+    const ISS: &str = "https://kubernetes.default.svc.cluster.local";
+
+    struct Keys {
+        enc: EncodingKey,
+        spki: Vec<u8>,
+        set: KeySet,
+    }
+
+    /// A fresh P-256 key as kid "k1" (EC keys are fast to make in tests).
+    fn keys() -> Keys {
+        use aws_lc_rs::signature::{EcdsaKeyPair, KeyPair, ECDSA_P256_SHA256_FIXED_SIGNING};
+        let rng = aws_lc_rs::rand::SystemRandom::new();
+        let pkcs8 = EcdsaKeyPair::generate_pkcs8(&ECDSA_P256_SHA256_FIXED_SIGNING, &rng).unwrap();
+        let pair =
+            EcdsaKeyPair::from_pkcs8(&ECDSA_P256_SHA256_FIXED_SIGNING, pkcs8.as_ref()).unwrap();
+        let spki = pair.public_key().as_ref().to_vec();
+        let mut set = KeySet::default();
+        set.keys.insert(
+            "k1".into(),
+            VerifyKey {
+                alg: Algorithm::ES256,
+                key: DecodingKey::from_ec_der(&spki),
+            },
+        );
+        Keys {
+            enc: EncodingKey::from_ec_der(pkcs8.as_ref()),
+            spki,
+            set,
+        }
+    }
+
+    fn now() -> i64 {
+        time::OffsetDateTime::now_utc().unix_timestamp()
+    }
+
+    fn claims() -> serde_json::Value {
+        let n = now();
+        json!({
+            "iss": ISS, "aud": ["istio-ca"], "sub": "system:serviceaccount:ns-a:sa-a",
+            "iat": n, "nbf": n, "exp": n + 3600,
+            "kubernetes.io": {
+                "namespace": "ns-a",
+                "serviceaccount": {"name": "sa-a", "uid": "sa-uid"},
+                "pod": {"name": "pod-a", "uid": "pod-uid"},
+                "node": {"name": "node-1", "uid": "node-uid"},
+            }
+        })
+    }
+
+    fn sign(k: &Keys, kid: Option<&str>, claims: &serde_json::Value) -> String {
+        let mut h = Header::new(Algorithm::ES256);
+        h.kid = kid.map(str::to_string);
+        jsonwebtoken::encode(&h, claims, &k.enc).unwrap()
+    }
+
+    fn with(f: impl FnOnce(&mut serde_json::Value)) -> serde_json::Value {
+        let mut c = claims();
+        f(&mut c);
+        c
+    }
+
+    fn b64(v: &[u8]) -> String {
+        use base64::Engine;
+        base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(v)
+    }
+
+    fn verify(k: &Keys, token: &str) -> Result<Verified, LocalError> {
+        verify_token(token, ISS, &k.set, &["istio-ca".to_string()])
+    }
+
+    #[test]
+    fn a_good_token_verifies() {
+        let k = keys();
+        let v = verify(&k, &sign(&k, Some("k1"), &claims())).unwrap();
+        assert_eq!(
+            v,
+            Verified {
+                namespace: "ns-a".into(),
+                service_account: "sa-a".into(),
+                service_account_uid: "sa-uid".into(),
+                pod: Some(("pod-a".into(), "pod-uid".into())),
+                node: Some(("node-1".into(), "node-uid".into())),
+            }
+        );
+    }
+
+    // Each changed claim and the reason it is refused with (and whether a review may still decide).
+    #[test_case(with(|c| c["aud"] = json!(["other"])), "token_local_audience_mismatch", false ; "wrong audience")]
+    #[test_case(with(|c| c["aud"] = json!("istio-ca")), "", false ; "audience as a string")]
+    #[test_case(with(|c| c["exp"] = json!(now() - 3600)), "token_local_expired", false ; "expired")]
+    #[test_case(with(|c| c["exp"] = json!(now() - 30)), "", false ; "expired within the skew")]
+    #[test_case(with(|c| c["nbf"] = json!(now() + 3600)), "token_local_not_yet_valid", false ; "not yet valid")]
+    #[test_case(with(|c| c["nbf"] = json!(now() + 30)), "", false ; "not yet valid within the skew")]
+    #[test_case(with(|c| c["iss"] = json!("https://other.example")), "token_local_unknown_issuer", true ; "foreign issuer")]
+    #[test_case(with(|c| { c.as_object_mut().unwrap().remove("iss"); }), "token_local_unknown_issuer", true ; "no issuer")]
+    #[test_case(with(|c| { c.as_object_mut().unwrap().remove("exp"); }), "token_local_invalid_claims", false ; "no exp")]
+    #[test_case(with(|c| c["sub"] = json!("system:serviceaccount:ns-a:other")), "token_local_invalid_claims", false ; "sub disagrees with claims")]
+    #[test_case(with(|c| { c.as_object_mut().unwrap().remove("kubernetes.io"); }), "token_local_invalid_claims", false ; "no kubernetes claims")]
+    #[test_case(with(|c| c["kubernetes.io"]["serviceaccount"]["uid"] = json!("")), "token_local_invalid_claims", false ; "no sa uid")]
+    #[test_case(with(|c| c["kubernetes.io"]["pod"]["uid"] = json!("")), "token_local_invalid_claims", false ; "pod without uid")]
+    #[test_case(with(|c| { c["kubernetes.io"]["node"].as_object_mut().unwrap().remove("uid"); }), "", false ; "node without uid as for a missing Node")]
+    #[test_case(with(|c| c["kubernetes.io"]["node"]["name"] = json!("")), "token_local_invalid_claims", false ; "node without name")]
+    fn claims_table(c: serde_json::Value, reason: &str, falls_back: bool) {
+        let k = keys();
+        match verify(&k, &sign(&k, Some("k1"), &c)) {
+            Ok(_) => assert_eq!(reason, "", "accepted"),
+            Err(e) => {
+                assert_eq!(e.reason(), reason, "{e}");
+                assert_eq!(e.falls_back(), falls_back);
+            }
+        }
+    }
+
+    #[test]
+    fn forged_tokens_are_refused() {
+        let k = keys();
+        let good = sign(&k, Some("k1"), &claims());
+        let parts: Vec<&str> = good.split('.').collect();
+        let reason = |t: &str| verify(&k, t).unwrap_err().reason();
+        // A changed claim under the original signature.
+        let tampered_claims = b64(&serde_json::to_vec(&with(|c| {
+            c["kubernetes.io"]["namespace"] = json!("ns-b");
+            c["sub"] = json!("system:serviceaccount:ns-b:sa-a");
+        }))
+        .unwrap());
+        assert_eq!(
+            reason(&format!("{}.{tampered_claims}.{}", parts[0], parts[2])),
+            "token_local_bad_signature"
+        );
+        // A flipped signature byte.
+        let mut sig = parts[2].as_bytes().to_vec();
+        sig[5] = if sig[5] == b'A' { b'B' } else { b'A' };
+        let flipped = format!(
+            "{}.{}.{}",
+            parts[0],
+            parts[1],
+            String::from_utf8(sig).unwrap()
+        );
+        assert_eq!(reason(&flipped), "token_local_bad_signature");
+        // alg none, no signature.
+        let none = format!("{}.{}.", b64(br#"{"alg":"none","kid":"k1"}"#), parts[1]);
+        assert_eq!(reason(&none), "token_local_alg_not_allowed");
+        // HS256 keyed with the public key's bytes.
+        let mut h = Header::new(Algorithm::HS256);
+        h.kid = Some("k1".into());
+        let hs = jsonwebtoken::encode(&h, &claims(), &EncodingKey::from_secret(&k.spki).unwrap())
+            .unwrap();
+        assert_eq!(reason(&hs), "token_local_alg_not_allowed");
+        // Signed by another key under our kid.
+        let stranger = keys();
+        assert_eq!(
+            reason(&sign(&stranger, Some("k1"), &claims())),
+            "token_local_bad_signature"
+        );
+        // Unknown or missing kid: a review may know the key.
+        let e = verify(&k, &sign(&k, Some("rotated"), &claims())).unwrap_err();
+        assert_eq!(
+            (e.reason(), e.falls_back()),
+            ("token_local_unknown_kid", true)
+        );
+        let e = verify(&k, &sign(&k, None, &claims())).unwrap_err();
+        assert_eq!(e.reason(), "token_local_unknown_kid");
+        assert_eq!(reason("not-a-jwt"), "token_local_malformed");
+    }
+
+    fn verified(node: Option<&str>) -> Verified {
+        Verified {
+            namespace: "ns-a".into(),
+            service_account: "sa-a".into(),
+            service_account_uid: "sa-uid".into(),
+            pod: Some(("pod-a".into(), "pod-uid".into())),
+            node: node.map(|n| (n.to_string(), "node-uid".to_string())),
+        }
+    }
+
+    fn index(pods: Vec<LeanPod>) -> IndexState {
+        let mut s = IndexState::default();
+        s.apply(IndexEvent::Init);
+        for p in pods {
+            s.apply(IndexEvent::InitApply(p));
+        }
+        s.apply(IndexEvent::InitDone);
+        s
+    }
+
+    fn pod_a(uid: &str, sa: &str, node: Option<&str>, phase: Phase) -> LeanPod {
+        pod("ns-a", "pod-a", uid, node, sa, phase)
+    }
+
+    #[test_case(verified(Some("node-1")), vec![pod_a("pod-uid", "sa-a", Some("node-1"), Phase::Running)], true, None ; "live pod")]
+    #[test_case(verified(None), vec![pod_a("pod-uid", "sa-a", Some("node-1"), Phase::Running)], true, None ; "token without node")]
+    #[test_case(verified(None), vec![pod_a("pod-uid", "sa-a", None, Phase::Pending)], true, None ; "unscheduled pod")]
+    #[test_case(verified(None), vec![pod_a("pod-uid", "sa-a", Some("node-1"), Phase::Succeeded)], true, None ; "succeeded pod still exists as for a review")]
+    #[test_case(verified(None), vec![], true, Some(("token_local_pod_not_indexed", true)) ; "deleted pod")]
+    #[test_case(verified(None), vec![pod_a("pod-uid", "sa-a", Some("node-1"), Phase::Failed)], true, Some(("token_local_pod_not_indexed", true)) ; "failed pod left the index")]
+    #[test_case(verified(None), vec![pod_a("new-uid", "sa-a", Some("node-1"), Phase::Running)], true, Some(("token_local_pod_uid_mismatch", true)) ; "recreated pod")]
+    #[test_case(verified(None), vec![pod_a("pod-uid", "sa-b", Some("node-1"), Phase::Running)], true, Some(("token_local_sa_mismatch", false)) ; "other service account")]
+    #[test_case(verified(Some("node-2")), vec![pod_a("pod-uid", "sa-a", Some("node-1"), Phase::Running)], true, Some(("token_local_node_mismatch", false)) ; "other node")]
+    #[test_case(verified(Some("node-1")), vec![pod_a("pod-uid", "sa-a", None, Phase::Pending)], true, Some(("token_local_node_not_indexed", true)) ; "index lags the binding")]
+    #[test_case(verified(None), vec![pod_a("pod-uid", "sa-a", Some("node-1"), Phase::Running)], false, Some(("token_local_index_not_synced", true)) ; "index not synced")]
+    fn pod_binding(v: Verified, pods: Vec<LeanPod>, synced: bool, want: Option<(&str, bool)>) {
+        let got = bind_to_pod(&v, false, synced, &index(pods));
+        assert_eq!(got.err().map(|e| (e.reason(), e.falls_back())), want);
+    }
+
+    #[test]
+    fn unbound_tokens_fall_back_unless_binding_is_required() {
+        let mut v = verified(None);
+        v.pod = None;
+        let s = index(vec![]);
+        let e = bind_to_pod(&v, false, true, &s).unwrap_err();
+        assert_eq!(
+            (e.reason(), e.falls_back()),
+            ("token_local_not_pod_bound", true)
+        );
+        let e = bind_to_pod(&v, true, true, &s).unwrap_err();
+        assert_eq!(
+            (e.reason(), e.falls_back()),
+            ("token_pod_binding_required", false)
+        );
+    }
+
+    #[test]
+    fn only_what_a_review_may_decide_falls_back() {
+        assert!(!LocalError::BadSignature.falls_back());
+        assert!(!LocalError::Expired.falls_back());
+        assert!(LocalError::IndexNotSynced.is_retryable());
+        assert!(!LocalError::PodNotIndexed("x".into()).is_retryable());
+    }
+}
