@@ -520,6 +520,13 @@ impl TokenAuthenticator for TokenVerifier {
             }
         }
     }
+
+    /// The review path's cache decides familiarity for admission (a warm
+    /// caller stays known whatever the mode); local verification keeps no
+    /// cache, so without one every token costs a verification.
+    fn cached_verdict(&self, token: &str) -> Option<bool> {
+        self.review.as_ref().and_then(|r| r.cached_verdict(token))
+    }
 }
 
 /// Wiring for one cluster: the token authenticator of `verification`'s mode
@@ -576,6 +583,46 @@ mod tests {
     use test_case::test_case;
 
     const ISS: &str = "https://kubernetes.default.svc.cluster.local";
+
+    /// A reviewer that only answers from its "cache".
+    #[derive(Debug)]
+    struct CachedOnly;
+
+    #[tonic::async_trait]
+    impl TokenAuthenticator for CachedOnly {
+        async fn authenticate(&self, _: &str, _: Option<&str>) -> Result<Caller, AuthnError> {
+            Err(AuthnError::NoCredentials)
+        }
+        fn cached_verdict(&self, token: &str) -> Option<bool> {
+            match token {
+                "warm" => Some(true),
+                "garbage" => Some(false),
+                _ => None,
+            }
+        }
+    }
+
+    #[test]
+    fn familiarity_comes_from_the_review_cache_in_every_mode() {
+        for mode in [
+            TokenVerificationMode::Review,
+            TokenVerificationMode::Local,
+            TokenVerificationMode::LocalThenReview,
+        ] {
+            let v = TokenVerifier {
+                mode,
+                local: None,
+                review: Some(Arc::new(CachedOnly)),
+                require_pod_binding: false,
+                metrics: None,
+            };
+            assert_eq!(v.cached_verdict("warm"), Some(true), "{mode:?}");
+            assert_eq!(v.cached_verdict("garbage"), Some(false), "{mode:?}");
+            assert_eq!(v.cached_verdict("cold"), None, "{mode:?}");
+            let none = TokenVerifier { review: None, ..v };
+            assert_eq!(none.cached_verdict("warm"), None, "{mode:?}");
+        }
+    }
 
     struct Keys {
         enc: EncodingKey,
