@@ -36,6 +36,11 @@ const IMPERSONATION_FAILURE: &str = "request impersonation authentication failur
 impl From<IssueError> for Status {
     fn from(err: IssueError) -> Self {
         match err {
+            // meshca's own TokenReview budget refused before any review: a
+            // shed like admission's, with the budget's own retry hint.
+            IssueError::Unauthenticated(AuthnError::Overloaded { retry_after, .. }) => {
+                pushback_status(retry_after)
+            }
             IssueError::Unauthenticated(e) if e.is_retryable() => {
                 Status::unavailable(AUTHN_FAILURE)
             }
@@ -64,6 +69,10 @@ impl From<IssueError> for Status {
     }
 }
 
+/// Retry hint of a request the transport gate refused (connection or
+/// in-flight caps): long enough for a queue of timed-out requests to drain.
+pub const GATE_PUSHBACK: Duration = Duration::from_secs(1);
+
 /// Metadata key of the retry hint grpc-go honours.
 pub const RETRY_PUSHBACK: &str = "grpc-retry-pushback-ms";
 
@@ -71,14 +80,19 @@ pub const RETRY_PUSHBACK: &str = "grpc-retry-pushback-ms";
 /// `grpc-retry-pushback-ms` and as a `google.rpc.RetryInfo` detail. The
 /// message is opaque (the reason is in the audit log).
 pub fn shed_status(shed: &crate::admission::Shed) -> Status {
+    pushback_status(shed.retry_after)
+}
+
+/// RESOURCE_EXHAUSTED with `retry_after` as pushback and RetryInfo.
+pub fn pushback_status(retry_after: Duration) -> Status {
     use tonic_types::{ErrorDetails, StatusExt};
     let mut meta = tonic::metadata::MetadataMap::new();
-    let ms = u64::try_from(shed.retry_after.as_millis()).unwrap_or(u64::MAX);
+    let ms = u64::try_from(retry_after.as_millis()).unwrap_or(u64::MAX);
     meta.insert(RETRY_PUSHBACK, tonic::metadata::MetadataValue::from(ms));
     Status::with_error_details_and_metadata(
         tonic::Code::ResourceExhausted,
         "server overloaded, retry later",
-        ErrorDetails::with_retry_info(Some(shed.retry_after)),
+        ErrorDetails::with_retry_info(Some(retry_after)),
         meta,
     )
 }
@@ -373,7 +387,8 @@ impl RequestGate {
             Refusal::MessageTooLarge => {
                 Status::resource_exhausted("grpc: received message larger than max")
             }
-            _ => Status::resource_exhausted("server busy"),
+            // Every slot or queue place is taken: a shed, with a hint.
+            _ => pushback_status(GATE_PUSHBACK),
         }
         .into_http()
     }
@@ -575,6 +590,37 @@ mod tests {
     use super::*;
     use crate::testing::string_value;
     use test_case::test_case;
+
+    /// Every refusal that asks the caller to come back later carries the
+    /// hint both ways: the budget's own, admission's, and the gate's.
+    #[test]
+    fn overload_refusals_carry_pushback_and_retry_info() {
+        use tonic_types::StatusExt;
+        let budget = Status::from(IssueError::Unauthenticated(AuthnError::Overloaded {
+            reason: "authn_tokenreview_rate_limited",
+            detail: "budget".into(),
+            retry_after: Duration::from_millis(750),
+        }));
+        let gate = pushback_status(GATE_PUSHBACK);
+        for (st, ms) in [(budget, 750u64), (gate, 1000)] {
+            assert_eq!(st.code(), tonic::Code::ResourceExhausted);
+            assert_eq!(
+                st.metadata()
+                    .get(RETRY_PUSHBACK)
+                    .and_then(|v| v.to_str().ok()),
+                Some(ms.to_string().as_str())
+            );
+            let info = st.get_details_retry_info().expect("RetryInfo");
+            assert_eq!(info.retry_delay, Some(Duration::from_millis(ms)));
+            // Opaque to the client: the reason stays in the audit log.
+            assert!(!st.message().contains("budget"));
+        }
+        // A plain TokenReview outage stays Unavailable, as istiod.
+        let outage = Status::from(IssueError::Unauthenticated(AuthnError::Unavailable(
+            "down".into(),
+        )));
+        assert_eq!(outage.code(), tonic::Code::Unavailable);
+    }
 
     fn limits() -> InputLimits {
         InputLimits {
