@@ -91,6 +91,11 @@ pub struct App {
     pub audit_writer: Option<Arc<AuditWriter>>,
     /// The task anchoring checkpoints in Kubernetes, when on.
     audit_anchor: Option<JoinHandle<()>>,
+    /// Rejected handshakes not yet written, and where they go (flushed at shutdown).
+    handshake_rejects: (
+        Arc<crate::transport::rejects::HandshakeRejects>,
+        Arc<dyn AuditSink>,
+    ),
     shutdown: Option<oneshot::Sender<()>>,
     server: JoinHandle<Result<(), tonic::transport::Error>>,
     background: Vec<JoinHandle<()>>,
@@ -267,11 +272,21 @@ impl App {
             ))),
             guards: kill_switch.guards.clone(),
         });
+        // Rejected handshakes: counted by the transport, written aggregated.
+        let handshake_rejects =
+            crate::transport::rejects::HandshakeRejects::new(cfg.audit.handshakes.max_sources);
+        let rejects_sink = issuer.audit.clone();
+        background.push(tokio::spawn(
+            handshake_rejects
+                .clone()
+                .run(rejects_sink.clone(), cfg.audit.handshakes.interval),
+        ));
         let incoming = crate::transport::tls_incoming(
             listener,
             tls.clone(),
             &cfg.transport,
             Some(metrics.clone()),
+            Some(handshake_rejects.clone()),
         );
         let (tx, rx) = oneshot::channel::<()>();
         let t = &cfg.transport;
@@ -322,6 +337,7 @@ impl App {
             metrics,
             audit_writer,
             audit_anchor,
+            handshake_rejects: (handshake_rejects, rejects_sink),
             ca,
             tls,
             shutdown: Some(tx),
@@ -357,6 +373,9 @@ impl App {
             tracing::warn!("drain timed out: cutting the remaining streams");
             self.server.abort();
         }
+        // The last interval's rejected handshakes go before the shutdown checkpoint.
+        let (rejects, sink) = &self.handshake_rejects;
+        rejects.flush(sink.as_ref());
         if let Some(w) = self.audit_writer.clone() {
             tokio::task::spawn_blocking(move || w.shutdown_blocking(SHUTDOWN_CHECKPOINT_WAIT))
                 .await??;

@@ -194,6 +194,18 @@ pub struct ServeArgs {
     /// shed with UNAVAILABLE (reason audit_queue_full).
     #[arg(long, env = "MESHCA_AUDIT_QUEUE", default_value_t = 4096)]
     pub audit_queue: usize,
+    /// Rejected TLS handshakes are written as one aggregated `deny` record
+    /// per (source IP, reason) this often (1s..=1h).
+    #[arg(long, env = "MESHCA_AUDIT_HANDSHAKE_INTERVAL", default_value = "10s")]
+    pub audit_handshake_interval: String,
+    /// Most (source IP, reason) keys counted per interval; further sources
+    /// are counted per reason under the peer `overflow`.
+    #[arg(
+        long,
+        env = "MESHCA_AUDIT_HANDSHAKE_MAX_SOURCES",
+        default_value_t = 1024
+    )]
+    pub audit_handshake_max_sources: usize,
     /// Anchor every audit checkpoint outside the pod: the signed line goes
     /// into a ConfigMap under this replica's name, plus a Kubernetes Event;
     /// a stdout run continues the chain from its anchored head. Needs
@@ -819,6 +831,24 @@ pub struct AuditSettings {
     pub writer: crate::audit::writer::WriterSettings,
     /// Where checkpoints are anchored (namespace, ConfigMap), when on.
     pub anchor: Option<(String, String)>,
+    /// Aggregated records of rejected TLS handshakes.
+    pub handshakes: HandshakeAudit,
+}
+
+/// How rejected TLS handshakes are aggregated into audit records.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HandshakeAudit {
+    pub interval: Duration,
+    pub max_sources: usize,
+}
+
+impl Default for HandshakeAudit {
+    fn default() -> Self {
+        Self {
+            interval: Duration::from_secs(10),
+            max_sources: 1024,
+        }
+    }
 }
 
 /// Whether to talk to Kubernetes.
@@ -993,6 +1023,25 @@ impl Config {
             Duration::from_secs(1),
         )?;
         bounded("MESHCA_AUDIT_QUEUE", a.audit_queue, 1, 1 << 20)?;
+        let handshake_interval = bounded_duration(
+            "MESHCA_AUDIT_HANDSHAKE_INTERVAL",
+            &a.audit_handshake_interval,
+            false,
+            Duration::from_secs(3600),
+        )?;
+        if handshake_interval < Duration::from_secs(1) {
+            return Err(err(
+                "MESHCA_AUDIT_HANDSHAKE_INTERVAL",
+                &a.audit_handshake_interval,
+                "must be at least 1s",
+            ));
+        }
+        bounded(
+            "MESHCA_AUDIT_HANDSHAKE_MAX_SOURCES",
+            a.audit_handshake_max_sources,
+            1,
+            1 << 20,
+        )?;
         let audit = AuditSettings {
             sink: a.audit_sink,
             file: a.audit_file.clone(),
@@ -1002,6 +1051,10 @@ impl Config {
             checkpoint_key: a.audit_checkpoint_key.clone(),
             checkpoint_every: a.audit_checkpoint_every,
             checkpoint_interval,
+            handshakes: crate::config::HandshakeAudit {
+                interval: handshake_interval,
+                max_sources: a.audit_handshake_max_sources,
+            },
             writer: crate::audit::writer::WriterSettings {
                 queue: a.audit_queue,
                 fsync: a.audit_fsync,
@@ -1358,6 +1411,10 @@ mod limit_tests {
     #[test_case(&["--audit-checkpoint-interval", "1000000h"], "MESHCA_AUDIT_CHECKPOINT_INTERVAL" ; "huge checkpoint interval")]
     #[test_case(&["--audit-checkpoint-every", "0"], "MESHCA_AUDIT_CHECKPOINT_EVERY" ; "zero checkpoint every")]
     #[test_case(&["--audit-max-files", "0"], "MESHCA_AUDIT_MAX_FILES" ; "zero audit files")]
+    #[test_case(&["--audit-handshake-interval", "0s"], "MESHCA_AUDIT_HANDSHAKE_INTERVAL" ; "zero handshake audit interval")]
+    #[test_case(&["--audit-handshake-interval", "500ms"], "MESHCA_AUDIT_HANDSHAKE_INTERVAL" ; "sub second handshake audit interval")]
+    #[test_case(&["--audit-handshake-interval", "2h"], "MESHCA_AUDIT_HANDSHAKE_INTERVAL" ; "huge handshake audit interval")]
+    #[test_case(&["--audit-handshake-max-sources", "0"], "MESHCA_AUDIT_HANDSHAKE_MAX_SOURCES" ; "zero handshake audit sources")]
     #[test_case(&["--audit-max-files", "4294967295"], "MESHCA_AUDIT_MAX_FILES" ; "audit files loop forever")]
     #[test_case(&["--publish-root", "true", "--kubernetes", "on", "--publish-root-resync", "1000000h"], "MESHCA_PUBLISH_ROOT_RESYNC" ; "huge resync")]
     #[test_case(&["--max-connections", "0"], "MESHCA_MAX_CONNECTIONS" ; "zero connections")]

@@ -210,6 +210,7 @@ pub fn test_config(ca_dir: PathBuf) -> crate::config::Config {
                 checkpoint_interval: std::time::Duration::from_secs(60),
             },
             anchor: None,
+            handshakes: Default::default(),
         },
         root_publisher: None,
         transport: Default::default(),

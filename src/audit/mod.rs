@@ -72,6 +72,10 @@ pub struct AuditRecord {
     /// Why local verification handed the token to TokenReview (a reason code).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub token_local_fallback: Option<String>,
+    /// Aggregated records (rejected TLS handshakes): how many events of this
+    /// source and reason the record stands for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub count: Option<u64>,
 }
 
 /// What a reduced record stands for.
@@ -123,6 +127,7 @@ impl AuditRecord {
             renewal_check: None,
             token_verified_by: None,
             token_local_fallback: None,
+            count: None,
         }
     }
 

@@ -165,7 +165,10 @@ impl ClientCertVerifier for SpiffeClientVerifier {
             .verify_client_cert(end_entity, intermediates, now)?;
         identity_of(end_entity, Some(&self.trust_domains)).map_err(|e| {
             tracing::warn!(reason = e.reason(), error = %e, "rejected client certificate");
-            rustls::Error::InvalidCertificate(CertificateError::ApplicationVerificationFailure)
+            // Carried in the error so the transport can audit the precise reason.
+            rustls::Error::InvalidCertificate(CertificateError::Other(rustls::OtherError(
+                Arc::new(e),
+            )))
         })?;
         Ok(verified)
     }

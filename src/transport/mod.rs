@@ -4,6 +4,7 @@
 //! caller through tonic's builder; this module owns what tonic lacks.
 
 pub mod limits;
+pub mod rejects;
 
 use std::future::Future;
 use std::net::{IpAddr, SocketAddr};
@@ -319,6 +320,7 @@ pub fn tls_incoming(
     tls: Arc<ServingTls>,
     limits: &TransportLimits,
     metrics: Option<Arc<Metrics>>,
+    rejects: Option<Arc<rejects::HandshakeRejects>>,
 ) -> tokio_stream::wrappers::ReceiverStream<Result<TlsConn, std::io::Error>> {
     let (tx, rx) = tokio::sync::mpsc::channel(128);
     let tracker = ConnTracker::new(
@@ -368,7 +370,7 @@ pub fn tls_incoming(
             };
             let _ = tcp.set_nodelay(true);
             let acceptor = tokio_rustls::TlsAcceptor::from(tls.current());
-            let (tx, metrics) = (tx.clone(), metrics.clone());
+            let (tx, metrics, rejects) = (tx.clone(), metrics.clone(), rejects.clone());
             tokio::spawn(async move {
                 let result = tokio::time::timeout(handshake_timeout, acceptor.accept(tcp)).await;
                 drop(slot);
@@ -377,10 +379,16 @@ pub fn tls_incoming(
                     Ok(Err(e)) => {
                         tracing::debug!(peer = %remote_addr, error = %e, "TLS handshake failed");
                         refuse(metrics.as_deref(), Refusal::HandshakeFailed, remote_addr);
+                        if let Some(r) = &rejects {
+                            r.add(remote_addr.ip(), rejects::handshake_reason(&e));
+                        }
                         return;
                     }
                     Err(_) => {
                         refuse(metrics.as_deref(), Refusal::HandshakeTimeout, remote_addr);
+                        if let Some(r) = &rejects {
+                            r.add(remote_addr.ip(), Refusal::HandshakeTimeout.reason());
+                        }
                         return;
                     }
                 };
