@@ -192,6 +192,14 @@ fn no_trusted_node_accounts_no_renewal_pod_check_and_review_only_means_no_pod_ac
 }
 
 /// The ClusterRole names the ClusterRoleBindings in `docs` grant.
+/// Names of the namespaced Roles among `docs`.
+fn role_names(docs: &[Value]) -> BTreeSet<String> {
+    docs.iter()
+        .filter(|d| d["kind"].as_str() == Some("Role"))
+        .map(|d| d["metadata"]["name"].as_str().unwrap().to_string())
+        .collect()
+}
+
 fn bound_roles(docs: &[Value]) -> BTreeSet<String> {
     docs.iter()
         .filter(|d| d["kind"].as_str() == Some("ClusterRoleBinding"))
@@ -303,7 +311,10 @@ fn denylist_role_is_exactly_the_fixture_and_namespaced() {
         .output()
         .unwrap();
     assert!(out.status.success());
-    assert!(!String::from_utf8_lossy(&out.stdout).contains("kind: Role\n"));
+    // (The audit anchor's own Role stays; tested with the audit chart.)
+    let roles = role_names(&self::docs(&String::from_utf8_lossy(&out.stdout)));
+    assert!(!roles.contains("meshca-denylist"), "{roles:?}");
+    assert!(roles.contains("meshca-audit-anchor"), "{roles:?}");
 }
 
 #[test]
@@ -559,5 +570,9 @@ fn audit_checkpoints_are_signed_and_anchored_by_default() {
         .unwrap();
     let text = String::from_utf8(off.stdout).unwrap();
     assert!(off.status.success());
-    assert!(!text.contains("kind: Role\n") && !text.contains("audit-checkpoint-key"));
+    // (The denylist's own Role stays; tested with the kill switch.)
+    let roles = role_names(&docs(&text));
+    assert!(!roles.contains("r-meshca-audit-anchor"), "{roles:?}");
+    assert!(roles.contains("r-meshca-denylist"), "{roles:?}");
+    assert!(!text.contains("audit-checkpoint-key"));
 }
