@@ -289,3 +289,39 @@ where
     tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
     addrs
 }
+
+/// `bin serve --dev` on ephemeral 127.0.0.1 ports with its data in `data`,
+/// stdout discarded and stderr piped for [`spawn_listening`]. The process
+/// tests add their own flags, env and stdout on top.
+pub fn serve_dev_command(bin: &Path, data: &Path) -> tokio::process::Command {
+    let mut cmd = tokio::process::Command::new(bin);
+    cmd.args([
+        "serve",
+        "--dev",
+        "--listen",
+        "127.0.0.1:0",
+        "--admin-listen",
+        "127.0.0.1:0",
+    ])
+    .arg("--data-dir")
+    .arg(data)
+    .stdout(std::process::Stdio::null())
+    .stderr(std::process::Stdio::piped())
+    .kill_on_drop(true);
+    cmd
+}
+
+/// Spawns `cmd` (stderr piped) and waits until it listens, as
+/// [`await_listening`]: (child, gRPC address, admin address).
+pub async fn spawn_listening(
+    mut cmd: tokio::process::Command,
+) -> (
+    tokio::process::Child,
+    std::net::SocketAddr,
+    std::net::SocketAddr,
+) {
+    let mut child = cmd.spawn().expect("spawn meshca");
+    let stderr = child.stderr.take().expect("stderr piped");
+    let (grpc, admin) = await_listening(stderr, std::time::Duration::from_secs(30)).await;
+    (child, grpc, admin)
+}

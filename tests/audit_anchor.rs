@@ -55,38 +55,24 @@ async fn anchor_rbac(k: &common::Kte, ns: &str) {
 /// stdout to `out`: issues one certificate, then stops with SIGTERM.
 async fn run_once(k: &common::Kte, ns: &str, data: &Path, key: &Path, out: &Path) {
     let stdout = std::fs::File::create(out).unwrap();
-    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_meshca"))
-        .args([
-            "serve",
-            "--dev",
-            "--listen",
-            "127.0.0.1:0",
-            "--admin-listen",
-            "127.0.0.1:0",
-            "--audit-sink",
-            "stdout",
-            "--audit-anchor",
-            "true",
-            "--audit-anchor-namespace",
-            ns,
-        ])
-        .arg("--kubeconfig")
-        .arg(k.meshca_kubeconfig())
-        .arg("--data-dir")
-        .arg(data)
-        // The dev client renews an identity no pod runs as; this test is
-        // about anchors, not bounded renewal (tests/kube_revoke.rs).
-        .args(["--mtls-renewal-pod-check", "false"])
-        .env("POD_NAME", "meshca-0")
-        .env("MESHCA_AUDIT_CHECKPOINT_KEY", key)
-        .stdout(stdout)
-        .stderr(std::process::Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    let (addr, _) =
-        meshca::testing::await_listening(child.stderr.take().unwrap(), Duration::from_secs(30))
-            .await;
+    let mut cmd = meshca::testing::serve_dev_command(env!("CARGO_BIN_EXE_meshca").as_ref(), data);
+    cmd.args([
+        "--audit-sink",
+        "stdout",
+        "--audit-anchor",
+        "true",
+        "--audit-anchor-namespace",
+        ns,
+    ])
+    .arg("--kubeconfig")
+    .arg(k.meshca_kubeconfig())
+    // The dev client renews an identity no pod runs as; this test is
+    // about anchors, not bounded renewal (tests/kube_revoke.rs).
+    .args(["--mtls-renewal-pod-check", "false"])
+    .env("POD_NAME", "meshca-0")
+    .env("MESHCA_AUDIT_CHECKPOINT_KEY", key)
+    .stdout(stdout);
+    let (mut child, addr, _) = meshca::testing::spawn_listening(cmd).await;
     let read = |f: &str| std::fs::read_to_string(data.join("dev-client").join(f)).unwrap();
     let mut c = meshca::testing::client(
         addr,

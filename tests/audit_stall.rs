@@ -38,30 +38,11 @@ fn leaf_serial(chain: &[String]) -> String {
 async fn a_blocked_stdout_reader_sheds_requests_and_health_still_answers() {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("data");
-    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_meshca"))
-        .args([
-            "serve",
-            "--dev",
-            "--listen",
-            "127.0.0.1:0",
-            "--admin-listen",
-            "127.0.0.1:0",
-            "--audit-sink",
-            "stdout",
-            "--audit-queue",
-            "4",
-        ])
-        .arg("--data-dir")
-        .arg(&data)
+    let mut cmd = meshca::testing::serve_dev_command(env!("CARGO_BIN_EXE_meshca").as_ref(), &data);
+    cmd.args(["--audit-sink", "stdout", "--audit-queue", "4"])
         // Nobody reads this pipe until the end of the stall.
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    let (addr, admin) =
-        meshca::testing::await_listening(child.stderr.take().unwrap(), Duration::from_secs(30))
-            .await;
+        .stdout(std::process::Stdio::piped());
+    let (mut child, addr, admin) = meshca::testing::spawn_listening(cmd).await;
     let mut stdout = child.stdout.take().unwrap();
 
     let read = |f: &str| std::fs::read_to_string(data.join("dev-client").join(f)).unwrap();

@@ -59,25 +59,8 @@ fn init_writes_a_cacerts_bundle_meshca_loads() {
 
 /// Starts `meshca serve --dev` and returns (child, gRPC addr).
 async fn serve_dev(data: &std::path::Path) -> (tokio::process::Child, std::net::SocketAddr) {
-    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_meshca"))
-        .args([
-            "serve",
-            "--dev",
-            "--listen",
-            "127.0.0.1:0",
-            "--admin-listen",
-            "127.0.0.1:0",
-            "--data-dir",
-        ])
-        .arg(data)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    let (addr, _) =
-        meshca::testing::await_listening(child.stderr.take().unwrap(), Duration::from_secs(30))
-            .await;
+    let cmd = meshca::testing::serve_dev_command(env!("CARGO_BIN_EXE_meshca").as_ref(), data);
+    let (child, addr, _) = meshca::testing::spawn_listening(cmd).await;
     (child, addr)
 }
 

@@ -19,30 +19,11 @@ use time::OffsetDateTime;
 use tokio::io::AsyncReadExt;
 
 async fn serve_dev(data: &Path, log: &Path) -> (tokio::process::Child, SocketAddr) {
-    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_meshca"))
-        .env("MESHCA_AUDIT_HANDSHAKE_INTERVAL", "2s")
-        .args([
-            "serve",
-            "--dev",
-            "--listen",
-            "127.0.0.1:0",
-            "--admin-listen",
-            "127.0.0.1:0",
-            "--audit-sink",
-            "file",
-            "--audit-file",
-        ])
-        .arg(log)
-        .arg("--data-dir")
-        .arg(data)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    let (addr, _) =
-        meshca::testing::await_listening(child.stderr.take().unwrap(), Duration::from_secs(30))
-            .await;
+    let mut cmd = meshca::testing::serve_dev_command(env!("CARGO_BIN_EXE_meshca").as_ref(), data);
+    cmd.env("MESHCA_AUDIT_HANDSHAKE_INTERVAL", "2s")
+        .args(["--audit-sink", "file", "--audit-file"])
+        .arg(log);
+    let (child, addr, _) = meshca::testing::spawn_listening(cmd).await;
     (child, addr)
 }
 
