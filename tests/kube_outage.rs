@@ -8,24 +8,10 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{kte, spiffe, start};
+use common::{kte, kte_script, spiffe, start};
 use meshca::ca::generate::KeyType;
 use meshca::testing::TestPki;
 use tonic::Code;
-
-fn kte_script(cmd: &str, dir: &std::path::Path) {
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/kube-testenv");
-    let out = std::process::Command::new(script)
-        .arg(cmd)
-        .arg(dir)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "kube-testenv {cmd} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn api_server_outage_and_recovery() {

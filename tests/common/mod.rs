@@ -439,3 +439,19 @@ pub fn leaf_uri(pem: &str) -> String {
         other => panic!("unexpected SANs {other:?}"),
     }
 }
+
+/// Runs `scripts/kube-testenv CMD DIR` (e.g. `stop-apiserver` for an
+/// outage) and fails the test if it fails.
+pub fn kte_script(cmd: &str, dir: &std::path::Path) {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/kube-testenv");
+    let out = std::process::Command::new(script)
+        .arg(cmd)
+        .arg(dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "kube-testenv {cmd} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
