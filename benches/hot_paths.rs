@@ -254,33 +254,53 @@ impl AuditSink for NullSink {
     }
 }
 
-fn bench_issue(c: &mut Criterion) {
-    let pki = TestPki::new(KeyType::EcdsaP256);
-    let bundle = CaBundle::load_dir(pki.path(), OffsetDateTime::now_utc()).unwrap();
-    let (chain_pem, _key) = testing::client_identity(&bundle, ID, &testing::validity_hours(-1, 24));
-    let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(chain_pem.as_bytes())
-        .collect::<Result<_, _>>()
-        .unwrap();
-    let creds = Credentials {
-        peer_addr: Some("127.0.0.1:40000".parse().unwrap()),
-        peer_chain: Some(chain.into()),
-        ..Default::default()
-    };
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .build()
-        .unwrap();
-    let pool = csrs(KeyType::EcdsaP256, 256);
-    let dir = tempfile::tempdir().unwrap();
-    let chained =
-        ChainedSink::file(&dir.path().join("audit.log"), 64 << 20, 2, None, 1000).unwrap();
-    let mut g = c.benchmark_group("issue_mtls_in_process");
-    for (name, audit) in [
-        ("null_audit", Arc::new(NullSink) as Arc<dyn AuditSink>),
-        ("chained_file_audit", Arc::new(chained)),
-    ] {
+/// An mTLS caller of identity `ID` (its chain signed by `pki`) and a pool of
+/// CSRs: what the in-process issue benches present.
+struct IssueFixture {
+    pki: TestPki,
+    creds: Credentials,
+    pool: Vec<String>,
+    rt: tokio::runtime::Runtime,
+}
+
+impl IssueFixture {
+    fn new() -> Self {
+        let pki = TestPki::new(KeyType::EcdsaP256);
+        let bundle = CaBundle::load_dir(pki.path(), OffsetDateTime::now_utc()).unwrap();
+        let (chain_pem, _key) =
+            testing::client_identity(&bundle, ID, &testing::validity_hours(-1, 24));
+        let chain: Vec<CertificateDer<'static>> =
+            CertificateDer::pem_slice_iter(chain_pem.as_bytes())
+                .collect::<Result<_, _>>()
+                .unwrap();
+        let creds = Credentials {
+            peer_addr: Some("127.0.0.1:40000".parse().unwrap()),
+            peer_chain: Some(chain.into()),
+            ..Default::default()
+        };
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        Self {
+            pki,
+            creds,
+            pool: csrs(KeyType::EcdsaP256, 256),
+            rt,
+        }
+    }
+
+    /// Benchmarks one renewal per iteration through an issuer with `audit`
+    /// and `guards` on this fixture's CA.
+    fn bench(
+        &self,
+        g: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
+        name: &str,
+        audit: Arc<dyn AuditSink>,
+        guards: meshca::issue::IssueGuards,
+    ) {
         let issuer = CertificateIssuer {
             ca: Arc::new(CaStore::new(
-                CaBundle::load_dir(pki.path(), OffsetDateTime::now_utc()).unwrap(),
+                CaBundle::load_dir(self.pki.path(), OffsetDateTime::now_utc()).unwrap(),
                 None,
                 false,
             )),
@@ -291,20 +311,38 @@ fn bench_issue(c: &mut Criterion) {
             audit,
             metrics: None,
             admission: None,
-            guards: Default::default(),
+            guards,
         };
         let mut i = 0;
         g.bench_function(name, |b| {
             b.iter(|| {
                 i += 1;
                 let req = IssueRequest {
-                    csr: pool[i % pool.len()].clone(),
+                    csr: self.pool[i % self.pool.len()].clone(),
                     validity_secs: 0,
                     impersonate: None,
                 };
-                black_box(rt.block_on(issuer.issue(&creds, Ok(req))).unwrap())
+                black_box(
+                    self.rt
+                        .block_on(issuer.issue(&self.creds, Ok(req)))
+                        .unwrap(),
+                )
             })
         });
+    }
+}
+
+fn bench_issue(c: &mut Criterion) {
+    let f = IssueFixture::new();
+    let dir = tempfile::tempdir().unwrap();
+    let chained =
+        ChainedSink::file(&dir.path().join("audit.log"), 64 << 20, 2, None, 1000).unwrap();
+    let mut g = c.benchmark_group("issue_mtls_in_process");
+    for (name, audit) in [
+        ("null_audit", Arc::new(NullSink) as Arc<dyn AuditSink>),
+        ("chained_file_audit", Arc::new(chained)),
+    ] {
+        f.bench(&mut g, name, audit, Default::default());
     }
     g.finish();
 }
@@ -318,17 +356,7 @@ fn bench_guards(c: &mut Criterion) {
     use meshca::podindex::PodIndex;
     use meshca::renewal::{RenewalGuard, RenewalPolicy};
     use meshca::revocation::LiveRevocations;
-    let pki = TestPki::new(KeyType::EcdsaP256);
-    let bundle = CaBundle::load_dir(pki.path(), OffsetDateTime::now_utc()).unwrap();
-    let (chain_pem, _key) = testing::client_identity(&bundle, ID, &testing::validity_hours(-1, 24));
-    let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(chain_pem.as_bytes())
-        .collect::<Result<_, _>>()
-        .unwrap();
-    let creds = Credentials {
-        peer_addr: Some("127.0.0.1:40000".parse().unwrap()),
-        peer_chain: Some(chain.into()),
-        ..Default::default()
-    };
+    let f = IssueFixture::new();
     let index = Arc::new(PodIndex::new());
     index.apply(IndexEvent::Init);
     for i in 0..100_000u32 {
@@ -367,39 +395,9 @@ fn bench_guards(c: &mut Criterion) {
             (0..10_000u32).map(|i| format!("{:x}", 0xdead_0000u64 + u64::from(i))),
         ))),
     };
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .build()
-        .unwrap();
-    let pool = csrs(KeyType::EcdsaP256, 256);
     let mut g = c.benchmark_group("issue_mtls_guards");
     for (name, guards) in [("off", IssueGuards::default()), ("on", on)] {
-        let issuer = CertificateIssuer {
-            ca: Arc::new(CaStore::new(
-                CaBundle::load_dir(pki.path(), OffsetDateTime::now_utc()).unwrap(),
-                None,
-                false,
-            )),
-            ttl: Default::default(),
-            csr_policy: CsrPolicy::Strict,
-            tokens: None,
-            node_authz: None,
-            audit: Arc::new(NullSink),
-            metrics: None,
-            admission: None,
-            guards,
-        };
-        let mut i = 0;
-        g.bench_function(name, |b| {
-            b.iter(|| {
-                i += 1;
-                let req = IssueRequest {
-                    csr: pool[i % pool.len()].clone(),
-                    validity_secs: 0,
-                    impersonate: None,
-                };
-                black_box(rt.block_on(issuer.issue(&creds, Ok(req))).unwrap())
-            })
-        });
+        f.bench(&mut g, name, Arc::new(NullSink), guards);
     }
     g.finish();
 }
