@@ -258,6 +258,34 @@ pub struct ServeArgs {
     pub token_verification: TokenVerificationArgs,
 }
 
+impl ServeArgs {
+    /// Where and how often a ConfigMap publisher writes `configmap_name`: the
+    /// root and CRL publishers share the namespace selector and the resync.
+    fn publisher(
+        &self,
+        configmap_name: String,
+    ) -> Result<crate::rootpub::RootPublisherSettings, ConfigError> {
+        let selector = self.publish_root_namespace_selector.trim();
+        crate::rootpub::parse_selector(selector).map_err(|e| {
+            err(
+                "MESHCA_PUBLISH_ROOT_NAMESPACE_SELECTOR",
+                selector,
+                e.to_string(),
+            )
+        })?;
+        Ok(crate::rootpub::RootPublisherSettings {
+            configmap_name,
+            namespace_selector: Some(selector.to_string()).filter(|s| !s.is_empty()),
+            resync: bounded_duration(
+                "MESHCA_PUBLISH_ROOT_RESYNC",
+                &self.publish_root_resync,
+                false,
+                MAX_PERIOD,
+            )?,
+        })
+    }
+}
+
 /// Bounded mTLS renewal, the denylist and revocation (issue 16).
 #[derive(Debug, Clone, clap::Args)]
 pub struct KillSwitchArgs {
@@ -360,24 +388,7 @@ impl KillSwitchArgs {
                     "needs MESHCA_REVOCATION_FILE",
                 ));
             }
-            let selector = a.publish_root_namespace_selector.trim();
-            crate::rootpub::parse_selector(selector).map_err(|e| {
-                err(
-                    "MESHCA_PUBLISH_ROOT_NAMESPACE_SELECTOR",
-                    selector,
-                    e.to_string(),
-                )
-            })?;
-            Some(crate::rootpub::RootPublisherSettings {
-                configmap_name: crate::revocation::CRL_CONFIGMAP.into(),
-                namespace_selector: Some(selector.to_string()).filter(|s| !s.is_empty()),
-                resync: bounded_duration(
-                    "MESHCA_PUBLISH_ROOT_RESYNC",
-                    &a.publish_root_resync,
-                    false,
-                    MAX_PERIOD,
-                )?,
-            })
+            Some(a.publisher(crate::revocation::CRL_CONFIGMAP.into())?)
         } else {
             None
         };
@@ -1083,24 +1094,10 @@ impl Config {
                     "root publishing needs Kubernetes (a kubeconfig or in-cluster config)",
                 ));
             }
-            let selector = a.publish_root_namespace_selector.trim();
-            if !selector.is_empty() {
-                crate::rootpub::parse_selector(selector).map_err(|e| {
-                    err(
-                        "MESHCA_PUBLISH_ROOT_NAMESPACE_SELECTOR",
-                        selector,
-                        e.to_string(),
-                    )
-                })?;
-            }
             if a.root_configmap.is_empty() {
                 return Err(err("PILOT_CA_CERT_CONFIGMAP", "", "must not be empty"));
             }
-            Some(crate::rootpub::RootPublisherSettings {
-                configmap_name: a.root_configmap.clone(),
-                namespace_selector: Some(selector.to_string()).filter(|s| !s.is_empty()),
-                resync: duration("MESHCA_PUBLISH_ROOT_RESYNC", &a.publish_root_resync)?,
-            })
+            Some(a.publisher(a.root_configmap.clone())?)
         } else {
             None
         };
