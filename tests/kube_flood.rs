@@ -350,6 +350,21 @@ async fn tokenreview_flood_stays_within_the_budget_and_serves_every_valid_caller
         meshca_counter(app, "meshca_tokenreviews_total{result=\"error\"}").await
     );
 
+    // Split by answer first, so a failure says whether valid tokens or garbage
+    // went twice.
+    let authenticated =
+        meshca_counter(app, "meshca_tokenreviews_total{result=\"authenticated\"}").await;
+    let rejected = meshca_counter(app, "meshca_tokenreviews_total{result=\"rejected\"}").await;
+    println!("meshca reviews: {authenticated} authenticated (valid {n_valid}), {rejected} rejected (forged {n_forged})");
+    assert_eq!(
+        rejected, n_forged as u64,
+        "each forged JWT is reviewed once"
+    );
+    assert_eq!(
+        authenticated, n_valid as u64,
+        "each valid token is reviewed once"
+    );
+
     // Each reviewable token reached the API server exactly once: valid tokens
     // and forged JWTs need one review each to be answered, so the total
     // proves none went twice and no non-JWT or expired token went at all.
