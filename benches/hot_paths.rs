@@ -159,6 +159,7 @@ fn bench_authz(c: &mut Criterion) {
             pod_uid: zt.uid.to_string(),
             service_account: "ztunnel".into(),
             node_name: Some(node.into()),
+            ..Default::default()
         }),
     };
     let creds = Credentials {

@@ -256,6 +256,8 @@ pub struct ServeArgs {
     pub kill_switch: KillSwitchArgs,
     #[command(flatten)]
     pub token_verification: TokenVerificationArgs,
+    #[command(flatten)]
+    pub multicluster: MultiClusterArgs,
 }
 
 impl ServeArgs {
@@ -489,6 +491,76 @@ impl TokenVerificationArgs {
                 min_interval,
                 timeout: fetch_timeout,
             },
+        })
+    }
+}
+
+/// Multi-cluster: Istio's remote secrets (`cluster` module).
+#[derive(Debug, Clone, clap::Args)]
+pub struct MultiClusterArgs {
+    /// Watch Istio's remote secrets (label `istio/multiCluster: "true"`, one
+    /// kubeconfig per data key named for the cluster id) and authenticate and
+    /// authorize those clusters' callers as istiod does.
+    #[arg(long, env = "MESHCA_REMOTE_SECRETS", default_value_t = false, action = clap::ArgAction::Set)]
+    pub remote_secrets: bool,
+    /// Namespace of the remote secrets (meshca's own).
+    #[arg(
+        long,
+        env = "MESHCA_REMOTE_SECRETS_NAMESPACE",
+        default_value = "istio-system"
+    )]
+    pub remote_secrets_namespace: String,
+    /// What a remote kubeconfig may use beyond inline credentials
+    /// (comma-separated): `exec`, `clientKey`, `clientCertificate`,
+    /// `tokenFile`, `certificateAuthority`, or an auth provider name. Each
+    /// runs a command or reads a local file; none is allowed by default.
+    #[arg(
+        long,
+        env = "PILOT_INSECURE_MULTICLUSTER_KUBECONFIG_OPTIONS",
+        default_value = ""
+    )]
+    pub remote_kubeconfig_options: String,
+    /// Most remote clusters registered at once (each runs a pod watch).
+    #[arg(long, env = "MESHCA_REMOTE_CLUSTERS_MAX", default_value_t = 64)]
+    pub remote_clusters_max: usize,
+}
+
+/// Parsed [`MultiClusterArgs`]: present when remote secrets are watched.
+#[derive(Debug, Clone, Default)]
+pub struct MultiClusterSettings {
+    pub remote_secrets: Option<crate::cluster::secrets::RemoteSecrets>,
+}
+
+impl MultiClusterArgs {
+    pub fn parse(&self, kube_on: bool) -> Result<MultiClusterSettings, ConfigError> {
+        if !self.remote_secrets {
+            return Ok(MultiClusterSettings::default());
+        }
+        if !kube_on {
+            return Err(err("MESHCA_REMOTE_SECRETS", "true", "needs Kubernetes"));
+        }
+        let ns = self.remote_secrets_namespace.trim();
+        if ns.is_empty() {
+            return Err(err(
+                "MESHCA_REMOTE_SECRETS_NAMESPACE",
+                ns,
+                "must not be empty",
+            ));
+        }
+        bounded(
+            "MESHCA_REMOTE_CLUSTERS_MAX",
+            self.remote_clusters_max,
+            1,
+            1000,
+        )?;
+        Ok(MultiClusterSettings {
+            remote_secrets: Some(crate::cluster::secrets::RemoteSecrets {
+                namespace: ns.to_string(),
+                policy: crate::cluster::kubeconfig::KubeconfigPolicy::parse(
+                    &self.remote_kubeconfig_options,
+                ),
+                max_clusters: self.remote_clusters_max,
+            }),
         })
     }
 }
@@ -910,6 +982,8 @@ pub struct Config {
     pub admission: crate::admission::AdmissionConfig,
     /// Bounded renewal, denylist, revocation.
     pub kill_switch: KillSwitchSettings,
+    /// Remote clusters from Istio's remote secrets.
+    pub multicluster: MultiClusterSettings,
 }
 
 impl Config {
@@ -1104,7 +1178,9 @@ impl Config {
         let (transport, input, admin) = a.limits.parse()?;
         let admission = a.admission.parse()?;
         let kill_switch = a.kill_switch.parse(a, &ttl, kube.is_some())?;
+        let multicluster = a.multicluster.parse(kube.is_some())?;
         Ok(Self {
+            multicluster,
             admission,
             kill_switch,
             transport,

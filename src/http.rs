@@ -31,6 +31,8 @@ pub struct Health {
     pub token_reviewer: Option<Arc<KubeTokenAuthenticator>>,
     /// The CRL in force, served at `/ca-crl.pem` when revocation is on.
     pub crl: Option<Arc<crate::revocation::LiveRevocations>>,
+    /// The cluster registry: ready once the remote secrets are listed.
+    pub clusters: Option<Arc<crate::cluster::ClusterRegistry>>,
 }
 
 impl Health {
@@ -42,7 +44,7 @@ impl Health {
         }
         match &self.index {
             Some(i) if !i.is_synced() => Err("pod index not synced"),
-            _ => Ok(()),
+            _ => self.clusters.as_ref().map_or(Ok(()), |c| c.readiness()),
         }
     }
 }
