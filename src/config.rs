@@ -523,6 +523,14 @@ pub struct MultiClusterArgs {
     /// Most remote clusters registered at once (each runs a pod watch).
     #[arg(long, env = "MESHCA_REMOTE_CLUSTERS_MAX", default_value_t = 64)]
     pub remote_clusters_max: usize,
+    /// A rotated remote cluster's old entry serves until the new one's pod
+    /// index syncs, at most this long (1s..=10m).
+    #[arg(
+        long,
+        env = "MESHCA_REMOTE_CLUSTER_SYNC_TIMEOUT",
+        default_value = "30s"
+    )]
+    pub remote_cluster_sync_timeout: String,
 }
 
 /// Parsed [`MultiClusterArgs`]: present when remote secrets are watched.
@@ -553,6 +561,19 @@ impl MultiClusterArgs {
             1,
             1000,
         )?;
+        let sync_timeout = bounded_duration(
+            "MESHCA_REMOTE_CLUSTER_SYNC_TIMEOUT",
+            &self.remote_cluster_sync_timeout,
+            false,
+            Duration::from_secs(600),
+        )?;
+        if sync_timeout < Duration::from_secs(1) {
+            return Err(err(
+                "MESHCA_REMOTE_CLUSTER_SYNC_TIMEOUT",
+                &self.remote_cluster_sync_timeout,
+                "must be at least 1s",
+            ));
+        }
         Ok(MultiClusterSettings {
             remote_secrets: Some(crate::cluster::secrets::RemoteSecrets {
                 namespace: ns.to_string(),
@@ -560,6 +581,7 @@ impl MultiClusterArgs {
                     &self.remote_kubeconfig_options,
                 ),
                 max_clusters: self.remote_clusters_max,
+                sync_timeout,
             }),
         })
     }
@@ -1524,10 +1546,41 @@ mod limit_tests {
     #[test_case(&["--admin-max-connections", "0"], "MESHCA_ADMIN_MAX_CONNECTIONS" ; "zero admin connections")]
     #[test_case(&["--admin-header-timeout", "0s"], "MESHCA_ADMIN_HEADER_TIMEOUT" ; "zero admin header timeout")]
     #[test_case(&["--admin-connection-timeout", "1000000h"], "MESHCA_ADMIN_CONNECTION_TIMEOUT" ; "huge admin timeout")]
+    #[test_case(&["--remote-secrets", "true"], "MESHCA_REMOTE_SECRETS" ; "remote secrets without kubernetes")]
+    #[test_case(&["--kubernetes", "on", "--remote-secrets", "true", "--remote-secrets-namespace", " "], "MESHCA_REMOTE_SECRETS_NAMESPACE" ; "empty remote secrets namespace")]
+    #[test_case(&["--kubernetes", "on", "--remote-secrets", "true", "--remote-clusters-max", "0"], "MESHCA_REMOTE_CLUSTERS_MAX" ; "zero remote clusters")]
+    #[test_case(&["--kubernetes", "on", "--remote-secrets", "true", "--remote-cluster-sync-timeout", "0s"], "MESHCA_REMOTE_CLUSTER_SYNC_TIMEOUT" ; "zero sync timeout")]
     fn refuses_at_startup_naming_the_variable(args: &[&str], name: &str) {
         let e = parse(args).unwrap_err();
         assert_eq!(e.name, name, "{e}");
         assert!(e.to_string().contains(name));
+    }
+
+    #[test]
+    fn remote_secrets_are_off_by_default_and_parse() {
+        assert!(parse(&[]).unwrap().multicluster.remote_secrets.is_none());
+        let c = parse(&[
+            "--kubernetes",
+            "on",
+            "--remote-secrets",
+            "true",
+            "--remote-secrets-namespace",
+            "mesh",
+            "--remote-kubeconfig-options",
+            "exec, tokenFile",
+        ])
+        .unwrap();
+        let r = c.multicluster.remote_secrets.unwrap();
+        assert_eq!(r.namespace, "mesh");
+        assert_eq!(
+            r.policy
+                .allow
+                .iter()
+                .map(String::as_str)
+                .collect::<Vec<_>>(),
+            ["exec", "tokenFile"]
+        );
+        assert_eq!((r.max_clusters, r.sync_timeout.as_secs()), (64, 30));
     }
 
     #[test]

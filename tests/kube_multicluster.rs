@@ -172,6 +172,7 @@ async fn setup(mode: TokenVerificationMode) -> Mc {
         namespace: secrets_ns.clone(),
         policy: KubeconfigPolicy::default(),
         max_clusters: 8,
+        sync_timeout: Duration::from_secs(5),
     });
     let srv = start(cfg, pki).await;
     let ns = app_ns.clone();
@@ -390,8 +391,11 @@ async fn rotating_and_removing_the_secret_take_effect_at_runtime() {
         &[(REMOTE, no_pods)],
     )
     .await;
-    let r = poll(&srv, &zt_token, &app_id, |r| r.is_err()).await.1;
+    let (served, r) = poll(&srv, &zt_token, &app_id, |r| r.is_err()).await;
     denied(r, &srv, Code::Unavailable, "impersonation_index_not_ready");
+    // Until then the current entry kept serving (the pending swap waits up
+    // to the 5 s sync timeout for the new one).
+    assert!(served >= Duration::from_secs(4), "swapped after {served:?}");
     // And back.
     put_secret(
         &a,

@@ -29,6 +29,9 @@ pub struct RemoteSecrets {
     pub policy: KubeconfigPolicy,
     /// Most remote clusters registered at once.
     pub max_clusters: usize,
+    /// A rotated cluster's old entry keeps serving until the new one's pod
+    /// index syncs, at most this long (then the new one serves, unsynced).
+    pub sync_timeout: std::time::Duration,
 }
 
 /// Secret name -> (cluster id -> kubeconfig bytes).
@@ -147,6 +150,19 @@ fn data_of(s: &Secret) -> BTreeMap<String, Vec<u8>> {
         .unwrap_or_default()
 }
 
+/// A rotated cluster waiting for its pod index before it replaces the old one.
+struct Pending {
+    cluster: Option<super::Cluster>,
+    sha256: [u8; 32],
+    waiter: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        self.waiter.abort();
+    }
+}
+
 /// The watcher's own state: the Secrets seen and what was registered from them.
 struct Reconciler {
     registry: Arc<ClusterRegistry>,
@@ -157,6 +173,10 @@ struct Reconciler {
     /// What the registry holds (or refused) per cluster id.
     applied: BTreeMap<String, Wanted>,
     skipped: BTreeSet<Skipped>,
+    /// Rotations in progress, by cluster id; dropped (and their watches
+    /// stopped) by any later change to that id.
+    pending: BTreeMap<String, Pending>,
+    synced_tx: tokio::sync::mpsc::UnboundedSender<(String, [u8; 32])>,
 }
 
 impl Reconciler {
@@ -172,6 +192,8 @@ impl Reconciler {
         }
         self.skipped = skipped;
         for change in diff(&self.applied, &want) {
+            let (Change::Remove(id) | Change::Add(id) | Change::Replace(id)) = &change;
+            self.pending.remove(id);
             match change {
                 Change::Remove(id) => {
                     self.applied.remove(&id);
@@ -189,7 +211,7 @@ impl Reconciler {
                         .and_then(|d| d.get(&id))
                         .cloned()
                         .unwrap_or_default();
-                    self.add(&id, &w.secret, &bytes).await;
+                    self.add(&id, &w, &bytes).await;
                     self.applied.insert(id, w);
                 }
             }
@@ -200,24 +222,69 @@ impl Reconciler {
     /// Builds and registers one cluster; a refused kubeconfig leaves the
     /// cluster out (and drops the one it replaces: the Secret no longer
     /// holds its credentials).
-    async fn add(&self, id: &str, secret: &str, bytes: &[u8]) {
+    async fn add(&mut self, id: &str, want: &Wanted, bytes: &[u8]) {
+        let secret = want.secret.as_str();
         let built = match kubeconfig::sanitize(bytes, &self.settings.policy) {
             Ok(kc) => client_for(kc).await,
             Err(e) => Err(e),
         };
         match built {
             Ok(client) => {
-                let replaced = self.registry.insert(self.factory.build_remote(
+                let cluster = self.factory.build_remote(
                     id,
                     client,
                     Origin::Secret(format!("{}/{secret}", self.settings.namespace)),
-                ));
+                );
+                // A rotation keeps the old entry serving until the new one
+                // has synced (istiod's pending swap), within the timeout.
+                if let (Some(_), Some(index)) = (self.registry.get(id), cluster.index.clone()) {
+                    let (tx, key, sha, timeout) = (
+                        self.synced_tx.clone(),
+                        id.to_string(),
+                        want.sha256,
+                        self.settings.sync_timeout,
+                    );
+                    let waiter = tokio::spawn(async move {
+                        let synced = tokio::time::timeout(timeout, async {
+                            while !index.is_synced() {
+                                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                            }
+                        })
+                        .await;
+                        if synced.is_err() {
+                            tracing::warn!(cluster = %key, ?timeout, "rotated remote cluster not synced in time: it replaces the old one unsynced (impersonation Unavailable until it syncs)");
+                        }
+                        let _ = tx.send((key, sha));
+                    });
+                    tracing::info!(cluster = %id, secret = %secret, "remote cluster kubeconfig rotated: the current entry serves until the new one syncs");
+                    self.pending.insert(
+                        id.to_string(),
+                        Pending {
+                            cluster: Some(cluster),
+                            sha256: want.sha256,
+                            waiter,
+                        },
+                    );
+                    return;
+                }
+                let replaced = self.registry.insert(cluster);
                 tracing::info!(cluster = %id, secret = %secret, replaced, "remote cluster registered from remote secret");
             }
             Err(e) => {
                 self.registry.remove(id);
                 self.registry.kubeconfig_refused(e.reason());
                 tracing::error!(cluster = %id, secret = %secret, reason = e.reason(), error = %e, "remote kubeconfig refused: cluster not registered (the other clusters are unaffected)");
+            }
+        }
+    }
+
+    /// A rotation's new entry synced (or timed out): it replaces the old one,
+    /// unless something changed that id since.
+    fn swap(&mut self, id: &str, sha256: [u8; 32]) {
+        if self.pending.get(id).is_some_and(|p| p.sha256 == sha256) {
+            if let Some(cluster) = self.pending.remove(id).and_then(|mut p| p.cluster.take()) {
+                self.registry.insert(cluster);
+                tracing::info!(cluster = %id, "rotated remote cluster now serves");
             }
         }
     }
@@ -269,6 +336,7 @@ pub async fn run(
     let api: Api<Secret> = Api::namespaced(client, &settings.namespace);
     let config = watcher::Config::default().labels(&format!("{LABEL}=true"));
     let mut stream = watcher::watcher(api, config).default_backoff().boxed();
+    let (synced_tx, mut synced_rx) = tokio::sync::mpsc::unbounded_channel();
     let mut r = Reconciler {
         registry,
         factory,
@@ -277,13 +345,21 @@ pub async fn run(
         relist: None,
         applied: BTreeMap::new(),
         skipped: BTreeSet::new(),
+        pending: BTreeMap::new(),
+        synced_tx,
     };
-    while let Some(event) = stream.next().await {
-        match event {
-            Ok(e) => r.apply(e).await,
-            Err(e) => {
-                tracing::warn!(error = %e, namespace = %r.settings.namespace, "remote secret watch error; retrying with backoff")
-            }
+    // One task applies both secret events and finished rotations, so a
+    // rotation can never land after a later change to the same cluster.
+    loop {
+        tokio::select! {
+            event = stream.next() => match event {
+                Some(Ok(e)) => r.apply(e).await,
+                Some(Err(e)) => {
+                    tracing::warn!(error = %e, namespace = %r.settings.namespace, "remote secret watch error; retrying with backoff")
+                }
+                None => return,
+            },
+            Some((id, sha)) = synced_rx.recv() => r.swap(&id, sha),
         }
     }
 }
