@@ -86,7 +86,7 @@ pub struct App {
     pub token_reviewer: Option<Arc<KubeTokenAuthenticator>>,
     /// The issuer keys of local token verification, when it is on.
     pub issuer_keys: Option<Arc<crate::authn::jwks::IssuerKeys>>,
-    /// Every cluster served (the local one first), when Kubernetes is on.
+    /// Every cluster served (the local one and remote ones), when Kubernetes is on.
     pub clusters: Option<Arc<crate::cluster::ClusterRegistry>>,
     pub metrics: Arc<Metrics>,
     /// The audit writer thread, unless the caller supplied its own sink.

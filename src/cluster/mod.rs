@@ -392,17 +392,23 @@ impl TokenAuthenticator for ClusterRegistry {
     }
 
     /// A success cached by any cluster counts; otherwise the local answer.
+    /// The local cluster is asked first (most callers are local).
     fn cached_verdict(&self, token: &str) -> Option<bool> {
-        let clusters: Vec<Arc<Cluster>> = self.read().values().cloned().collect();
-        let mut local = None;
-        for c in clusters {
-            let v = c.tokens.cached_verdict(token);
-            if v == Some(true) {
-                return v;
-            }
-            if c.id == self.local {
-                local = v;
-            }
+        let local = self.local().tokens.cached_verdict(token);
+        if local == Some(true) {
+            return local;
+        }
+        let remotes: Vec<Arc<Cluster>> = self
+            .read()
+            .values()
+            .filter(|c| c.id != self.local)
+            .cloned()
+            .collect();
+        if remotes
+            .iter()
+            .any(|c| c.tokens.cached_verdict(token) == Some(true))
+        {
+            return Some(true);
         }
         local
     }
@@ -614,6 +620,21 @@ mod tests {
         assert!(!r.insert(cluster("Kubernetes", false)));
         assert!(r.local().authorizer.is_some());
         assert_eq!(r.ids(), vec!["Kubernetes".to_string(), "bare".into()]);
+    }
+
+    #[tokio::test]
+    async fn a_success_cached_by_a_remote_cluster_is_familiar() {
+        let r = registry();
+        assert_eq!(r.cached_verdict(&jwt("east")), None);
+        r.authenticate(&jwt("east"), Some("east")).await.unwrap();
+        assert_eq!(r.cached_verdict(&jwt("east")), Some(true));
+        assert_eq!(r.cached_verdict("not-a-jwt"), Some(false));
+        r.remove("east");
+        assert_eq!(
+            r.cached_verdict(&jwt("east")),
+            None,
+            "its cache went with it"
+        );
     }
 
     #[test]
