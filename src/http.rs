@@ -52,6 +52,9 @@ impl Health {
 async fn metrics_handler(
     State(h): State<Health>,
 ) -> ([(axum::http::HeaderName, &'static str); 1], String) {
+    if let Some(c) = &h.clusters {
+        c.publish_sync();
+    }
     let bundle = h.ca.snapshot();
     let snap = Snapshot {
         root_not_after: Some(bundle.root_not_after().unix_timestamp()),

@@ -646,6 +646,8 @@ pub struct ClusterMetrics {
     names: std::sync::RwLock<(String, std::collections::BTreeSet<String>)>,
     pub requests: Family<ClusterDecisionLabels, Counter>,
     pub registered: Family<ClusterLabels, Gauge>,
+    /// 1 once the cluster's pod index has synced (set at scrape time).
+    pub synced: Family<ClusterLabels, Gauge>,
     pub kubeconfig_refused: Family<RefusalLabels, Counter>,
 }
 
@@ -666,6 +668,11 @@ impl ClusterMetrics {
             m.registered.clone(),
         );
         registry.register(
+            "meshca_cluster_synced",
+            "1 once a registered cluster's pod index has synced (its impersonations get Unavailable until then)",
+            m.synced.clone(),
+        );
+        registry.register(
             "meshca_remote_kubeconfig_refused",
             "Remote secret kubeconfigs refused, by reason",
             m.kubeconfig_refused.clone(),
@@ -683,9 +690,11 @@ impl ClusterMetrics {
         let mut names = self.names.write().unwrap_or_else(|p| p.into_inner());
         let next: std::collections::BTreeSet<String> = ids.iter().cloned().collect();
         for gone in names.1.difference(&next) {
-            self.registered.remove(&ClusterLabels {
+            let label = ClusterLabels {
                 cluster: gone.clone(),
-            });
+            };
+            self.registered.remove(&label);
+            self.synced.remove(&label);
         }
         for id in &next {
             self.registered
@@ -695,6 +704,23 @@ impl ClusterMetrics {
                 .set(1);
         }
         *names = (local.to_string(), next);
+    }
+
+    /// Sets a registered cluster's sync state.
+    pub fn set_synced(&self, id: &str, synced: bool) {
+        let known = self
+            .names
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .1
+            .contains(id);
+        if known {
+            self.synced
+                .get_or_create(&ClusterLabels {
+                    cluster: id.to_string(),
+                })
+                .set(i64::from(synced));
+        }
     }
 
     /// The local cluster id, once a registry exists.

@@ -308,6 +308,8 @@ async fn remote_ztunnel_impersonates_only_on_its_node_in_its_cluster() {
         "meshca_cluster_requests_total{cluster=\"remote\",decision=\"deny\"} 2",
         "meshca_cluster_requests_total{cluster=\"unknown\",decision=\"deny\"} 1",
         "meshca_clusters{cluster=\"remote\"} 1",
+        "meshca_cluster_synced{cluster=\"remote\"} 1",
+        "meshca_cluster_synced{cluster=\"Kubernetes\"} 1",
     ] {
         assert!(m.lines().any(|l| l == line), "missing {line:?} in\n{m}");
     }
@@ -393,6 +395,9 @@ async fn rotating_and_removing_the_secret_take_effect_at_runtime() {
     .await;
     let (served, r) = poll(&srv, &zt_token, &app_id, |r| r.is_err()).await;
     denied(r, &srv, Code::Unavailable, "impersonation_index_not_ready");
+    let m = metrics(&srv).await;
+    let want = "meshca_cluster_synced{cluster=\"remote\"} 0";
+    assert!(m.lines().any(|l| l == want), "missing {want:?} in\n{m}");
     // Until then the current entry kept serving (the pending swap waits up
     // to the 5 s sync timeout for the new one).
     assert!(served >= Duration::from_secs(4), "swapped after {served:?}");

@@ -290,6 +290,15 @@ impl ClusterRegistry {
         }
     }
 
+    /// Exports each cluster's sync state (called at scrape time).
+    pub fn publish_sync(&self) {
+        if let Some(m) = &self.metrics {
+            for c in self.read().values() {
+                m.clusters.set_synced(&c.id, c.is_synced());
+            }
+        }
+    }
+
     /// The cluster a header selects for authentication (istiod: empty or the
     /// local id is local, else a registered remote).
     fn select(&self, header: Option<&str>) -> Result<Arc<Cluster>, AuthnError> {
@@ -485,9 +494,94 @@ mod tests {
         };
         format!(
             "{}.{}.c2ln",
-            b(serde_json::json!({"alg": "RS256"})),
-            b(serde_json::json!({"sub": cluster, "exp": 4_000_000_000i64}))
+            b(serde_json::json!({"alg": "RS256", "kid": format!("k-{cluster}")})),
+            b(
+                serde_json::json!({"iss": format!("https://{cluster}"), "sub": cluster, "exp": 4_000_000_000i64})
+            )
         )
+    }
+
+    /// A fixed issuer and one RSA key id (the key bytes are never used:
+    /// these tokens are checked by the fake API server).
+    #[derive(Debug)]
+    struct Discovery(String, String);
+
+    #[tonic::async_trait]
+    impl crate::authn::jwks::KeySource for Discovery {
+        async fn fetch(&self) -> Result<(String, Vec<u8>), crate::authn::jwks::JwksError> {
+            let jwks = serde_json::json!({"keys": [{"kty": "RSA", "kid": self.1, "n": "AQAB", "e": "AQAB"}]});
+            Ok((self.0.clone(), jwks.to_string().into_bytes()))
+        }
+    }
+
+    async fn with_keys(mut c: Cluster, issuer: &str, kid: &str) -> Cluster {
+        let keys = Arc::new(IssuerKeys::new(
+            Arc::new(Discovery(issuer.into(), kid.into())),
+            Default::default(),
+        ));
+        assert!(keys.refresh().await && keys.current().is_some());
+        c.keys = Some(keys);
+        c
+    }
+
+    async fn local_mode_registry() -> ClusterRegistry {
+        let r = ClusterRegistry::new(
+            with_keys(
+                cluster("Kubernetes", true),
+                "https://Kubernetes",
+                "k-Kubernetes",
+            )
+            .await,
+            TokenVerificationMode::Local,
+            false,
+            None,
+        );
+        r.insert(with_keys(cluster("east", true), "https://east", "k-east").await);
+        // Two clusters with one issuer (a common default) differ by key.
+        r.insert(with_keys(cluster("c1", false), "https://shared", "k-c1").await);
+        r.insert(with_keys(cluster("c2", false), "https://shared", "k-c2").await);
+        r
+    }
+
+    fn token(iss: &str, kid: &str) -> String {
+        use base64::Engine;
+        let b = |v: serde_json::Value| {
+            base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(v.to_string())
+        };
+        format!(
+            "{}.{}.c2ln",
+            b(serde_json::json!({"alg": "RS256", "kid": kid})),
+            b(serde_json::json!({"iss": iss}))
+        )
+    }
+
+    #[test_case("https://east", "k-other", Some("east") ; "unique issuer")]
+    #[test_case("https://shared", "k-c2", Some("c2") ; "shared issuer by key")]
+    #[test_case("https://shared", "k-c9", None ; "shared issuer unknown key")]
+    #[test_case("https://elsewhere", "k-east", None ; "unknown issuer")]
+    #[tokio::test]
+    async fn cluster_of_token_table(iss: &str, kid: &str, want: Option<&str>) {
+        let r = local_mode_registry().await;
+        let got = r.cluster_of_token(&token(iss, kid)).map(|c| c.id.clone());
+        assert_eq!(got.as_deref(), want);
+        assert!(r.cluster_of_token("not-a-jwt").is_none());
+    }
+
+    // With local verification the token's cluster wins, and a header
+    // naming another one is refused (istiod would trust the header).
+    #[test_case(Some("east"), Ok("east") ; "agreeing header")]
+    #[test_case(None, Ok("east") ; "no header")]
+    #[test_case(Some("Kubernetes"), Err("token_cluster_mismatch") ; "local header")]
+    #[test_case(Some("west"), Err("token_cluster_mismatch") ; "unknown header")]
+    #[tokio::test]
+    async fn header_must_agree_with_the_token(header: Option<&str>, want: Result<&str, &str>) {
+        let r = local_mode_registry().await;
+        let got = r.authenticate(&jwt("east"), header).await;
+        match (got, want) {
+            (Ok(c), Ok(id)) => assert_eq!(c.kube.unwrap().cluster_id.as_deref(), Some(id)),
+            (Err(e), Err(reason)) => assert_eq!(e.reason(), reason, "{e}"),
+            (got, want) => panic!("got {got:?}, want {want:?}"),
+        }
     }
 
     fn cluster(id: &'static str, authorize: bool) -> Cluster {
