@@ -390,6 +390,7 @@ fn bench_guards(c: &mut Criterion) {
         renewal: Some(Arc::new(RenewalGuard {
             policy: RenewalPolicy::default(),
             index: Some(index),
+            remote: None,
         })),
         denylist: Some(Arc::new(denylist)),
         revocations: Some(Arc::new(LiveRevocations::with_serials(

@@ -234,6 +234,9 @@ impl App {
             kube_client_opt.clone(),
             ca.clone(),
             pod_index.clone(),
+            clusters
+                .clone()
+                .map(|c| c as Arc<dyn crate::renewal::LivePods>),
             audit.clone(),
             metrics.clone(),
         )?;

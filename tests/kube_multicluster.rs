@@ -141,6 +141,13 @@ fn kubeconfig_of(k: &Kte) -> Vec<u8> {
 }
 
 async fn setup(mode: TokenVerificationMode) -> Mc {
+    setup_with(mode, |_| {}).await
+}
+
+async fn setup_with(
+    mode: TokenVerificationMode,
+    edit: impl FnOnce(&mut meshca::config::Config),
+) -> Mc {
     let _ = logs();
     let (a, b) = (kte().await, kte_remote().await);
     assert_ne!(a.issuer, b.issuer, "the two clusters need distinct issuers");
@@ -174,6 +181,7 @@ async fn setup(mode: TokenVerificationMode) -> Mc {
         max_clusters: 8,
         sync_timeout: Duration::from_secs(5),
     });
+    edit(&mut cfg);
     let srv = start(cfg, pki).await;
     let ns = app_ns.clone();
     wait_remote(&srv, "remote pods", move |s| {
@@ -530,4 +538,47 @@ async fn an_exec_plugin_kubeconfig_is_refused_and_the_other_clusters_keep_workin
         .await;
     srv.call(&token, &id, None, None).await.unwrap();
     assert_eq!(last_cluster(&srv).as_deref(), Some(LOCAL));
+}
+
+/// One mTLS CreateCertificate for `id` with a client certificate for it.
+async fn renew(srv: &Server, id: &str) -> Result<Vec<String>, tonic::Status> {
+    let bundle =
+        meshca::ca::CaBundle::load_dir(srv.pki.path(), time::OffsetDateTime::now_utc()).unwrap();
+    let now = time::OffsetDateTime::now_utc();
+    let v = meshca::ca::Validity {
+        not_before: now - time::Duration::minutes(5),
+        not_after: now + time::Duration::hours(1),
+        clamped: false,
+    };
+    let (cert, key) = meshca::testing::client_identity(&bundle, id, &v);
+    let mut c = meshca::testing::client(srv.app.addr, &srv.pki.ca.root_cert, Some((&cert, &key)))
+        .await
+        .unwrap();
+    let k = rcgen::KeyPair::generate().unwrap();
+    let req = meshca::testing::request(meshca::testing::csr_for(&k, id), 0, &[]);
+    c.create_certificate(req)
+        .await
+        .map(|r| r.into_inner().cert_chain)
+}
+
+#[tokio::test]
+async fn bounded_mtls_renewal_counts_live_pods_in_remote_clusters() {
+    let Mc {
+        srv,
+        app_id,
+        far_ns,
+        ..
+    } = setup_with(TokenVerificationMode::Review, |cfg| {
+        cfg.kill_switch.renewal_pod_check = true;
+    })
+    .await;
+    // app-0 runs only in the remote cluster: its identity still renews.
+    renew(&srv, &app_id).await.unwrap();
+    let rec = srv.audit.records().last().cloned().unwrap();
+    assert_eq!(rec.renewal_check.as_deref(), Some("pod_live"));
+    // An identity with no pod in any cluster does not.
+    let ghost = spiffe(&far_ns, "ghost");
+    let e = renew(&srv, &ghost).await.unwrap_err();
+    assert_eq!(e.code(), Code::Unauthenticated, "{e:?}");
+    assert_eq!(srv.last_reason(), "renewal_no_live_pod");
 }

@@ -349,6 +349,31 @@ impl ClusterRegistry {
     }
 }
 
+/// Bounded mTLS renewal: a live pod of the identity in any remote cluster
+/// counts (the local index is read by the guard itself).
+impl crate::renewal::LivePods for ClusterRegistry {
+    fn has_live_pod(
+        &self,
+        namespace: &str,
+        service_account: &str,
+        max_staleness: std::time::Duration,
+    ) -> bool {
+        let remotes: Vec<Arc<Cluster>> = self
+            .read()
+            .values()
+            .filter(|c| c.id != self.local)
+            .cloned()
+            .collect();
+        remotes.iter().any(|c| {
+            c.index.as_ref().is_some_and(|i| {
+                i.is_synced()
+                    && crate::renewal::stale(i.disconnected_for(), max_staleness).is_none()
+                    && i.read(|s| s.has_live_pod(namespace, service_account))
+            })
+        })
+    }
+}
+
 /// `iss` and `kid` of a JWT, unverified.
 fn peek_issuer_kid(token: &str) -> Option<(String, Option<String>)> {
     #[derive(serde::Deserialize)]
@@ -729,6 +754,34 @@ mod tests {
             None,
             "its cache went with it"
         );
+    }
+
+    #[test]
+    fn a_live_pod_in_a_remote_cluster_counts_for_renewal() {
+        use crate::renewal::LivePods;
+        let hour = std::time::Duration::from_secs(3600);
+        let r = ClusterRegistry::new(
+            cluster("Kubernetes", true),
+            TokenVerificationMode::Review,
+            false,
+            None,
+        );
+        // The local index is the guard's own business.
+        assert!(!r.has_live_pod("app", "app", hour));
+        r.insert(cluster("east", true));
+        assert!(r.has_live_pod("app", "app", hour));
+        assert!(!r.has_live_pod("app", "other", hour));
+        // A remote index disconnected beyond the bound does not count.
+        r.get("east")
+            .unwrap()
+            .index
+            .as_ref()
+            .unwrap()
+            .mark_disconnected();
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        assert!(!r.has_live_pod("app", "app", std::time::Duration::ZERO));
+        r.remove("east");
+        assert!(!r.has_live_pod("app", "app", hour));
     }
 
     #[test]
