@@ -159,6 +159,7 @@ fn bench_authz(c: &mut Criterion) {
             pod_uid: zt.uid.to_string(),
             service_account: "ztunnel".into(),
             node_name: Some(node.into()),
+            ..Default::default()
         }),
     };
     let creds = Credentials {
@@ -389,6 +390,7 @@ fn bench_guards(c: &mut Criterion) {
         renewal: Some(Arc::new(RenewalGuard {
             policy: RenewalPolicy::default(),
             index: Some(index),
+            remote: None,
         })),
         denylist: Some(Arc::new(denylist)),
         revocations: Some(Arc::new(LiveRevocations::with_serials(

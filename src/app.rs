@@ -13,9 +13,9 @@ use tokio::task::JoinHandle;
 use crate::audit::chain::{ChainedSink, CheckpointKey, RunInfo};
 use crate::audit::writer::AuditWriter;
 use crate::audit::AuditSink;
-use crate::authn::token::{KubeTokenAuthenticator, TokenReviewSettings};
+use crate::authn::token::KubeTokenAuthenticator;
 use crate::authn::TokenAuthenticator;
-use crate::authz::{KubeNodeAuthorizer, NodeAuthorizer, NodePolicy};
+use crate::authz::NodeAuthorizer;
 use crate::ca::generate::{self, InitOptions};
 use crate::ca::{ttl, CaBundle, CaStore};
 use crate::config::Config;
@@ -86,6 +86,8 @@ pub struct App {
     pub token_reviewer: Option<Arc<KubeTokenAuthenticator>>,
     /// The issuer keys of local token verification, when it is on.
     pub issuer_keys: Option<Arc<crate::authn::jwks::IssuerKeys>>,
+    /// Every cluster served (the local one and remote ones), when Kubernetes is on.
+    pub clusters: Option<Arc<crate::cluster::ClusterRegistry>>,
     pub metrics: Arc<Metrics>,
     /// The audit writer thread, unless the caller supplied its own sink.
     pub audit_writer: Option<Arc<AuditWriter>>,
@@ -154,6 +156,10 @@ impl App {
         let mut token_reviewer = None;
         let mut kube_client_opt = None;
         let mut issuer_keys = None;
+        let mut clusters = None;
+        metrics
+            .clusters
+            .set_clusters(&cfg.cluster_id, std::slice::from_ref(&cfg.cluster_id));
         if let Some(kube) = &cfg.kube {
             let client = kube_client(kube.kubeconfig.as_deref()).await?;
             kube_client_opt = Some(client.clone());
@@ -179,62 +185,45 @@ impl App {
                     rx,
                 )));
             }
-            let renewal_index = cfg.kill_switch.renewal_pod_check;
-            let verification = kube.token_verification;
-            if !cfg.trusted_node_accounts.is_empty()
-                || renewal_index
-                || verification.mode.uses_local()
-            {
-                let index = Arc::new(PodIndex::new());
-                background.push(tokio::spawn(crate::podindex::watch::run(
+            // Every cluster (the local one, and remote ones from remote
+            // secrets) lives in the registry, which routes tokens and
+            // impersonations to it.
+            let factory = Arc::new(crate::cluster::ClusterFactory {
+                cfg: cfg.clone(),
+                metrics: metrics.clone(),
+            });
+            let (local, tasks) = factory.build(
+                &cfg.cluster_id,
+                client.clone(),
+                crate::cluster::Origin::Local,
+                cfg.kill_switch.renewal_pod_check,
+            );
+            background.extend(tasks);
+            pod_index = local.index.clone();
+            issuer_keys = local.keys.clone();
+            let remote = cfg.multicluster.remote_secrets.clone();
+            let registry = Arc::new(crate::cluster::ClusterRegistry::new(
+                local,
+                kube.token_verification.mode,
+                remote.is_some(),
+                Some(metrics.clone()),
+            ));
+            if let Some(settings) = remote {
+                background.push(tokio::spawn(crate::cluster::secrets::run(
                     client.clone(),
-                    index.clone(),
+                    settings,
+                    registry.clone(),
+                    factory,
                 )));
-                pod_index = Some(index);
             }
-            if let (Some(index), false) = (&pod_index, cfg.trusted_node_accounts.is_empty()) {
-                let policy = NodePolicy {
-                    trusted: cfg.trusted_node_accounts.iter().cloned().collect(),
-                    trust_domains: cfg.trust_domains(),
-                    cluster_id: cfg.cluster_id.clone(),
-                    mtls_impersonation: cfg.mtls_impersonation,
-                };
-                deps.node_authz.get_or_insert_with(|| {
-                    Arc::new(KubeNodeAuthorizer {
-                        policy,
-                        index: index.clone(),
-                        max_index_staleness: cfg.kill_switch.renewal.max_index_staleness,
-                    })
-                });
+            if !cfg.trusted_node_accounts.is_empty() {
+                deps.node_authz.get_or_insert_with(|| registry.clone());
             }
             if deps.tokens.is_none() {
-                let settings = TokenReviewSettings {
-                    audiences: cfg.token_audiences.clone(),
-                    trust_domain: cfg.trust_domain.clone(),
-                    cluster_id: cfg.cluster_id.clone(),
-                    cache_ttl: kube.token_cache_ttl,
-                    timeout: kube.tokenreview_timeout,
-                    limits: kube.review_limits,
-                };
-                let reviewer = Arc::new(
-                    KubeTokenAuthenticator::new(client.clone(), settings, pod_index.clone())
-                        .with_metrics(metrics.clone()),
-                );
-                let (verifier, keys) = crate::authn::local::build(
-                    &client,
-                    verification,
-                    cfg,
-                    pod_index.clone(),
-                    reviewer.clone(),
-                    metrics.clone(),
-                );
-                if let Some(keys) = &keys {
-                    background.push(tokio::spawn(keys.clone().run()));
-                }
-                issuer_keys = keys;
-                deps.tokens = Some(verifier);
-                token_reviewer = Some(reviewer);
+                token_reviewer = Some(registry.local().reviewer.clone());
+                deps.tokens = Some(registry.clone());
             }
+            clusters = Some(registry);
         } else if !cfg.trusted_node_accounts.is_empty() && deps.node_authz.is_none() {
             tracing::warn!(
                 "CA_TRUSTED_NODE_ACCOUNTS is set but Kubernetes is off: impersonation is disabled"
@@ -245,6 +234,9 @@ impl App {
             kube_client_opt.clone(),
             ca.clone(),
             pod_index.clone(),
+            clusters
+                .clone()
+                .map(|c| c as Arc<dyn crate::renewal::LivePods>),
             audit.clone(),
             metrics.clone(),
         )?;
@@ -321,6 +313,7 @@ impl App {
             metrics: metrics.clone(),
             token_reviewer: token_reviewer.clone(),
             crl: kill_switch.guards.revocations.clone(),
+            clusters: clusters.clone(),
         };
         let (admin_addr, admin) =
             crate::http::bind(cfg.admin_listen, health, cfg.admin, Some(metrics.clone()))
@@ -334,6 +327,7 @@ impl App {
             pod_index,
             token_reviewer,
             issuer_keys,
+            clusters,
             metrics,
             audit_writer,
             audit_anchor,

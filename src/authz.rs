@@ -322,6 +322,7 @@ mod tests {
                 pod_uid: uid.into(),
                 service_account: "ztunnel".into(),
                 node_name: Some("zt-node".into()),
+                cluster_id: None,
             }),
         }
     }

@@ -256,6 +256,8 @@ pub struct ServeArgs {
     pub kill_switch: KillSwitchArgs,
     #[command(flatten)]
     pub token_verification: TokenVerificationArgs,
+    #[command(flatten)]
+    pub multicluster: MultiClusterArgs,
 }
 
 impl ServeArgs {
@@ -489,6 +491,98 @@ impl TokenVerificationArgs {
                 min_interval,
                 timeout: fetch_timeout,
             },
+        })
+    }
+}
+
+/// Multi-cluster: Istio's remote secrets (`cluster` module).
+#[derive(Debug, Clone, clap::Args)]
+pub struct MultiClusterArgs {
+    /// Watch Istio's remote secrets (label `istio/multiCluster: "true"`, one
+    /// kubeconfig per data key named for the cluster id) and authenticate and
+    /// authorize those clusters' callers as istiod does.
+    #[arg(long, env = "MESHCA_REMOTE_SECRETS", default_value_t = false, action = clap::ArgAction::Set)]
+    pub remote_secrets: bool,
+    /// Namespace of the remote secrets (meshca's own).
+    #[arg(
+        long,
+        env = "MESHCA_REMOTE_SECRETS_NAMESPACE",
+        default_value = "istio-system"
+    )]
+    pub remote_secrets_namespace: String,
+    /// What a remote kubeconfig may use beyond inline credentials
+    /// (comma-separated): `exec`, `clientKey`, `clientCertificate`,
+    /// `tokenFile`, `certificateAuthority`, or an auth provider name. Each
+    /// runs a command or reads a local file; none is allowed by default.
+    #[arg(
+        long,
+        env = "PILOT_INSECURE_MULTICLUSTER_KUBECONFIG_OPTIONS",
+        default_value = ""
+    )]
+    pub remote_kubeconfig_options: String,
+    /// Most remote clusters registered at once (each runs a pod watch).
+    #[arg(long, env = "MESHCA_REMOTE_CLUSTERS_MAX", default_value_t = 64)]
+    pub remote_clusters_max: usize,
+    /// A rotated remote cluster's old entry serves until the new one's pod
+    /// index syncs, at most this long (1s..=10m).
+    #[arg(
+        long,
+        env = "MESHCA_REMOTE_CLUSTER_SYNC_TIMEOUT",
+        default_value = "30s"
+    )]
+    pub remote_cluster_sync_timeout: String,
+}
+
+/// Parsed [`MultiClusterArgs`]: present when remote secrets are watched.
+#[derive(Debug, Clone, Default)]
+pub struct MultiClusterSettings {
+    pub remote_secrets: Option<crate::cluster::secrets::RemoteSecrets>,
+}
+
+impl MultiClusterArgs {
+    pub fn parse(&self, kube_on: bool) -> Result<MultiClusterSettings, ConfigError> {
+        if !self.remote_secrets {
+            return Ok(MultiClusterSettings::default());
+        }
+        if !kube_on {
+            return Err(err("MESHCA_REMOTE_SECRETS", "true", "needs Kubernetes"));
+        }
+        let ns = self.remote_secrets_namespace.trim();
+        if ns.is_empty() {
+            return Err(err(
+                "MESHCA_REMOTE_SECRETS_NAMESPACE",
+                ns,
+                "must not be empty",
+            ));
+        }
+        bounded(
+            "MESHCA_REMOTE_CLUSTERS_MAX",
+            self.remote_clusters_max,
+            1,
+            1000,
+        )?;
+        let sync_timeout = bounded_duration(
+            "MESHCA_REMOTE_CLUSTER_SYNC_TIMEOUT",
+            &self.remote_cluster_sync_timeout,
+            false,
+            Duration::from_secs(600),
+        )?;
+        if sync_timeout < Duration::from_secs(1) {
+            return Err(err(
+                "MESHCA_REMOTE_CLUSTER_SYNC_TIMEOUT",
+                &self.remote_cluster_sync_timeout,
+                "must be at least 1s",
+            ));
+        }
+        Ok(MultiClusterSettings {
+            remote_secrets: Some(crate::cluster::secrets::RemoteSecrets {
+                namespace: ns.to_string(),
+                policy: crate::cluster::kubeconfig::KubeconfigPolicy::parse(
+                    &self.remote_kubeconfig_options,
+                ),
+                max_clusters: self.remote_clusters_max,
+                sync_timeout,
+            }),
         })
     }
 }
@@ -910,6 +1004,8 @@ pub struct Config {
     pub admission: crate::admission::AdmissionConfig,
     /// Bounded renewal, denylist, revocation.
     pub kill_switch: KillSwitchSettings,
+    /// Remote clusters from Istio's remote secrets.
+    pub multicluster: MultiClusterSettings,
 }
 
 impl Config {
@@ -1104,7 +1200,9 @@ impl Config {
         let (transport, input, admin) = a.limits.parse()?;
         let admission = a.admission.parse()?;
         let kill_switch = a.kill_switch.parse(a, &ttl, kube.is_some())?;
+        let multicluster = a.multicluster.parse(kube.is_some())?;
         Ok(Self {
+            multicluster,
             admission,
             kill_switch,
             transport,
@@ -1448,10 +1546,41 @@ mod limit_tests {
     #[test_case(&["--admin-max-connections", "0"], "MESHCA_ADMIN_MAX_CONNECTIONS" ; "zero admin connections")]
     #[test_case(&["--admin-header-timeout", "0s"], "MESHCA_ADMIN_HEADER_TIMEOUT" ; "zero admin header timeout")]
     #[test_case(&["--admin-connection-timeout", "1000000h"], "MESHCA_ADMIN_CONNECTION_TIMEOUT" ; "huge admin timeout")]
+    #[test_case(&["--remote-secrets", "true"], "MESHCA_REMOTE_SECRETS" ; "remote secrets without kubernetes")]
+    #[test_case(&["--kubernetes", "on", "--remote-secrets", "true", "--remote-secrets-namespace", " "], "MESHCA_REMOTE_SECRETS_NAMESPACE" ; "empty remote secrets namespace")]
+    #[test_case(&["--kubernetes", "on", "--remote-secrets", "true", "--remote-clusters-max", "0"], "MESHCA_REMOTE_CLUSTERS_MAX" ; "zero remote clusters")]
+    #[test_case(&["--kubernetes", "on", "--remote-secrets", "true", "--remote-cluster-sync-timeout", "0s"], "MESHCA_REMOTE_CLUSTER_SYNC_TIMEOUT" ; "zero sync timeout")]
     fn refuses_at_startup_naming_the_variable(args: &[&str], name: &str) {
         let e = parse(args).unwrap_err();
         assert_eq!(e.name, name, "{e}");
         assert!(e.to_string().contains(name));
+    }
+
+    #[test]
+    fn remote_secrets_are_off_by_default_and_parse() {
+        assert!(parse(&[]).unwrap().multicluster.remote_secrets.is_none());
+        let c = parse(&[
+            "--kubernetes",
+            "on",
+            "--remote-secrets",
+            "true",
+            "--remote-secrets-namespace",
+            "mesh",
+            "--remote-kubeconfig-options",
+            "exec, tokenFile",
+        ])
+        .unwrap();
+        let r = c.multicluster.remote_secrets.unwrap();
+        assert_eq!(r.namespace, "mesh");
+        assert_eq!(
+            r.policy
+                .allow
+                .iter()
+                .map(String::as_str)
+                .collect::<Vec<_>>(),
+            ["exec", "tokenFile"]
+        );
+        assert_eq!((r.max_clusters, r.sync_timeout.as_secs()), (64, 30));
     }
 
     #[test]

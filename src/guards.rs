@@ -31,6 +31,7 @@ pub fn start(
     client: Option<kube::Client>,
     ca: Arc<CaStore>,
     pod_index: Option<Arc<PodIndex>>,
+    remote_pods: Option<Arc<dyn crate::renewal::LivePods>>,
     audit: Arc<dyn AuditSink>,
     metrics: Arc<Metrics>,
 ) -> anyhow::Result<Started> {
@@ -40,6 +41,7 @@ pub fn start(
         policy: ks.renewal,
         // Only an index started for renewals (or node authorization) counts.
         index: pod_index.filter(|_| ks.renewal_pod_check),
+        remote: remote_pods.filter(|_| ks.renewal_pod_check),
     }));
 
     let denylist = if ks.denylist.enabled() {

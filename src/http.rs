@@ -31,6 +31,8 @@ pub struct Health {
     pub token_reviewer: Option<Arc<KubeTokenAuthenticator>>,
     /// The CRL in force, served at `/ca-crl.pem` when revocation is on.
     pub crl: Option<Arc<crate::revocation::LiveRevocations>>,
+    /// The cluster registry: ready once the remote secrets are listed.
+    pub clusters: Option<Arc<crate::cluster::ClusterRegistry>>,
 }
 
 impl Health {
@@ -42,7 +44,7 @@ impl Health {
         }
         match &self.index {
             Some(i) if !i.is_synced() => Err("pod index not synced"),
-            _ => Ok(()),
+            _ => self.clusters.as_ref().map_or(Ok(()), |c| c.readiness()),
         }
     }
 }
@@ -50,6 +52,9 @@ impl Health {
 async fn metrics_handler(
     State(h): State<Health>,
 ) -> ([(axum::http::HeaderName, &'static str); 1], String) {
+    if let Some(c) = &h.clusters {
+        c.publish_sync();
+    }
     let bundle = h.ca.snapshot();
     let snap = Snapshot {
         root_not_after: Some(bundle.root_not_after().unix_timestamp()),

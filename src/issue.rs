@@ -245,7 +245,16 @@ impl CertificateIssuer {
             self.metrics.clone().map(|m| m as _),
             creds.peer_addr,
         );
+        // The claimed cluster until authentication names the verified one.
+        audit.record().cluster_id = creds.cluster_id.clone();
         let result = self.issue_inner(creds, req, timing, &mut audit).await;
+        let cluster = self.metrics.as_ref().map(|m| {
+            let r = audit.record();
+            if r.cluster_id.as_deref().is_none_or(str::is_empty) {
+                r.cluster_id = m.clusters.local().or(r.cluster_id.take());
+            }
+            (m.clone(), r.cluster_id.clone())
+        });
         match &result {
             Ok(_) => audit.allow(),
             Err(e) => {
@@ -258,11 +267,19 @@ impl CertificateIssuer {
             }
         }
         // The certificate leaves only once its record is acknowledged.
-        match (audit.finish_acked().await, result) {
+        let result = match (audit.finish_acked().await, result) {
             (Err(AuditRefusal::Write(e)), Ok(_)) => Err(IssueError::Audit(e)),
             (Err(AuditRefusal::Shed(r)), Ok(_)) => Err(IssueError::AuditShed(r)),
             (_, result) => result,
+        };
+        if let Some((m, cluster)) = cluster {
+            let decision = match &result {
+                Ok(_) => crate::audit::Decision::Allow,
+                Err(_) => crate::audit::Decision::Deny,
+            };
+            m.clusters.count(cluster.as_deref(), decision);
         }
+        result
     }
 
     async fn issue_inner(
@@ -289,6 +306,9 @@ impl CertificateIssuer {
                 r.caller_pod = Some(format!("{}/{}", k.pod_namespace, k.pod_name));
                 r.caller_pod_uid = Some(k.pod_uid.clone());
                 r.node = k.node_name.clone();
+                if k.cluster_id.is_some() {
+                    r.cluster_id = k.cluster_id.clone();
+                }
             }
         }
         let result = self.guards.deny_check(creds, &caller, None, None);

@@ -13,6 +13,7 @@ pub mod authz;
 pub mod bench;
 pub mod ca;
 pub mod certs;
+pub mod cluster;
 pub mod config;
 pub mod denylist;
 pub mod grpc;

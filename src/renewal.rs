@@ -165,11 +165,22 @@ pub fn source_ip_allowed(
     }
 }
 
+/// Live pods outside the local index: the remote clusters of the cluster
+/// registry (an identity is the same in every cluster of the mesh).
+pub trait LivePods: Send + Sync + std::fmt::Debug {
+    /// A non-terminal pod runs as `namespace/service_account` in a synced
+    /// index whose watch has not been disconnected longer than `max_staleness`.
+    fn has_live_pod(&self, namespace: &str, service_account: &str, max_staleness: Duration)
+        -> bool;
+}
+
 /// Reads the live index for [`check`].
 #[derive(Debug, Clone)]
 pub struct RenewalGuard {
     pub policy: RenewalPolicy,
     pub index: Option<Arc<PodIndex>>,
+    /// Consulted when the local index shows no live pod.
+    pub remote: Option<Arc<dyn LivePods>>,
 }
 
 impl RenewalGuard {
@@ -179,7 +190,14 @@ impl RenewalGuard {
             Some(i) if !i.is_synced() => IndexView::NotSynced,
             Some(i) => IndexView::Synced {
                 disconnected_for: i.disconnected_for(),
-                live_pod: i.read(|s| s.has_live_pod(id.namespace(), id.service_account())),
+                live_pod: i.read(|s| s.has_live_pod(id.namespace(), id.service_account()))
+                    || self.remote.as_ref().is_some_and(|r| {
+                        r.has_live_pod(
+                            id.namespace(),
+                            id.service_account(),
+                            self.policy.max_index_staleness,
+                        )
+                    }),
             },
         }
     }

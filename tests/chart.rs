@@ -576,3 +576,58 @@ fn audit_checkpoints_are_signed_and_anchored_by_default() {
     assert!(roles.contains("r-meshca-denylist"), "{roles:?}");
     assert!(!text.contains("audit-checkpoint-key"));
 }
+
+const REMOTE_SECRETS_RBAC: &str = "tests/fixtures/rbac-remote-secrets.yaml";
+
+#[test]
+fn remote_secrets_role_is_exactly_the_fixture_and_namespaced() {
+    let on = ["--set", "multiCluster.remoteSecrets=true"];
+    let docs = render(
+        "templates/role-remote-secrets.yaml",
+        "meshca",
+        "istio-system",
+        &on,
+    );
+    assert_eq!(
+        rules_of(&docs, "Role"),
+        rules_of(
+            &self::docs(&std::fs::read_to_string(repo().join(REMOTE_SECRETS_RBAC)).unwrap()),
+            "Role"
+        )
+    );
+    let binding = docs
+        .iter()
+        .find(|d| d["kind"].as_str() == Some("RoleBinding"))
+        .expect("RoleBinding");
+    assert_eq!(
+        binding["subjects"][0]["namespace"].as_str(),
+        Some("istio-system")
+    );
+    // The watched namespace is the release namespace, and no cluster-wide
+    // rule is added for it.
+    let d = render("templates/deployment.yaml", "meshca", "istio-system", &on);
+    let env = env_of(&d[0]);
+    assert!(env.contains(&("MESHCA_REMOTE_SECRETS".into(), "true".into())));
+    assert!(env.contains(&(
+        "MESHCA_REMOTE_SECRETS_NAMESPACE".into(),
+        "istio-system".into()
+    )));
+    assert!(env.contains(&(
+        "PILOT_INSECURE_MULTICLUSTER_KUBECONFIG_OPTIONS".into(),
+        String::new()
+    )));
+    assert_eq!(
+        chart_rules(&on),
+        chart_rules(&[]),
+        "remote secrets add no ClusterRole rule"
+    );
+    // Off by default: no Role.
+    let out = Command::new(helm())
+        .args(["template", "meshca"])
+        .arg(repo().join("charts/meshca"))
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let roles = role_names(&self::docs(&String::from_utf8_lossy(&out.stdout)));
+    assert!(!roles.contains("meshca-remote-secrets"), "{roles:?}");
+}

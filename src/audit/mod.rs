@@ -76,6 +76,11 @@ pub struct AuditRecord {
     /// source and reason the record stands for.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub count: Option<u64>,
+    /// The cluster the request is attributed to: the one whose API server
+    /// or issuer keys verified the caller's token, else the `clusterid`
+    /// header as sent, else this CA's `CLUSTER_ID`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cluster_id: Option<String>,
 }
 
 /// What a reduced record stands for.
@@ -128,6 +133,7 @@ impl AuditRecord {
             token_verified_by: None,
             token_local_fallback: None,
             count: None,
+            cluster_id: None,
         }
     }
 
@@ -153,6 +159,7 @@ impl AuditRecord {
             &mut self.issuer_key_id,
             &mut self.revocation_reason,
             &mut self.renewal_check,
+            &mut self.cluster_id,
         ] {
             bound_opt(f, FIELD_MAX);
         }

@@ -404,6 +404,7 @@ impl LocalVerifier {
                 pod_uid,
                 service_account: verified.service_account,
                 node_name: verified.node.map(|n| n.0),
+                cluster_id: None,
             }),
         })
     }
@@ -535,6 +536,7 @@ impl TokenAuthenticator for TokenVerifier {
 pub fn build(
     client: &kube::Client,
     verification: crate::config::TokenVerification,
+    cluster_id: &str,
     cfg: &crate::config::Config,
     index: Option<Arc<PodIndex>>,
     reviewer: Arc<dyn TokenAuthenticator>,
@@ -551,7 +553,7 @@ pub fn build(
                 .with_metrics(metrics.clone()),
             );
             let local = LocalVerifier {
-                cluster_id: cfg.cluster_id.clone(),
+                cluster_id: cluster_id.to_string(),
                 keys: keys.clone(),
                 index,
                 audiences: cfg.token_audiences.clone(),

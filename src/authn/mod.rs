@@ -61,6 +61,10 @@ pub struct KubernetesInfo {
     pub service_account: String,
     /// Present on tokens minted for a scheduled pod (Kubernetes >= 1.30).
     pub node_name: Option<String>,
+    /// The cluster whose API server or issuer keys verified the token (set
+    /// by the cluster registry).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cluster_id: Option<String>,
 }
 
 /// An authenticated caller.

@@ -127,6 +127,7 @@ pub fn interpret_review(
             pod_uid: extra(EXTRA_POD_UID).unwrap_or_default(),
             service_account: sa,
             node_name: extra(EXTRA_NODE_NAME),
+            cluster_id: None,
         }),
     })
 }

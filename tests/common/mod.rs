@@ -24,6 +24,8 @@ use serde_json::json;
 pub struct Kte {
     pub dir: PathBuf,
     pub admin: Client,
+    /// The instance's ServiceAccount issuer (`KTE_ISSUER` in its env file).
+    pub issuer: String,
 }
 
 /// Connects to the test cluster. A missing cluster is a failure, not a skip.
@@ -32,8 +34,29 @@ pub async fn kte() -> Kte {
     let dir = std::env::var_os("KTE_DIR").map(PathBuf::from).unwrap_or_else(|| {
         panic!("KTE_DIR is not set: these tests need the real kube-apiserver. Run ./scripts/test, or `scripts/kube-testenv up DIR && source DIR/env`")
     });
+    kte_at(dir).await
+}
+
+/// The second test cluster (`KTE_REMOTE_DIR`, started by scripts/test with
+/// its own issuer): the remote cluster of the multi-cluster tests. Missing
+/// is a failure, not a skip.
+pub async fn kte_remote() -> Kte {
+    let _ = rustls::crypto::aws_lc_rs::default_provider().install_default();
+    let dir = std::env::var_os("KTE_REMOTE_DIR").map(PathBuf::from).unwrap_or_else(|| {
+        panic!("KTE_REMOTE_DIR is not set: the multi-cluster tests need a second kube-apiserver with its own issuer. Run ./scripts/test, or `KTE_ISSUER=https://remote.kte.invalid scripts/kube-testenv up DIR` and export KTE_REMOTE_DIR=DIR")
+    });
+    kte_at(dir).await
+}
+
+async fn kte_at(dir: PathBuf) -> Kte {
     let admin = client(&dir.join("admin.kubeconfig")).await;
-    Kte { dir, admin }
+    let env = std::fs::read_to_string(dir.join("env")).unwrap_or_default();
+    let issuer = env
+        .lines()
+        .find_map(|l| l.strip_prefix("export KTE_ISSUER="))
+        .map(|v| v.trim_matches(|c| c == '\'' || c == '"').to_string())
+        .unwrap_or_else(|| "https://kubernetes.default.svc.cluster.local".into());
+    Kte { dir, admin, issuer }
 }
 
 pub async fn client(kubeconfig: &std::path::Path) -> Client {
@@ -293,14 +316,7 @@ impl Kte {
             .create(&PostParams::default(), &binding)
             .await
             .unwrap();
-        let token = self
-            .token(
-                &ns,
-                "ca",
-                None,
-                "https://kubernetes.default.svc.cluster.local",
-            )
-            .await;
+        let token = self.token(&ns, "ca", None, &self.issuer.clone()).await;
         let mut kc: serde_yaml_ng::Value =
             serde_yaml_ng::from_str(&std::fs::read_to_string(self.meshca_kubeconfig()).unwrap())
                 .unwrap();

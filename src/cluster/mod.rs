@@ -1,0 +1,794 @@
+//! The cluster registry: per cluster id, what meshca needs to authenticate
+//! and authorize that cluster's callers (a kube client's TokenReview path, a
+//! pod index, a JWKS verifier, a node authorizer). The local cluster
+//! (`CLUSTER_ID`) is one entry; remote clusters come from Istio's remote
+//! secrets ([`secrets`]) and can be added, rotated and removed at runtime.
+//!
+//! Routing follows istiod: the `clusterid` header picks the cluster whose
+//! TokenReview checks a token (empty means local) and, looked up exactly,
+//! the node authorizer of an impersonation. With local verification meshca
+//! does better than trusting the header: the cluster is the one whose keys
+//! verify the token, and a header naming another cluster is refused.
+
+pub mod kubeconfig;
+pub mod secrets;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, RwLock};
+
+use tokio::task::JoinHandle;
+
+use crate::authn::jwks::IssuerKeys;
+use crate::authn::local::TokenVerifier;
+use crate::authn::token::{KubeTokenAuthenticator, TokenReviewSettings};
+use crate::authn::{AuthnError, Caller, Credentials, TokenAuthenticator};
+use crate::authz::{Evidence, ImpersonationError, KubeNodeAuthorizer, NodeAuthorizer, NodePolicy};
+use crate::config::Config;
+use crate::identity::SpiffeId;
+use crate::metrics::Metrics;
+use crate::podindex::PodIndex;
+
+/// Reason codes of the registry's own refusals.
+pub const REASON_UNKNOWN_CLUSTER: &str = "token_unknown_cluster";
+pub const REASON_CLUSTER_MISMATCH: &str = "token_cluster_mismatch";
+
+/// Where a cluster entry comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Origin {
+    Local,
+    /// `namespace/name` of the remote secret.
+    Secret(String),
+}
+
+/// One cluster's authentication and authorization.
+#[derive(Debug)]
+pub struct Cluster {
+    pub id: String,
+    pub origin: Origin,
+    /// Present when node authorization or local verification needs it.
+    pub index: Option<Arc<PodIndex>>,
+    pub reviewer: Arc<KubeTokenAuthenticator>,
+    /// The token path of the configured mode over this cluster's reviewer.
+    pub tokens: Arc<TokenVerifier>,
+    /// The issuer keys, when local verification is on.
+    pub keys: Option<Arc<IssuerKeys>>,
+    /// Present when `CA_TRUSTED_NODE_ACCOUNTS` is set.
+    pub authorizer: Option<KubeNodeAuthorizer>,
+    /// Watches of a remote cluster, stopped when the entry goes.
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+impl Cluster {
+    /// Ready to authorize: its pod index (if any) has synced.
+    pub fn is_synced(&self) -> bool {
+        self.index.as_ref().is_none_or(|i| i.is_synced())
+    }
+}
+
+/// Builds cluster entries from the server's configuration.
+#[derive(Debug)]
+pub struct ClusterFactory {
+    pub cfg: Config,
+    pub metrics: Arc<Metrics>,
+}
+
+impl ClusterFactory {
+    /// The entry for `id` over `client`, and the tasks that keep it current
+    /// (the caller owns them). `renewal_index`: also run the pod index for
+    /// bounded mTLS renewal (the local cluster only).
+    pub fn build(
+        &self,
+        id: &str,
+        client: kube::Client,
+        origin: Origin,
+        renewal_index: bool,
+    ) -> (Cluster, Vec<JoinHandle<()>>) {
+        let cfg = &self.cfg;
+        let kube = cfg
+            .kube
+            .clone()
+            .unwrap_or_else(|| crate::config::KubeSettings {
+                kubeconfig: None,
+                token_cache_ttl: std::time::Duration::from_secs(60),
+                tokenreview_timeout: std::time::Duration::from_secs(5),
+                review_limits: Default::default(),
+                token_verification: Default::default(),
+            });
+        let verification = kube.token_verification;
+        let mut tasks = Vec::new();
+        let index = (!cfg.trusted_node_accounts.is_empty()
+            || renewal_index
+            || verification.mode.uses_local())
+        .then(|| {
+            let index = Arc::new(PodIndex::new());
+            tasks.push(tokio::spawn(crate::podindex::watch::run(
+                client.clone(),
+                index.clone(),
+            )));
+            index
+        });
+        let authorizer = match (&index, cfg.trusted_node_accounts.is_empty()) {
+            (Some(index), false) => Some(KubeNodeAuthorizer {
+                policy: NodePolicy {
+                    trusted: cfg.trusted_node_accounts.iter().cloned().collect(),
+                    trust_domains: cfg.trust_domains(),
+                    cluster_id: id.to_string(),
+                    mtls_impersonation: cfg.mtls_impersonation,
+                },
+                index: index.clone(),
+                max_index_staleness: cfg.kill_switch.renewal.max_index_staleness,
+            }),
+            _ => None,
+        };
+        let settings = TokenReviewSettings {
+            audiences: cfg.token_audiences.clone(),
+            trust_domain: cfg.trust_domain.clone(),
+            cluster_id: id.to_string(),
+            cache_ttl: kube.token_cache_ttl,
+            timeout: kube.tokenreview_timeout,
+            limits: kube.review_limits,
+        };
+        let reviewer = Arc::new(
+            KubeTokenAuthenticator::new(client.clone(), settings, index.clone())
+                .with_metrics(self.metrics.clone()),
+        );
+        let (tokens, keys) = crate::authn::local::build(
+            &client,
+            verification,
+            id,
+            cfg,
+            index.clone(),
+            reviewer.clone(),
+            self.metrics.clone(),
+        );
+        if let Some(keys) = &keys {
+            tasks.push(tokio::spawn(keys.clone().run()));
+        }
+        let cluster = Cluster {
+            id: id.to_string(),
+            origin,
+            index,
+            reviewer,
+            tokens,
+            keys,
+            authorizer,
+            tasks: Vec::new(),
+        };
+        (cluster, tasks)
+    }
+
+    /// A remote cluster's entry; its watches stop when the entry is dropped.
+    pub fn build_remote(&self, id: &str, client: kube::Client, origin: Origin) -> Cluster {
+        let (mut c, tasks) = self.build(id, client, origin, false);
+        c.tasks = tasks;
+        c
+    }
+}
+
+/// The clusters meshca serves, by id.
+#[derive(Debug)]
+pub struct ClusterRegistry {
+    local: String,
+    clusters: RwLock<HashMap<String, Arc<Cluster>>>,
+    /// Whether remote secrets are watched, and whether their first list is done.
+    remote_secrets: bool,
+    secrets_listed: AtomicBool,
+    mode: crate::authn::local::TokenVerificationMode,
+    metrics: Option<Arc<Metrics>>,
+}
+
+impl ClusterRegistry {
+    pub fn new(
+        local: Cluster,
+        mode: crate::authn::local::TokenVerificationMode,
+        remote_secrets: bool,
+        metrics: Option<Arc<Metrics>>,
+    ) -> Self {
+        let id = local.id.clone();
+        let r = Self {
+            local: id.clone(),
+            clusters: RwLock::new(HashMap::from([(id, Arc::new(local))])),
+            remote_secrets,
+            secrets_listed: AtomicBool::new(false),
+            mode,
+            metrics,
+        };
+        r.publish_metrics();
+        r
+    }
+
+    pub fn local_id(&self) -> &str {
+        &self.local
+    }
+
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, HashMap<String, Arc<Cluster>>> {
+        self.clusters.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The entry registered under exactly `id`.
+    pub fn get(&self, id: &str) -> Option<Arc<Cluster>> {
+        self.read().get(id).cloned()
+    }
+
+    pub fn local(&self) -> Arc<Cluster> {
+        // The local entry is inserted at construction and never removed.
+        self.get(&self.local)
+            .unwrap_or_else(|| unreachable!("the local cluster is always registered"))
+    }
+
+    /// Cluster ids, sorted.
+    pub fn ids(&self) -> Vec<String> {
+        let mut v: Vec<String> = self.read().keys().cloned().collect();
+        v.sort();
+        v
+    }
+
+    /// Registers (or replaces) a remote cluster; true when it replaced one.
+    /// The local entry is never replaced.
+    pub fn insert(&self, c: Cluster) -> bool {
+        if c.id == self.local {
+            return false;
+        }
+        let old = self
+            .clusters
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(c.id.clone(), Arc::new(c));
+        self.publish_metrics();
+        old.is_some()
+    }
+
+    /// Drops a remote cluster: new requests naming it are refused at once;
+    /// its watches stop when the last request using it finishes. True when
+    /// it was registered.
+    pub fn remove(&self, id: &str) -> bool {
+        if id == self.local {
+            return false;
+        }
+        let old = self
+            .clusters
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(id);
+        self.publish_metrics();
+        old.is_some()
+    }
+
+    pub fn mark_secrets_listed(&self) {
+        self.secrets_listed.store(true, Ordering::Relaxed);
+    }
+
+    /// Readiness: the remote secrets present at start have been read (each
+    /// remote cluster's own sync is per request: Unavailable until then).
+    pub fn readiness(&self) -> Result<(), &'static str> {
+        if self.remote_secrets && !self.secrets_listed.load(Ordering::Relaxed) {
+            return Err("remote secrets not listed yet");
+        }
+        Ok(())
+    }
+
+    pub(crate) fn kubeconfig_refused(&self, reason: &'static str) {
+        if let Some(m) = &self.metrics {
+            m.clusters.kubeconfig_refused(reason);
+        }
+    }
+
+    /// Exports the known cluster ids (the bound on the metric label).
+    pub fn publish_metrics(&self) {
+        if let Some(m) = &self.metrics {
+            let ids = self.ids();
+            m.clusters.set_clusters(&self.local, &ids);
+        }
+    }
+
+    /// Exports each cluster's sync state (called at scrape time).
+    pub fn publish_sync(&self) {
+        if let Some(m) = &self.metrics {
+            for c in self.read().values() {
+                m.clusters.set_synced(&c.id, c.is_synced());
+            }
+        }
+    }
+
+    /// The cluster a header selects for authentication (istiod: empty or the
+    /// local id is local, else a registered remote).
+    fn select(&self, header: Option<&str>) -> Result<Arc<Cluster>, AuthnError> {
+        let id = header.filter(|h| !h.is_empty()).unwrap_or(&self.local);
+        self.get(id).ok_or_else(|| {
+            AuthnError::Token(
+                format!(
+                    "client claims to be in cluster {id:?}, but we only know about clusters {:?}",
+                    self.ids()
+                ),
+                REASON_UNKNOWN_CLUSTER,
+            )
+        })
+    }
+
+    /// The cluster whose issuer keys can check `token`: its `iss` (and
+    /// `kid`) name exactly one cluster. Read without verification: the
+    /// chosen cluster's verifier then checks the signature.
+    fn cluster_of_token(&self, token: &str) -> Option<Arc<Cluster>> {
+        let (iss, kid) = peek_issuer_kid(token)?;
+        let clusters = self.read();
+        let by_issuer: Vec<&Arc<Cluster>> = clusters
+            .values()
+            .filter(|c| {
+                c.keys
+                    .as_ref()
+                    .and_then(|k| k.current())
+                    .is_some_and(|s| s.issuer == iss)
+            })
+            .collect();
+        if let [one] = by_issuer.as_slice() {
+            return Some((*one).clone());
+        }
+        // Clusters sharing an issuer (a common default) differ by key.
+        let by_key: Vec<&&Arc<Cluster>> = by_issuer
+            .iter()
+            .filter(|c| {
+                c.keys
+                    .as_ref()
+                    .and_then(|k| k.current())
+                    .is_some_and(|s| kid.as_deref().is_some_and(|kid| s.keys.get(kid).is_some()))
+            })
+            .collect();
+        match by_key.as_slice() {
+            [one] => Some((**one).clone()),
+            _ => None,
+        }
+    }
+}
+
+/// Bounded mTLS renewal: a live pod of the identity in any remote cluster
+/// counts (the local index is read by the guard itself).
+impl crate::renewal::LivePods for ClusterRegistry {
+    fn has_live_pod(
+        &self,
+        namespace: &str,
+        service_account: &str,
+        max_staleness: std::time::Duration,
+    ) -> bool {
+        let remotes: Vec<Arc<Cluster>> = self
+            .read()
+            .values()
+            .filter(|c| c.id != self.local)
+            .cloned()
+            .collect();
+        remotes.iter().any(|c| {
+            c.index.as_ref().is_some_and(|i| {
+                i.is_synced()
+                    && crate::renewal::stale(i.disconnected_for(), max_staleness).is_none()
+                    && i.read(|s| s.has_live_pod(namespace, service_account))
+            })
+        })
+    }
+}
+
+/// `iss` and `kid` of a JWT, unverified.
+fn peek_issuer_kid(token: &str) -> Option<(String, Option<String>)> {
+    #[derive(serde::Deserialize)]
+    struct Iss {
+        iss: Option<String>,
+    }
+    let header = jsonwebtoken::decode_header(token).ok()?;
+    let claims: Iss = jsonwebtoken::dangerous::insecure_decode_claims(token).ok()?;
+    Some((claims.iss?, header.kid))
+}
+
+/// istiod's KubeJWT routing over the registry, plus the token's own cluster
+/// under local verification.
+#[tonic::async_trait]
+impl TokenAuthenticator for ClusterRegistry {
+    async fn authenticate(
+        &self,
+        token: &str,
+        cluster_id: Option<&str>,
+    ) -> Result<Caller, AuthnError> {
+        let header = cluster_id.filter(|h| !h.is_empty());
+        let derived = if self.mode.uses_local() {
+            self.cluster_of_token(token)
+        } else {
+            None
+        };
+        let (cluster, from_token) = match derived {
+            Some(c) => (c, true),
+            None => (self.select(header)?, false),
+        };
+        let mut caller = cluster
+            .tokens
+            .authenticate(token, Some(&cluster.id))
+            .await?;
+        if from_token {
+            if let Some(h) = header.filter(|h| *h != cluster.id) {
+                return Err(AuthnError::Token(
+                    format!(
+                        "clusterid header names cluster {h:?}, the token was verified by cluster {:?}",
+                        cluster.id
+                    ),
+                    REASON_CLUSTER_MISMATCH,
+                ));
+            }
+        }
+        if let Some(k) = &mut caller.kube {
+            k.cluster_id = Some(cluster.id.clone());
+        }
+        Ok(caller)
+    }
+
+    /// A success cached by any cluster counts; otherwise the local answer.
+    /// The local cluster is asked first (most callers are local).
+    fn cached_verdict(&self, token: &str) -> Option<bool> {
+        let local = self.local().tokens.cached_verdict(token);
+        if local == Some(true) {
+            return local;
+        }
+        let remotes: Vec<Arc<Cluster>> = self
+            .read()
+            .values()
+            .filter(|c| c.id != self.local)
+            .cloned()
+            .collect();
+        if remotes
+            .iter()
+            .any(|c| c.tokens.cached_verdict(token) == Some(true))
+        {
+            return Some(true);
+        }
+        local
+    }
+}
+
+/// istiod's MulticlusterNodeAuthorizor: the `clusterid` header, looked up
+/// exactly (no "empty means local"), picks the cluster's authorizer.
+impl NodeAuthorizer for ClusterRegistry {
+    fn authorize(
+        &self,
+        caller: &Caller,
+        requested: &str,
+        creds: &Credentials,
+    ) -> Result<(SpiffeId, Evidence), ImpersonationError> {
+        let id = creds.cluster_id.as_deref().unwrap_or("");
+        let cluster = self
+            .get(id)
+            .ok_or_else(|| ImpersonationError::UnknownCluster(id.to_string()))?;
+        let authz = cluster
+            .authorizer
+            .as_ref()
+            .ok_or(ImpersonationError::NotConfigured)?;
+        authz.authorize(caller, requested, creds)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::authn::local::TokenVerificationMode;
+    use crate::authn::token::ReviewBackend;
+    use crate::podindex::{pod, IndexEvent, Phase};
+    use k8s_openapi::api::authentication::v1::{TokenReviewStatus, UserInfo};
+    use test_case::test_case;
+
+    /// One cluster's API server: authenticates only its own token.
+    #[derive(Debug)]
+    struct Apiserver(&'static str);
+
+    #[tonic::async_trait]
+    impl ReviewBackend for Apiserver {
+        async fn review(&self, token: &str, _: &[String]) -> Result<TokenReviewStatus, String> {
+            let ok = token == jwt(self.0);
+            Ok(TokenReviewStatus {
+                authenticated: Some(ok),
+                user: ok.then(|| UserInfo {
+                    username: Some("system:serviceaccount:istio-system:ztunnel".into()),
+                    groups: Some(vec!["system:serviceaccounts".into()]),
+                    extra: Some(
+                        [
+                            (
+                                "authentication.kubernetes.io/pod-name".to_string(),
+                                vec!["zt".to_string()],
+                            ),
+                            (
+                                "authentication.kubernetes.io/pod-uid".to_string(),
+                                vec!["zt-uid".to_string()],
+                            ),
+                        ]
+                        .into(),
+                    ),
+                    uid: None,
+                }),
+                ..Default::default()
+            })
+        }
+    }
+
+    /// A JWT-shaped token that passes the pre-check, distinct per cluster.
+    fn jwt(cluster: &str) -> String {
+        use base64::Engine;
+        let b = |v: serde_json::Value| {
+            base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(v.to_string())
+        };
+        format!(
+            "{}.{}.c2ln",
+            b(serde_json::json!({"alg": "RS256", "kid": format!("k-{cluster}")})),
+            b(
+                serde_json::json!({"iss": format!("https://{cluster}"), "sub": cluster, "exp": 4_000_000_000i64})
+            )
+        )
+    }
+
+    /// A fixed issuer and one RSA key id (the key bytes are never used:
+    /// these tokens are checked by the fake API server).
+    #[derive(Debug)]
+    struct Discovery(String, String);
+
+    #[tonic::async_trait]
+    impl crate::authn::jwks::KeySource for Discovery {
+        async fn fetch(&self) -> Result<(String, Vec<u8>), crate::authn::jwks::JwksError> {
+            let jwks = serde_json::json!({"keys": [{"kty": "RSA", "kid": self.1, "n": "AQAB", "e": "AQAB"}]});
+            Ok((self.0.clone(), jwks.to_string().into_bytes()))
+        }
+    }
+
+    async fn with_keys(mut c: Cluster, issuer: &str, kid: &str) -> Cluster {
+        let keys = Arc::new(IssuerKeys::new(
+            Arc::new(Discovery(issuer.into(), kid.into())),
+            Default::default(),
+        ));
+        assert!(keys.refresh().await && keys.current().is_some());
+        c.keys = Some(keys);
+        c
+    }
+
+    async fn local_mode_registry() -> ClusterRegistry {
+        let r = ClusterRegistry::new(
+            with_keys(
+                cluster("Kubernetes", true),
+                "https://Kubernetes",
+                "k-Kubernetes",
+            )
+            .await,
+            TokenVerificationMode::Local,
+            false,
+            None,
+        );
+        r.insert(with_keys(cluster("east", true), "https://east", "k-east").await);
+        // Two clusters with one issuer (a common default) differ by key.
+        r.insert(with_keys(cluster("c1", false), "https://shared", "k-c1").await);
+        r.insert(with_keys(cluster("c2", false), "https://shared", "k-c2").await);
+        r
+    }
+
+    fn token(iss: &str, kid: &str) -> String {
+        use base64::Engine;
+        let b = |v: serde_json::Value| {
+            base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(v.to_string())
+        };
+        format!(
+            "{}.{}.c2ln",
+            b(serde_json::json!({"alg": "RS256", "kid": kid})),
+            b(serde_json::json!({"iss": iss}))
+        )
+    }
+
+    #[test_case("https://east", "k-other", Some("east") ; "unique issuer")]
+    #[test_case("https://shared", "k-c2", Some("c2") ; "shared issuer by key")]
+    #[test_case("https://shared", "k-c9", None ; "shared issuer unknown key")]
+    #[test_case("https://elsewhere", "k-east", None ; "unknown issuer")]
+    #[tokio::test]
+    async fn cluster_of_token_table(iss: &str, kid: &str, want: Option<&str>) {
+        let r = local_mode_registry().await;
+        let got = r.cluster_of_token(&token(iss, kid)).map(|c| c.id.clone());
+        assert_eq!(got.as_deref(), want);
+        assert!(r.cluster_of_token("not-a-jwt").is_none());
+    }
+
+    // With local verification the token's cluster wins, and a header
+    // naming another one is refused (istiod would trust the header).
+    #[test_case(Some("east"), Ok("east") ; "agreeing header")]
+    #[test_case(None, Ok("east") ; "no header")]
+    #[test_case(Some("Kubernetes"), Err("token_cluster_mismatch") ; "local header")]
+    #[test_case(Some("west"), Err("token_cluster_mismatch") ; "unknown header")]
+    #[tokio::test]
+    async fn header_must_agree_with_the_token(header: Option<&str>, want: Result<&str, &str>) {
+        let r = local_mode_registry().await;
+        let got = r.authenticate(&jwt("east"), header).await;
+        match (got, want) {
+            (Ok(c), Ok(id)) => assert_eq!(c.kube.unwrap().cluster_id.as_deref(), Some(id)),
+            (Err(e), Err(reason)) => assert_eq!(e.reason(), reason, "{e}"),
+            (got, want) => panic!("got {got:?}, want {want:?}"),
+        }
+    }
+
+    fn cluster(id: &'static str, authorize: bool) -> Cluster {
+        let index = Arc::new(PodIndex::new());
+        index.apply(IndexEvent::Init);
+        for p in [
+            pod(
+                "istio-system",
+                "zt",
+                "zt-uid",
+                Some("n1"),
+                "ztunnel",
+                Phase::Running,
+            ),
+            pod("app", "app-0", "a", Some("n1"), "app", Phase::Running),
+        ] {
+            index.apply(IndexEvent::InitApply(p));
+        }
+        index.apply(IndexEvent::InitDone);
+        let settings = TokenReviewSettings {
+            audiences: vec!["istio-ca".into()],
+            trust_domain: crate::identity::TrustDomain::new("cluster.local").unwrap(),
+            cluster_id: id.into(),
+            cache_ttl: std::time::Duration::from_secs(60),
+            timeout: std::time::Duration::from_secs(5),
+            limits: Default::default(),
+        };
+        let reviewer = Arc::new(KubeTokenAuthenticator::with_backend(
+            Arc::new(Apiserver(id)),
+            settings,
+            None,
+        ));
+        Cluster {
+            id: id.into(),
+            origin: Origin::Local,
+            index: Some(index.clone()),
+            tokens: Arc::new(TokenVerifier {
+                mode: TokenVerificationMode::Review,
+                local: None,
+                review: Some(reviewer.clone()),
+                require_pod_binding: false,
+                metrics: None,
+            }),
+            reviewer,
+            keys: None,
+            authorizer:
+                authorize.then(|| KubeNodeAuthorizer {
+                    policy: NodePolicy {
+                        trusted: crate::config::parse_service_accounts("istio-system/ztunnel")
+                            .unwrap()
+                            .into_iter()
+                            .collect(),
+                        trust_domains: vec![
+                            crate::identity::TrustDomain::new("cluster.local").unwrap()
+                        ],
+                        cluster_id: id.into(),
+                        mtls_impersonation: false,
+                    },
+                    index,
+                    max_index_staleness: std::time::Duration::from_secs(60),
+                }),
+            tasks: Vec::new(),
+        }
+    }
+
+    fn registry() -> ClusterRegistry {
+        let r = ClusterRegistry::new(
+            cluster("Kubernetes", true),
+            TokenVerificationMode::Review,
+            true,
+            None,
+        );
+        assert!(!r.insert(cluster("east", true)));
+        assert!(!r.insert(cluster("bare", false)));
+        r
+    }
+
+    // istiod's KubeJWT routing: (token of cluster, clusterid header) -> the
+    // cluster that verified it, or the refusal.
+    #[test_case("Kubernetes", None, Ok("Kubernetes") ; "no header is local")]
+    #[test_case("Kubernetes", Some(""), Ok("Kubernetes") ; "empty header is local")]
+    #[test_case("Kubernetes", Some("Kubernetes"), Ok("Kubernetes") ; "local by id")]
+    #[test_case("east", Some("east"), Ok("east") ; "remote by id")]
+    #[test_case("east", None, Err("token_not_authenticated") ; "remote token reviewed locally")]
+    #[test_case("east", Some("Kubernetes"), Err("token_not_authenticated") ; "remote token wrong header")]
+    #[test_case("east", Some("west"), Err("token_unknown_cluster") ; "unknown cluster")]
+    #[tokio::test]
+    async fn token_routing(token_of: &str, header: Option<&str>, want: Result<&str, &str>) {
+        let r = registry();
+        let got = r.authenticate(&jwt(token_of), header).await;
+        match (got, want) {
+            (Ok(c), Ok(id)) => assert_eq!(c.kube.unwrap().cluster_id.as_deref(), Some(id)),
+            (Err(e), Err(reason)) => assert_eq!(e.reason(), reason, "{e}"),
+            (got, want) => panic!("got {got:?}, want {want:?}"),
+        }
+    }
+
+    // MulticlusterNodeAuthorizor: the header, exactly, picks the authorizer.
+    #[test_case(None, Err("impersonation_unknown_cluster") ; "no header")]
+    #[test_case(Some("Kubernetes"), Ok(()) ; "local")]
+    #[test_case(Some("east"), Ok(()) ; "remote")]
+    #[test_case(Some("west"), Err("impersonation_unknown_cluster") ; "unknown")]
+    #[test_case(Some("bare"), Err("impersonation_not_configured") ; "no authorizer")]
+    #[tokio::test]
+    async fn impersonation_routing(header: Option<&str>, want: Result<(), &str>) {
+        let r = registry();
+        let caller = r.authenticate(&jwt("Kubernetes"), None).await.unwrap();
+        let creds = Credentials {
+            cluster_id: header.map(str::to_string),
+            ..Default::default()
+        };
+        let got = r
+            .authorize(&caller, "spiffe://cluster.local/ns/app/sa/app", &creds)
+            .map(|_| ());
+        assert_eq!(got.map_err(|e| e.reason()), want);
+    }
+
+    #[tokio::test]
+    async fn a_removed_cluster_is_refused_at_once() {
+        let r = registry();
+        assert!(r.authenticate(&jwt("east"), Some("east")).await.is_ok());
+        assert!(r.remove("east"));
+        let e = r
+            .authenticate(&jwt("east"), Some("east"))
+            .await
+            .unwrap_err();
+        assert_eq!(e.reason(), "token_unknown_cluster");
+        // The local cluster is never removed or replaced from outside.
+        assert!(!r.remove("Kubernetes"));
+        assert!(!r.insert(cluster("Kubernetes", false)));
+        assert!(r.local().authorizer.is_some());
+        assert_eq!(r.ids(), vec!["Kubernetes".to_string(), "bare".into()]);
+    }
+
+    #[tokio::test]
+    async fn a_success_cached_by_a_remote_cluster_is_familiar() {
+        let r = registry();
+        assert_eq!(r.cached_verdict(&jwt("east")), None);
+        r.authenticate(&jwt("east"), Some("east")).await.unwrap();
+        assert_eq!(r.cached_verdict(&jwt("east")), Some(true));
+        assert_eq!(r.cached_verdict("not-a-jwt"), Some(false));
+        r.remove("east");
+        assert_eq!(
+            r.cached_verdict(&jwt("east")),
+            None,
+            "its cache went with it"
+        );
+    }
+
+    #[test]
+    fn a_live_pod_in_a_remote_cluster_counts_for_renewal() {
+        use crate::renewal::LivePods;
+        let hour = std::time::Duration::from_secs(3600);
+        let r = ClusterRegistry::new(
+            cluster("Kubernetes", true),
+            TokenVerificationMode::Review,
+            false,
+            None,
+        );
+        // The local index is the guard's own business.
+        assert!(!r.has_live_pod("app", "app", hour));
+        r.insert(cluster("east", true));
+        assert!(r.has_live_pod("app", "app", hour));
+        assert!(!r.has_live_pod("app", "other", hour));
+        // A remote index disconnected beyond the bound does not count.
+        r.get("east")
+            .unwrap()
+            .index
+            .as_ref()
+            .unwrap()
+            .mark_disconnected();
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        assert!(!r.has_live_pod("app", "app", std::time::Duration::ZERO));
+        r.remove("east");
+        assert!(!r.has_live_pod("app", "app", hour));
+    }
+
+    #[test]
+    fn readiness_waits_for_the_remote_secrets() {
+        let r = registry();
+        assert_eq!(r.readiness(), Err("remote secrets not listed yet"));
+        r.mark_secrets_listed();
+        assert_eq!(r.readiness(), Ok(()));
+    }
+}
