@@ -146,7 +146,7 @@ pub fn serving_cert(
         })
         .collect::<Result<_, _>>()?;
     params.not_before = now - time::Duration::minutes(2);
-    params.not_after = (now + SERVING_TTL).min(bundle.signing_not_after());
+    params.not_after = (now + SERVING_TTL).min(bundle.leaf_not_after_limit());
     params.key_usages = vec![
         KeyUsagePurpose::DigitalSignature,
         KeyUsagePurpose::KeyEncipherment,
