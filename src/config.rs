@@ -256,6 +256,9 @@ pub struct ServeArgs {
     pub kill_switch: KillSwitchArgs,
     #[command(flatten)]
     pub token_verification: TokenVerificationArgs,
+    /// Phased CA rotation (`rotation` module).
+    #[command(flatten)]
+    pub rotation: crate::rotation::RotationArgs,
 }
 
 impl ServeArgs {
@@ -910,6 +913,8 @@ pub struct Config {
     pub admission: crate::admission::AdmissionConfig,
     /// Bounded renewal, denylist, revocation.
     pub kill_switch: KillSwitchSettings,
+    /// Phased CA rotation; present when MESHCA_ROTATION_NEXT_DIR is set.
+    pub rotation: Option<crate::rotation::RotationSettings>,
 }
 
 impl Config {
@@ -1104,7 +1109,9 @@ impl Config {
         let (transport, input, admin) = a.limits.parse()?;
         let admission = a.admission.parse()?;
         let kill_switch = a.kill_switch.parse(a, &ttl, kube.is_some())?;
+        let rotation = a.rotation.parse(duration)?;
         Ok(Self {
+            rotation,
             admission,
             kill_switch,
             transport,

@@ -91,6 +91,8 @@ pub struct Metrics {
     pub kill_switch: KillSwitchMetrics,
     /// Token verification by path (local or TokenReview) and the issuer keys.
     pub token_paths: TokenPathMetrics,
+    /// CA rotation (issue 18).
+    pub rotation: crate::rotation::RotationMetrics,
     registry: Registry,
 }
 
@@ -311,7 +313,9 @@ impl Metrics {
         );
         let kill_switch = KillSwitchMetrics::register(&mut registry);
         let token_paths = TokenPathMetrics::register(&mut registry);
+        let rotation = crate::rotation::RotationMetrics::register(&mut registry);
         Self {
+            rotation,
             admission_shed,
             admission_running,
             admission_queued,

@@ -76,6 +76,13 @@ pub struct AuditRecord {
     /// source and reason the record stands for.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub count: Option<u64>,
+    /// CA rotation records: the phase change (`trust->switched`) or the
+    /// phase a forced step did not apply to.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rotation_step: Option<String>,
+    /// Who forced a rotation step, and why (`meshca rotate force`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rotation_forced: Option<String>,
 }
 
 /// What a reduced record stands for.
@@ -128,6 +135,8 @@ impl AuditRecord {
             token_verified_by: None,
             token_local_fallback: None,
             count: None,
+            rotation_step: None,
+            rotation_forced: None,
         }
     }
 
