@@ -82,6 +82,26 @@ async fn renew(addr: std::net::SocketAddr, h: &Holder) -> Result<Holder, String>
         return Err(format!("chain of {n} elements"));
     }
     let chain = resp.cert_chain[..n - 1].concat();
+    // One generation per response: the leaf verifies through the response's
+    // own chain to the response's own roots.
+    let trust = &resp.cert_chain[n - 1];
+    let certs = pem_certs(&chain);
+    let anchors: Vec<_> = pem_certs(trust)
+        .iter()
+        .map(|r| webpki::anchor_from_trusted_cert(r).unwrap().to_owned())
+        .collect();
+    webpki::EndEntityCert::try_from(&certs[0])
+        .unwrap()
+        .verify_for_usage(
+            webpki::ALL_VERIFICATION_ALGS,
+            &anchors,
+            &certs[1..],
+            UnixTime::now(),
+            webpki::KeyUsage::client_auth(),
+            None,
+            None,
+        )
+        .map_err(|e| format!("response chain does not verify to its own roots: {e:?}"))?;
     Ok(Holder {
         id: h.id.clone(),
         not_after: not_after(&chain),
@@ -847,6 +867,46 @@ async fn forced_switch_is_applied_and_audited() {
         let b = meshca::ca::CaBundle::load_dir(&next_dir, OffsetDateTime::now_utc()).unwrap();
         b.key_id().to_string()
     });
+    let (_, metrics) = testing::http_get(app.admin_addr, "/metrics").await;
+    assert!(metrics.contains("meshca_rotation_phase 2"), "{metrics}");
+    assert!(
+        metrics.contains("meshca_rotation_trusted_roots 2"),
+        "{metrics}"
+    );
+    // The operator's view, from the state on disk.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_meshca"))
+        .args(["rotate", "status", "--ca-dir"])
+        .arg(&ca_dir)
+        .arg("--rotation-next-dir")
+        .arg(&next_dir)
+        .arg("--rotation-state")
+        .arg(&settings.state_file)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("phase: switched"), "{text}");
+    assert!(
+        text.contains("waiting for: leaves signed by the old CA to expire"),
+        "{text}"
+    );
+    assert!(text.contains("ETA"), "{text}");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_meshca"))
+        .args(["rotate", "plan", "--ca-dir"])
+        .arg(&ca_dir)
+        .arg("--rotation-next-dir")
+        .arg(&next_dir)
+        .arg("--rotation-state")
+        .arg(&settings.state_file)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("retire: at"), "{text}");
+    assert!(text.contains("promote:"), "{text}");
     let recs = audit.records();
     let forced = recs
         .iter()
