@@ -873,6 +873,14 @@ async fn forced_switch_is_applied_and_audited() {
         metrics.contains("meshca_rotation_trusted_roots 2"),
         "{metrics}"
     );
+    assert!(
+        metrics.contains("meshca_ca_reloads_total{result=\"swapped\"}"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("meshca_rotation_transitions_total{to=\"switched\",forced=\"true\"} 1"),
+        "{metrics}"
+    );
     // The operator's view, from the state on disk.
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_meshca"))
         .args(["rotate", "status", "--ca-dir"])

@@ -176,6 +176,8 @@ pub struct Report {
     pub next_error: Option<String>,
     pub force_ignored: Option<Step>,
     pub progress: phase::Progress,
+    /// This evaluation installed a new CA snapshot.
+    pub swapped: bool,
 }
 
 impl std::fmt::Display for Report {
@@ -376,6 +378,7 @@ impl Rotation {
             next_error: m.next_error.clone(),
             force_ignored: force.as_ref().filter(|_| d.force_ignored).map(|f| f.step),
             progress: d.progress.clone(),
+            swapped: false,
         };
         if let Some(reason) = d.blocked {
             self.observe(&report);
@@ -441,6 +444,7 @@ impl Rotation {
                     })?;
             }
             self.store.swap(bundle);
+            report.swapped = true;
         }
         let progress = d.progress.clone();
         self.state.update(|f| {
@@ -548,12 +552,24 @@ impl Rotation {
                 me.evaluate(force)
             })
             .await;
-            match result {
-                Ok(Ok(_)) => {}
+            // Counted like the plain hot reload (meshca_ca_reloads).
+            let outcome = match result {
+                Ok(Ok(r)) => r.swapped.then_some("swapped"),
                 Ok(Err(e)) => {
-                    tracing::error!(reason = e.reason(), error = %e, "CA rotation evaluation failed; still serving the previous snapshot")
+                    tracing::error!(reason = e.reason(), error = %e, "CA rotation evaluation failed; still serving the previous snapshot");
+                    Some(e.reason())
                 }
-                Err(e) => tracing::error!(error = %e, "CA rotation task failed"),
+                Err(e) => {
+                    tracing::error!(error = %e, "CA rotation task failed");
+                    Some("task_failed")
+                }
+            };
+            if let (Some(result), Some(m)) = (outcome, &self.metrics) {
+                m.ca_reloads
+                    .get_or_create(&crate::metrics::ResultLabels {
+                        result: result.to_string(),
+                    })
+                    .inc();
             }
         }
     }
@@ -635,6 +651,7 @@ pub fn status(
         next_error: m.next_error,
         force_ignored: None,
         progress: file.progress,
+        swapped: false,
     })
 }
 
