@@ -295,7 +295,11 @@ pub struct Rotation {
     audit: Option<Arc<dyn AuditSink>>,
     metrics: Option<Arc<crate::metrics::Metrics>>,
     allow_root_change: bool,
+    max_ttl: Duration,
 }
+
+/// Longest wait for requests still signing with a replaced snapshot.
+const DRAIN_WAIT: Duration = Duration::from_secs(10);
 
 #[derive(Debug)]
 struct Mark(Arc<StateStore>);
@@ -335,6 +339,7 @@ impl Rotation {
             audit: None,
             metrics: None,
             allow_root_change,
+            max_ttl,
         })
     }
 
@@ -381,6 +386,9 @@ impl Rotation {
             swapped: false,
         };
         if let Some(reason) = d.blocked {
+            if let Some(f) = &force {
+                self.audit_force_ignored(f, reason);
+            }
             self.observe(&report);
             return Err(RotationError::Blocked(reason));
         }
@@ -426,6 +434,7 @@ impl Rotation {
             },
             ..signer_files
         };
+        let mut progress = d.progress.clone();
         let served = self.store.snapshot();
         if effective.fingerprint() != served.fingerprint() {
             let bundle = CaBundle::from_files(effective, now).map_err(|source| {
@@ -445,8 +454,24 @@ impl Rotation {
             }
             self.store.swap(bundle);
             report.swapped = true;
+            // A request that took the replaced snapshot just before the
+            // swap records its leaf after the mark was read: wait for those
+            // to finish, then let the gates cover them too.
+            let gates = transitions
+                .iter()
+                .any(|t| matches!(t.to, Phase::Trust | Phase::Switched));
+            if gates {
+                let mark = self.drained_mark(served, now);
+                if began {
+                    progress.pre_trust_max_not_after =
+                        progress.pre_trust_max_not_after.map(|m| m.max(mark));
+                }
+                if transitions.iter().any(|t| t.to == Phase::Switched) {
+                    progress.old_max_not_after = progress.old_max_not_after.map(|m| m.max(mark));
+                }
+                report.progress = progress.clone();
+            }
         }
-        let progress = d.progress.clone();
         self.state.update(|f| {
             f.progress = progress;
             if f.progress.phase == Phase::Idle {
@@ -469,6 +494,25 @@ impl Rotation {
         }
         self.observe(&report);
         Ok(report)
+    }
+
+    /// The issuance mark once no request holds `replaced` any more (or,
+    /// after [`DRAIN_WAIT`], the bound every leaf signed until now obeys).
+    fn drained_mark(&self, replaced: Arc<CaBundle>, now: OffsetDateTime) -> i64 {
+        let start = std::time::Instant::now();
+        while Arc::strong_count(&replaced) > 1 {
+            if start.elapsed() >= DRAIN_WAIT {
+                tracing::warn!(
+                    "requests still hold the replaced CA snapshot; gating on now + the longest TTL"
+                );
+                return self
+                    .state
+                    .issued_max_not_after()
+                    .max((now + self.max_ttl).unix_timestamp());
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        self.state.issued_max_not_after()
     }
 
     fn observe(&self, r: &Report) {
