@@ -598,6 +598,10 @@ impl CaBundle {
     pub fn signing_cert(&self) -> &CertificateDer<'static> {
         &self.signing_cert
     }
+    /// URI name constraints of the CAs on the signing path.
+    pub fn uri_constraints(&self) -> &[super::constraints::UriConstraints] {
+        &self.uri_constraints
+    }
     pub fn root_not_after(&self) -> OffsetDateTime {
         self.root_not_after
     }
