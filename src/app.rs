@@ -108,9 +108,18 @@ impl App {
     pub async fn start(cfg: &Config, mut deps: Deps) -> anyhow::Result<Self> {
         // One crypto provider for every rustls user in the process (kube, tonic).
         let _ = rustls::crypto::aws_lc_rs::default_provider().install_default();
-        let ca = Arc::new(
-            CaStore::from_dir(&cfg.ca_dir, cfg.allow_root_change).context("loading CA material")?,
-        );
+        // Under a phased rotation the controller reads the CA directory
+        // (and the staged one) itself; the store then has no directory.
+        let ca = Arc::new(match &cfg.rotation {
+            None => CaStore::from_dir(&cfg.ca_dir, cfg.allow_root_change)
+                .context("loading CA material")?,
+            Some(_) => CaStore::new(
+                CaBundle::load_dir(&cfg.ca_dir, OffsetDateTime::now_utc())
+                    .context("loading CA material")?,
+                None,
+                cfg.allow_root_change,
+            ),
+        });
         let metrics = Arc::new(Metrics::new());
         let mut audit_writer = None;
         let mut audit_anchor = None;
@@ -163,22 +172,16 @@ impl App {
         if let Some(kube) = &cfg.kube {
             let client = kube_client(kube.kubeconfig.as_deref()).await?;
             kube_client_opt = Some(client.clone());
+            // Trust sinks: every CA swap (a rotation phase included) that
+            // changes the roots reaches each publisher through this watch.
+            // A ClusterTrustBundle publisher subscribes here too
+            // (`trust_feed.clone()`, writing `TrustSet::roots_pem`).
+            let (trust_feed, follow_task) = crate::rotation::trust::follow(ca.clone());
+            background.push(follow_task);
             if let Some(settings) = cfg.root_publisher.clone() {
-                // Feed the publisher the raw root bundle (what istiod publishes), on every CA swap.
-                let (tx, rx) = tokio::sync::watch::channel(ca.snapshot().root_bundle().to_string());
-                let (mut generation, store) = (ca.subscribe(), ca.clone());
-                background.push(tokio::spawn(async move {
-                    while generation.changed().await.is_ok() {
-                        let root = store.snapshot().root_bundle().to_string();
-                        tx.send_if_modified(|cur| {
-                            let changed = *cur != root;
-                            if changed {
-                                *cur = root;
-                            }
-                            changed
-                        });
-                    }
-                }));
+                // The ConfigMap gets the bundle text (what istiod publishes).
+                let (rx, map_task) = crate::rotation::trust::bundle_pems(trust_feed.clone());
+                background.push(map_task);
                 background.push(tokio::spawn(crate::rootpub::run(
                     client.clone(),
                     settings,
@@ -228,6 +231,24 @@ impl App {
             tracing::warn!(
                 "CA_TRUSTED_NODE_ACCOUNTS is set but Kubernetes is off: impersonation is disabled"
             );
+        }
+        if let Some(settings) = cfg.rotation.clone() {
+            let rotation = crate::rotation::Rotation::new(
+                settings,
+                &cfg.ca_dir,
+                ca.clone(),
+                cfg.ttl.max,
+                cfg.allow_root_change,
+            )
+            .context("opening the CA rotation state")?
+            .with_audit(audit.clone())
+            .with_metrics(metrics.clone());
+            // Serve the phase on disk from the first request on.
+            let report = rotation
+                .evaluate(None)
+                .context("bringing the CA to the rotation phase on disk")?;
+            tracing::info!(phase = report.phase.as_str(), "CA rotation on");
+            background.push(tokio::spawn(Arc::new(rotation).run(cfg.reload_poll)));
         }
         let kill_switch = crate::guards::start(
             cfg,

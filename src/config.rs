@@ -258,6 +258,9 @@ pub struct ServeArgs {
     pub token_verification: TokenVerificationArgs,
     #[command(flatten)]
     pub multicluster: MultiClusterArgs,
+    /// Phased CA rotation (`rotation` module).
+    #[command(flatten)]
+    pub rotation: crate::rotation::RotationArgs,
 }
 
 impl ServeArgs {
@@ -1006,6 +1009,8 @@ pub struct Config {
     pub kill_switch: KillSwitchSettings,
     /// Remote clusters from Istio's remote secrets.
     pub multicluster: MultiClusterSettings,
+    /// Phased CA rotation; present when MESHCA_ROTATION_NEXT_DIR is set.
+    pub rotation: Option<crate::rotation::RotationSettings>,
 }
 
 impl Config {
@@ -1201,8 +1206,10 @@ impl Config {
         let admission = a.admission.parse()?;
         let kill_switch = a.kill_switch.parse(a, &ttl, kube.is_some())?;
         let multicluster = a.multicluster.parse(kube.is_some())?;
+        let rotation = a.rotation.parse(duration)?;
         Ok(Self {
             multicluster,
+            rotation,
             admission,
             kill_switch,
             transport,

@@ -427,6 +427,9 @@ impl CertificateIssuer {
             r.csr_sans = out.csr_sans;
         }
         let signed = out.result?;
+        // Durable before the leaf leaves (rotation gates read it); rare
+        // small write, so it stays on this task.
+        self.ca.record_issued(signed.not_after)?;
         let r = audit.record();
         r.lifetime = Some(signed.choice);
         r.serial = Some(signed.serial_hex);
@@ -513,7 +516,7 @@ impl SignJob {
             OffsetDateTime::now_utc(),
             self.validity_secs,
             &self.ttl,
-            self.bundle.signing_not_after(),
+            self.bundle.leaf_not_after_limit(),
             ttl::random_draw(),
         )?;
         let leaf = self.bundle.sign_leaf(

@@ -28,6 +28,7 @@ pub mod proto;
 pub mod renewal;
 pub mod revocation;
 pub mod rootpub;
+pub mod rotation;
 pub mod table;
 pub mod tls;
 pub mod transport;

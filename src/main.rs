@@ -57,6 +57,9 @@ enum Command {
     /// Read the audit log: verify its hash chain and signed checkpoints, query it.
     #[command(subcommand)]
     Audit(AuditCommand),
+    /// Phased CA rotation: show the phase and plan, or force a step.
+    #[command(subcommand)]
+    Rotate(RotateCommand),
     /// Show a certificate chain as istioctl's ztunnel-config certificates table,
     /// each chain verified against --root. VALID CERT is, for a leaf or an
     /// intermediate, whether the identity's whole chain verifies to --root now
@@ -240,6 +243,7 @@ async fn main() -> anyhow::Result<()> {
         Command::Certs(args) => certs(args).await,
         Command::Request(args) => meshca::certs::request(&args).await,
         Command::Revoke(args) => revoke(*args),
+        Command::Rotate(cmd) => rotate(cmd),
         Command::Init {
             out,
             key_type,
@@ -265,6 +269,80 @@ async fn main() -> anyhow::Result<()> {
             Ok(())
         }
     }
+}
+
+/// Where the rotation lives: the same flags and env vars as `serve`.
+#[derive(clap::Args)]
+struct RotateWhere {
+    /// CA directory (`cacerts` or kubernetes.io/tls layout).
+    #[arg(long, env = "ROOT_CA_DIR", default_value = "./etc/cacerts")]
+    ca_dir: PathBuf,
+    #[command(flatten)]
+    rotation: meshca::rotation::RotationArgs,
+    /// Longest workload TTL (bounds gates on leaves not yet issued).
+    #[arg(long, env = "MAX_WORKLOAD_CERT_TTL", default_value = "2160h")]
+    max_ttl: String,
+}
+
+#[derive(Subcommand)]
+enum RotateCommand {
+    /// The phase, what it waits for, and when it will be done.
+    Status(RotateWhere),
+    /// The steps still ahead, with the earliest time of each.
+    Plan(RotateWhere),
+    /// Ask the server to take a step before its gate opens. The server
+    /// applies it at its next poll and writes it to the audit log.
+    Force {
+        #[command(flatten)]
+        at: RotateWhere,
+        /// The step: `switch` (sign with the new CA) or `retire` (drop the old roots).
+        #[arg(long, value_enum)]
+        step: meshca::rotation::phase::Step,
+        /// Why (recorded in the audit log).
+        #[arg(long)]
+        reason: String,
+        /// Must be given: forcing a step can break clients still holding
+        /// old trust or old leaves.
+        #[arg(long)]
+        i_understand_clients_may_fail: bool,
+    },
+}
+
+fn rotate(cmd: RotateCommand) -> anyhow::Result<()> {
+    let settings = |w: &RotateWhere| -> anyhow::Result<meshca::rotation::RotationSettings> {
+        w.rotation
+            .parse(|name, v| parse_go_duration(v).map_err(|e| anyhow::anyhow!("{name}: {e}")))?
+            .context("MESHCA_ROTATION_NEXT_DIR (--rotation-next-dir) is not set: rotation is off")
+    };
+    let now = OffsetDateTime::now_utc();
+    match cmd {
+        RotateCommand::Status(w) => {
+            let r = meshca::rotation::status(&w.ca_dir, &settings(&w)?, now)?;
+            print!("{r}");
+        }
+        RotateCommand::Plan(w) => {
+            let max_ttl = parse_go_duration(&w.max_ttl).map_err(anyhow::Error::msg)?;
+            for line in meshca::rotation::plan(&w.ca_dir, &settings(&w)?, max_ttl, now)? {
+                println!("{line}");
+            }
+        }
+        RotateCommand::Force {
+            at,
+            step,
+            reason,
+            i_understand_clients_may_fail,
+        } => {
+            anyhow::ensure!(
+                i_understand_clients_may_fail,
+                "forcing {step:?} skips a gate that protects clients; pass --i-understand-clients-may-fail"
+            );
+            anyhow::ensure!(!reason.trim().is_empty(), "--reason must say why");
+            let by = std::env::var("USER").unwrap_or_else(|_| "unknown".into());
+            meshca::rotation::request_force(&settings(&at)?, step, &reason, &by)?;
+            println!("force {step:?} requested; the server applies it at its next poll and records it in the audit log");
+        }
+    }
+    Ok(())
 }
 
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {

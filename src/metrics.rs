@@ -93,6 +93,8 @@ pub struct Metrics {
     pub token_paths: TokenPathMetrics,
     /// Requests by cluster and the remote cluster registry.
     pub clusters: ClusterMetrics,
+    /// CA rotation (issue 18).
+    pub rotation: crate::rotation::RotationMetrics,
     registry: Registry,
 }
 
@@ -314,8 +316,10 @@ impl Metrics {
         let kill_switch = KillSwitchMetrics::register(&mut registry);
         let token_paths = TokenPathMetrics::register(&mut registry);
         let clusters = ClusterMetrics::register(&mut registry);
+        let rotation = crate::rotation::RotationMetrics::register(&mut registry);
         Self {
             clusters,
+            rotation,
             admission_shed,
             admission_running,
             admission_queued,

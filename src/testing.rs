@@ -219,6 +219,7 @@ pub fn test_config(ca_dir: PathBuf) -> crate::config::Config {
         admission: Default::default(),
         kill_switch: Default::default(),
         multicluster: Default::default(),
+        rotation: None,
     }
 }
 

@@ -90,7 +90,7 @@ fn build(
 ) -> Result<ServerConfig, TlsError> {
     let (chain, key) = serving_cert(bundle, names)?;
     let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
-    let verifier = SpiffeClientVerifier::new(bundle.roots(), tds.to_vec(), provider.clone())?;
+    let verifier = SpiffeClientVerifier::for_bundle(bundle, tds.to_vec(), provider.clone())?;
     let mut config = ServerConfig::builder_with_provider(provider)
         .with_protocol_versions(&[&rustls::version::TLS13, &rustls::version::TLS12])?
         .with_client_cert_verifier(Arc::new(verifier))
@@ -146,7 +146,7 @@ pub fn serving_cert(
         })
         .collect::<Result<_, _>>()?;
     params.not_before = now - time::Duration::minutes(2);
-    params.not_after = (now + SERVING_TTL).min(bundle.signing_not_after());
+    params.not_after = (now + SERVING_TTL).min(bundle.leaf_not_after_limit());
     params.key_usages = vec![
         KeyUsagePurpose::DigitalSignature,
         KeyUsagePurpose::KeyEncipherment,

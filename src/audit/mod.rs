@@ -81,6 +81,13 @@ pub struct AuditRecord {
     /// header as sent, else this CA's `CLUSTER_ID`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cluster_id: Option<String>,
+    /// CA rotation records: the phase change (`trust->switched`) or the
+    /// phase a forced step did not apply to.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rotation_step: Option<String>,
+    /// Who forced a rotation step, and why (`meshca rotate force`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rotation_forced: Option<String>,
 }
 
 /// What a reduced record stands for.
@@ -134,6 +141,8 @@ impl AuditRecord {
             token_local_fallback: None,
             count: None,
             cluster_id: None,
+            rotation_step: None,
+            rotation_forced: None,
         }
     }
 

@@ -29,6 +29,9 @@ pub enum MtlsError {
     /// Checked per request: a connection may outlive the handshake's check.
     #[error("client certificate expired at unix time {0}")]
     Expired(i64),
+    /// A URI name constraint on the signing path does not permit it.
+    #[error("identity {0} is outside the URI name constraints of the signing path")]
+    OutsideNameConstraints(String),
 }
 
 impl MtlsError {
@@ -39,6 +42,7 @@ impl MtlsError {
             Self::NotSpiffe(_) => "mtls_not_spiffe",
             Self::ForeignTrustDomain(_) => "mtls_foreign_trust_domain",
             Self::Expired(_) => "mtls_cert_expired",
+            Self::OutsideNameConstraints(_) => "mtls_outside_name_constraints",
         }
     }
 }
@@ -118,6 +122,8 @@ fn identity_of_parsed(
 pub struct SpiffeClientVerifier {
     inner: Arc<dyn ClientCertVerifier>,
     trust_domains: Vec<TrustDomain>,
+    /// Checked here: webpki rejects every URI SAN under a URI constraint.
+    uri_constraints: Vec<crate::ca::constraints::UriConstraints>,
 }
 
 impl SpiffeClientVerifier {
@@ -130,6 +136,40 @@ impl SpiffeClientVerifier {
         for root in roots {
             store.add(root.clone())?;
         }
+        Self::from_store(store, trust_domains, Vec::new(), provider)
+    }
+
+    /// The verifier for callers holding `bundle`'s leaves. When its signing
+    /// path carries URI name constraints, webpki (which cannot evaluate
+    /// them) would refuse every caller: the signing certificate, verified
+    /// at load to chain to a root, then also serves as an anchor without
+    /// constraints, and the constraints are enforced here instead.
+    pub fn for_bundle(
+        bundle: &crate::ca::CaBundle,
+        trust_domains: Vec<TrustDomain>,
+        provider: Arc<rustls::crypto::CryptoProvider>,
+    ) -> Result<Self, rustls::Error> {
+        let mut store = RootCertStore::empty();
+        for root in bundle.roots() {
+            store.add(root.clone())?;
+        }
+        let constraints = bundle.uri_constraints().to_vec();
+        if !constraints.is_empty() {
+            let mut anchor = webpki::anchor_from_trusted_cert(bundle.signing_cert())
+                .map_err(|e| rustls::Error::General(format!("signing certificate: {e:?}")))?
+                .to_owned();
+            anchor.name_constraints = None;
+            store.roots.push(anchor);
+        }
+        Self::from_store(store, trust_domains, constraints, provider)
+    }
+
+    fn from_store(
+        store: RootCertStore,
+        trust_domains: Vec<TrustDomain>,
+        uri_constraints: Vec<crate::ca::constraints::UriConstraints>,
+        provider: Arc<rustls::crypto::CryptoProvider>,
+    ) -> Result<Self, rustls::Error> {
         let inner = WebPkiClientVerifier::builder_with_provider(Arc::new(store), provider)
             .allow_unauthenticated()
             .build()
@@ -137,6 +177,7 @@ impl SpiffeClientVerifier {
         Ok(Self {
             inner,
             trust_domains,
+            uri_constraints,
         })
     }
 }
@@ -163,13 +204,21 @@ impl ClientCertVerifier for SpiffeClientVerifier {
         let verified = self
             .inner
             .verify_client_cert(end_entity, intermediates, now)?;
-        identity_of(end_entity, Some(&self.trust_domains)).map_err(|e| {
-            tracing::warn!(reason = e.reason(), error = %e, "rejected client certificate");
-            // Carried in the error so the transport can audit the precise reason.
-            rustls::Error::InvalidCertificate(CertificateError::Other(rustls::OtherError(
-                Arc::new(e),
-            )))
-        })?;
+        identity_of(end_entity, Some(&self.trust_domains))
+            .and_then(|id| {
+                let uri = id.to_string();
+                match self.uri_constraints.iter().all(|c| c.allows(&uri)) {
+                    true => Ok(id),
+                    false => Err(MtlsError::OutsideNameConstraints(uri)),
+                }
+            })
+            .map_err(|e| {
+                tracing::warn!(reason = e.reason(), error = %e, "rejected client certificate");
+                // Carried in the error so the transport can audit the precise reason.
+                rustls::Error::InvalidCertificate(CertificateError::Other(rustls::OtherError(
+                    Arc::new(e),
+                )))
+            })?;
         Ok(verified)
     }
 

@@ -56,6 +56,10 @@ pub enum MaterialError {
     ChainInvalid(String),
     #[error("signing certificate has expired at {0}")]
     Expired(OffsetDateTime),
+    #[error("cert-chain.pem does not start with ca-cert.pem ({0}): the chain served in every response must be the signing certificate's own")]
+    ChainMismatch(String),
+    #[error("signing path carries an unusable name constraint: {0}")]
+    BadNameConstraint(String),
     #[error("root bundle changed; refusing to switch roots under running workloads (set ISTIO_MULTIROOT_MESH=true to allow adding or removing roots)")]
     RootChanged,
 }
@@ -75,6 +79,8 @@ impl MaterialError {
             Self::ChainInvalid(_) => "ca_chain_invalid",
             Self::Expired(_) => "ca_expired",
             Self::RootChanged => "ca_root_changed",
+            Self::ChainMismatch(_) => "ca_chain_mismatch",
+            Self::BadNameConstraint(_) => "ca_bad_name_constraint",
         }
     }
 }
@@ -86,6 +92,13 @@ pub enum SignError {
     PublicKey(String),
     #[error("certificate generation failed: {0}")]
     Generation(String),
+    /// A CA on the signing path confines identities (URI name constraints)
+    /// and this one is outside: clients would reject the leaf.
+    #[error("identity {identity} is outside the URI name constraints of {ca}")]
+    OutsideNameConstraints { identity: String, ca: String },
+    /// The issuance mark could not be made durable; the leaf is withheld.
+    #[error("recording the issued leaf failed: {0}")]
+    IssuanceRecord(String),
 }
 
 impl SignError {
@@ -93,6 +106,8 @@ impl SignError {
         match self {
             Self::PublicKey(_) => "sign_public_key",
             Self::Generation(_) => "sign_generation",
+            Self::OutsideNameConstraints { .. } => "sign_outside_name_constraints",
+            Self::IssuanceRecord(_) => "sign_issuance_record_failed",
         }
     }
 }
@@ -190,6 +205,8 @@ pub struct CaBundle {
     issuer: Issuer<'static, KeyPair>,
     signing_cert: CertificateDer<'static>,
     signing_not_after: OffsetDateTime,
+    /// Earliest not_after on the verified path (signing cert .. root).
+    leaf_not_after_limit: OffsetDateTime,
     key_id: String,
     key_algorithm: &'static str,
     chain_elements: Vec<String>,
@@ -198,6 +215,8 @@ pub struct CaBundle {
     intermediates: Vec<CertificateDer<'static>>,
     root_not_after: OffsetDateTime,
     chain_not_after: Option<OffsetDateTime>,
+    /// URI name constraints of the CAs on the path.
+    uri_constraints: Vec<super::constraints::UriConstraints>,
     fingerprint: [u8; 32],
     source: String,
 }
@@ -311,29 +330,34 @@ impl CaBundle {
                 .ok()
                 .map(|(_, c)| c.validity().not_after.to_datetime())
         };
+        // The chain is served verbatim after every leaf: it must start with
+        // the certificate that signs the leaves, or clients get a chain of
+        // another generation (istiod does not check this; its clients then
+        // fail to build a path).
+        if let Some(first) = chain.first() {
+            if *first != signing_cert {
+                return Err(MaterialError::ChainMismatch(format!(
+                    "its first certificate is {}, ca-cert.pem is {}",
+                    describe(first),
+                    describe(&signing_cert)
+                )));
+            }
+        }
         let root_not_after = not_after_of(&roots[0]).unwrap_or(signing_not_after);
         let chain_not_after = chain.first().and_then(not_after_of);
-        let mut intermediates = vec![signing_cert.clone()];
-        intermediates.extend(chain.iter().cloned());
-        // The probe may chain only through the signing certificate itself:
-        // another certificate for the signing key (a good copy in
-        // cert-chain.pem) would otherwise vouch for a tampered ca-cert.pem.
-        let probe_path: Vec<_> = intermediates
-            .iter()
-            .enumerate()
-            .filter(|(i, c)| {
-                *i == 0
-                    || X509Certificate::from_der(c).map_or(true, |(_, p)| {
-                        p.public_key().subject_public_key.data != spki.subject_public_key.data
-                    })
-            })
-            .map(|(_, c)| c.clone())
-            .collect();
+        // What the response carries between leaf and root; with an empty
+        // chain the signing certificate must itself be a root.
+        let intermediates = if chain.is_empty() {
+            vec![signing_cert.clone()]
+        } else {
+            chain.clone()
+        };
 
-        let bundle = Self {
+        let mut bundle = Self {
             issuer,
             signing_cert,
             signing_not_after,
+            leaf_not_after_limit: signing_not_after,
             key_id,
             key_algorithm,
             chain_elements: split_elements(&files.cert_chain),
@@ -342,24 +366,38 @@ impl CaBundle {
             intermediates,
             root_not_after,
             chain_not_after,
+            uri_constraints: Vec::new(),
             fingerprint,
             source: files.source,
         };
-        bundle.probe(now, &probe_path)?;
+        let path = bundle.probe(now, &chain)?;
+        // Leaves end no later than any CA on their path, root included: a
+        // leaf outliving a higher intermediate stops verifying before its
+        // holder renews it at half-life.
+        bundle.leaf_not_after_limit = path
+            .iter()
+            .filter_map(not_after_of)
+            .fold(signing_not_after, OffsetDateTime::min);
+        for ca in &path {
+            if let Some(c) =
+                super::constraints::uri_constraints(ca).map_err(MaterialError::BadNameConstraint)?
+            {
+                bundle.uri_constraints.push(c);
+            }
+        }
         Ok(bundle)
     }
 
-    /// Signs a throwaway leaf and verifies it with webpki against the roots:
-    /// proves key, issuer name encoding and chain all fit together.
+    /// Signs a throwaway leaf and verifies it with webpki against the roots,
+    /// through exactly the certificates the response carries: proves key,
+    /// issuer name encoding and served chain all fit together. Returns the
+    /// CA certificates of the verified path (signing cert first, root last).
     fn probe(
         &self,
         now: OffsetDateTime,
-        intermediates: &[CertificateDer<'static>],
-    ) -> Result<(), MaterialError> {
+        served: &[CertificateDer<'static>],
+    ) -> Result<Vec<CertificateDer<'static>>, MaterialError> {
         let key = KeyPair::generate().map_err(|e| MaterialError::BadKey(e.to_string()))?;
-        let id: SpiffeId = "spiffe://meshca.probe/ns/probe/sa/probe"
-            .parse()
-            .map_err(|_| MaterialError::ChainInvalid("probe identity".into()))?;
         let validity = Validity {
             not_before: now - time::Duration::minutes(2),
             not_after: (now + time::Duration::hours(1)).min(self.signing_not_after),
@@ -368,10 +406,13 @@ impl CaBundle {
         let spki =
             SubjectPublicKeyInfo::from_der(&rcgen::PublicKeyData::subject_public_key_info(&key))
                 .map_err(|e| MaterialError::BadKey(e.to_string()))?;
+        // No SAN: webpki fails closed on URI name constraints (see
+        // ca::constraints); path, signatures, validity and usages are what
+        // the probe proves, and URI constraints are checked before signing.
         let leaf = self
-            .sign_leaf_spki(&spki, &id, false, &validity)
+            .sign_leaf_spki(&spki, None, false, &validity)
             .map_err(|e| MaterialError::ChainInvalid(e.to_string()))?;
-        self.verify_leaf_via(&leaf.der, now, intermediates)
+        self.verify_path(&leaf.der, now, served)
             .map_err(MaterialError::ChainInvalid)
     }
 
@@ -381,15 +422,17 @@ impl CaBundle {
         leaf: &CertificateDer<'_>,
         now: OffsetDateTime,
     ) -> Result<(), String> {
-        self.verify_leaf_via(leaf, now, &self.intermediates)
+        self.verify_path(leaf, now, &self.intermediates).map(|_| ())
     }
 
-    fn verify_leaf_via(
+    /// Verifies `leaf` and returns the CA certificates of its path, from its
+    /// issuer up to the root certificate of the anchor used.
+    fn verify_path(
         &self,
         leaf: &CertificateDer<'_>,
         now: OffsetDateTime,
         intermediates: &[CertificateDer<'static>],
-    ) -> Result<(), String> {
+    ) -> Result<Vec<CertificateDer<'static>>, String> {
         let anchors: Vec<_> = self
             .roots
             .iter()
@@ -397,17 +440,31 @@ impl CaBundle {
             .collect();
         let ee = webpki::EndEntityCert::try_from(leaf).map_err(|e| format!("{e:?}"))?;
         let secs = u64::try_from(now.unix_timestamp()).unwrap_or(0);
-        ee.verify_for_usage(
-            webpki::ALL_VERIFICATION_ALGS,
-            &anchors,
-            intermediates,
-            UnixTime::since_unix_epoch(std::time::Duration::from_secs(secs)),
-            webpki::KeyUsage::client_auth(),
-            None,
-            None,
-        )
-        .map(|_| ())
-        .map_err(|e| format!("{e:?}"))
+        let path = ee
+            .verify_for_usage(
+                webpki::ALL_VERIFICATION_ALGS,
+                &anchors,
+                intermediates,
+                UnixTime::since_unix_epoch(std::time::Duration::from_secs(secs)),
+                webpki::KeyUsage::client_auth(),
+                None,
+                None,
+            )
+            .map_err(|e| format!("{e:?}"))?;
+        let mut out: Vec<CertificateDer<'static>> = path
+            .intermediate_certificates()
+            .map(|c| c.der().into_owned())
+            .collect();
+        let anchor = path.anchor();
+        if let Some(root) = self.roots.iter().find(|r| {
+            webpki::anchor_from_trusted_cert(r).is_ok_and(|a| {
+                a.subject == anchor.subject
+                    && a.subject_public_key_info == anchor.subject_public_key_info
+            })
+        }) {
+            out.push(root.clone());
+        }
+        Ok(out)
     }
 
     /// Signs a workload leaf for `identity` over the CSR's public key.
@@ -418,27 +475,40 @@ impl CaBundle {
         common_name: bool,
         validity: &Validity,
     ) -> Result<IssuedLeaf, SignError> {
+        self.check_name_constraints(identity)?;
         let spki = SubjectPublicKeyInfo::from_der(spki_der)
             .map_err(|e| SignError::PublicKey(e.to_string()))?;
-        self.sign_leaf_spki(&spki, identity, common_name, validity)
+        self.sign_leaf_spki(&spki, Some(identity), common_name, validity)
+    }
+
+    /// Refuses an identity that a CA on the signing path does not permit.
+    pub fn check_name_constraints(&self, identity: &SpiffeId) -> Result<(), SignError> {
+        let uri = identity.to_string();
+        match self.uri_constraints.iter().find(|c| !c.allows(&uri)) {
+            Some(c) => Err(SignError::OutsideNameConstraints {
+                identity: uri,
+                ca: c.ca.clone(),
+            }),
+            None => Ok(()),
+        }
     }
 
     fn sign_leaf_spki(
         &self,
         spki: &SubjectPublicKeyInfo,
-        identity: &SpiffeId,
+        identity: Option<&SpiffeId>,
         common_name: bool,
         validity: &Validity,
     ) -> Result<IssuedLeaf, SignError> {
         let gen = |e: rcgen::Error| SignError::Generation(e.to_string());
-        let id = identity.to_string();
+        let id = identity.map(|i| i.to_string()).unwrap_or_default();
         let mut serial = [0u8; 16];
         aws_lc_rs::rand::fill(&mut serial).map_err(|_| SignError::Generation("rng".into()))?;
         let mut params = CertificateParams::default();
         params.serial_number = Some(SerialNumber::from_slice(&serial));
         params.distinguished_name = DistinguishedName::new();
         // istiod's dual-use rule: a CN is set only when the CSR had one.
-        if common_name && id.len() <= 64 {
+        if common_name && !id.is_empty() && id.len() <= 64 {
             params
                 .distinguished_name
                 .push(DnType::CommonName, id.clone());
@@ -453,7 +523,9 @@ impl CaBundle {
             ExtendedKeyUsagePurpose::ServerAuth,
             ExtendedKeyUsagePurpose::ClientAuth,
         ];
-        params.subject_alt_names = vec![SanType::URI(id.try_into().map_err(gen)?)];
+        if identity.is_some() {
+            params.subject_alt_names = vec![SanType::URI(id.try_into().map_err(gen)?)];
+        }
         params.use_authority_key_identifier_extension = true;
         // Critical CA:FALSE written by hand: rcgen's ExplicitNoCa also adds a
         // SubjectKeyIdentifier, which istiod's leaves do not carry.
@@ -500,6 +572,11 @@ impl CaBundle {
     pub fn signing_not_after(&self) -> OffsetDateTime {
         self.signing_not_after
     }
+    /// The latest not_after a leaf may have: the earliest expiry of any CA
+    /// on the path up to the root.
+    pub fn leaf_not_after_limit(&self) -> OffsetDateTime {
+        self.leaf_not_after_limit
+    }
     /// Hex key id of the signing certificate (its SKI), for audit records.
     pub fn key_id(&self) -> &str {
         &self.key_id
@@ -513,12 +590,17 @@ impl CaBundle {
     pub fn roots(&self) -> &[CertificateDer<'static>] {
         &self.roots
     }
-    /// Signing certificate followed by the chain certificates.
+    /// The CA certificates served between leaf and root (the signing
+    /// certificate first).
     pub fn intermediates(&self) -> &[CertificateDer<'static>] {
         &self.intermediates
     }
     pub fn signing_cert(&self) -> &CertificateDer<'static> {
         &self.signing_cert
+    }
+    /// URI name constraints of the CAs on the signing path.
+    pub fn uri_constraints(&self) -> &[super::constraints::UriConstraints] {
+        &self.uri_constraints
     }
     pub fn root_not_after(&self) -> OffsetDateTime {
         self.root_not_after
@@ -534,6 +616,14 @@ impl CaBundle {
     }
     pub(crate) fn issuer(&self) -> &Issuer<'static, KeyPair> {
         &self.issuer
+    }
+}
+
+/// Subject and serial, to tell two certificates apart in an error.
+fn describe(der: &CertificateDer<'_>) -> String {
+    match X509Certificate::from_der(der) {
+        Ok((_, c)) => format!("\"{}\" serial {}", c.subject(), c.raw_serial_as_string()),
+        Err(_) => "an unparsable certificate".into(),
     }
 }
 
@@ -625,10 +715,140 @@ mod tests {
             .to_vec();
         let at = der.windows(serial.len()).position(|w| w == serial).unwrap() + serial.len() - 1;
         der[at] ^= 0x01;
+        let tampered = pem_encode("CERTIFICATE", &der);
         let mut f = files(&ca);
-        f.signing_cert = pem_encode("CERTIFICATE", &der);
+        f.signing_cert = tampered.clone();
+        let err = CaBundle::from_files(f, now).unwrap_err();
+        assert_eq!(err.reason(), "ca_chain_mismatch", "{err}");
+        // The same tampered certificate in both files: the probe refuses it.
+        let mut f = files(&ca);
+        f.signing_cert = tampered.clone();
+        f.cert_chain = format!("{tampered}{}", ca.root_cert);
         let err = CaBundle::from_files(f, now).unwrap_err();
         assert_eq!(err.reason(), "ca_chain_invalid", "{err}");
+    }
+
+    /// root -> upper -> signing, with the upper intermediate's lifetime and
+    /// an optional URI name constraint on the signing intermediate.
+    fn three_level(
+        now: OffsetDateTime,
+        upper_life: time::Duration,
+        uri_constraint: Option<&str>,
+    ) -> BundleFiles {
+        use crate::ca::generate::ca_params;
+        let day = time::Duration::days(1);
+        let root_key = KeyPair::generate().unwrap();
+        let root_p = ca_params("root", "o", now - day, now + day * 3650, None).unwrap();
+        let root = root_p.self_signed(&root_key).unwrap();
+        let root_iss = Issuer::new(root_p, root_key);
+        let up_key = KeyPair::generate().unwrap();
+        let mut up_p = ca_params("upper", "o", now - day, now + upper_life, Some(1)).unwrap();
+        up_p.use_authority_key_identifier_extension = true;
+        let up = up_p.signed_by(&up_key, &root_iss).unwrap();
+        let up_iss = Issuer::new(up_p, up_key);
+        let key = KeyPair::generate().unwrap();
+        let mut p = ca_params("signing", "o", now - day, now + day * 365, Some(0)).unwrap();
+        p.use_authority_key_identifier_extension = true;
+        if let Some(host) = uri_constraint {
+            // permittedSubtrees [0] { GeneralSubtree { uniformResourceIdentifier [6] host } }
+            let name = [&[0x86, host.len() as u8][..], host.as_bytes()].concat();
+            let subtree = [&[0x30, name.len() as u8][..], &name].concat();
+            let permitted = [&[0xa0, subtree.len() as u8][..], &subtree].concat();
+            let nc = [&[0x30, permitted.len() as u8][..], &permitted].concat();
+            let mut ext = CustomExtension::from_oid_content(&[2, 5, 29, 30], nc);
+            ext.set_criticality(true);
+            p.custom_extensions = vec![ext];
+        }
+        let ca = p.signed_by(&key, &up_iss).unwrap();
+        BundleFiles {
+            signing_cert: ca.pem(),
+            signing_key: key.serialize_pem(),
+            cert_chain: format!("{}{}{}", ca.pem(), up.pem(), root.pem()),
+            root_bundle: root.pem(),
+            source: "test".into(),
+        }
+    }
+
+    #[test]
+    fn chain_of_another_generation_is_refused() {
+        let now = OffsetDateTime::now_utc();
+        let ca = generate(&InitOptions::default(), now).unwrap();
+        let other = generate(&InitOptions::default(), now).unwrap();
+        let mut f = files(&ca);
+        // Another intermediate's chain (say the previous generation's),
+        // left behind in cert-chain.pem.
+        f.cert_chain = format!("{}{}", other.ca_cert, ca.root_cert);
+        let err = CaBundle::from_files(f, now).unwrap_err();
+        assert_eq!(err.reason(), "ca_chain_mismatch", "{err}");
+        assert!(err.to_string().contains("meshca intermediate CA"), "{err}");
+    }
+
+    #[test]
+    fn probe_uses_only_the_served_chain() {
+        let now = OffsetDateTime::now_utc();
+        let ca = generate(&InitOptions::default(), now).unwrap();
+        // An intermediate with an empty cert-chain.pem: responses would be
+        // [leaf, root] and no client could build a path.
+        let mut f = files(&ca);
+        f.cert_chain = String::new();
+        let err = CaBundle::from_files(f, now).unwrap_err();
+        assert_eq!(err.reason(), "ca_chain_invalid", "{err}");
+        // A missing middle certificate is refused the same way.
+        let mut f = three_level(now, time::Duration::days(30), None);
+        let certs: Vec<_> = crate::ca::chain::split_elements(&f.cert_chain);
+        f.cert_chain = format!("{}{}", certs[0], certs[2]);
+        let err = CaBundle::from_files(f, now).unwrap_err();
+        assert_eq!(err.reason(), "ca_chain_invalid", "{err}");
+    }
+
+    #[test]
+    fn leaf_clamped_to_a_higher_intermediate() {
+        let now = OffsetDateTime::now_utc();
+        let f = three_level(now, time::Duration::hours(3), None);
+        let b = CaBundle::from_files(f, now).unwrap();
+        let upper_end = (now + time::Duration::hours(3)).unix_timestamp();
+        assert!(b.signing_not_after().unix_timestamp() > upper_end);
+        assert_eq!(b.leaf_not_after_limit().unix_timestamp(), upper_end);
+        let grant = crate::ca::ttl::grant(
+            now,
+            24 * 3600,
+            &crate::ca::TtlPolicy::default(),
+            b.leaf_not_after_limit(),
+            0,
+        )
+        .unwrap();
+        assert_eq!(grant.validity.not_after.unix_timestamp(), upper_end);
+    }
+
+    #[test]
+    fn name_constrained_intermediate_loads_and_confines_identities() {
+        let now = OffsetDateTime::now_utc();
+        let f = three_level(now, time::Duration::days(30), Some("cluster.local"));
+        let b = CaBundle::from_files(f, now).unwrap();
+        let v = Validity {
+            not_before: now - time::Duration::minutes(1),
+            not_after: now + time::Duration::hours(1),
+            clamped: false,
+        };
+        let spki = rcgen::PublicKeyData::subject_public_key_info(&KeyPair::generate().unwrap());
+        let inside: SpiffeId = "spiffe://cluster.local/ns/a/sa/b".parse().unwrap();
+        b.sign_leaf(&spki, &inside, false, &v).unwrap();
+        let outside: SpiffeId = "spiffe://other.domain/ns/a/sa/b".parse().unwrap();
+        let err = b.sign_leaf(&spki, &outside, false, &v).unwrap_err();
+        assert_eq!(err.reason(), "sign_outside_name_constraints", "{err}");
+        assert!(err.to_string().contains("other.domain"), "{err}");
+    }
+
+    #[test]
+    fn uri_constraint_written_as_a_uri_is_refused_at_load() {
+        let now = OffsetDateTime::now_utc();
+        let f = three_level(
+            now,
+            time::Duration::days(30),
+            Some("spiffe://cluster.local"),
+        );
+        let err = CaBundle::from_files(f, now).unwrap_err();
+        assert_eq!(err.reason(), "ca_bad_name_constraint", "{err}");
     }
 
     // Found by the same property test: a subject attribute type that parses

@@ -84,7 +84,7 @@ pub enum GenerateError {
     Exists(String),
 }
 
-pub(crate) fn ca_params(
+pub fn ca_params(
     cn: &str,
     org: &str,
     not_before: OffsetDateTime,

@@ -2,6 +2,7 @@
 
 pub mod bundle;
 pub mod chain;
+pub mod constraints;
 pub mod csr;
 pub mod generate;
 pub mod store;

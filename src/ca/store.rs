@@ -23,12 +23,20 @@ pub enum ReloadOutcome {
     Swapped,
 }
 
+/// Durable record of what has been issued, written before a leaf leaves
+/// the server (the rotation's issuance mark).
+pub trait IssuanceLog: Send + Sync + std::fmt::Debug {
+    /// Records that a leaf ending at `not_after` (unix seconds) is issued.
+    fn reserve(&self, not_after: i64) -> Result<(), String>;
+}
+
 /// Holds the current CA snapshot and swaps it on reload.
 pub struct CaStore {
     current: ArcSwap<CaBundle>,
     dir: Option<PathBuf>,
     allow_root_change: bool,
     generation: watch::Sender<u64>,
+    issuance: std::sync::OnceLock<Arc<dyn IssuanceLog>>,
 }
 
 impl std::fmt::Debug for CaStore {
@@ -56,6 +64,23 @@ impl CaStore {
             dir,
             allow_root_change,
             generation: watch::channel(0).0,
+            issuance: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// Installs the issuance log (once; later calls are ignored).
+    pub fn set_issuance_log(&self, log: Arc<dyn IssuanceLog>) {
+        let _ = self.issuance.set(log);
+    }
+
+    /// Records an issued leaf's end before it is handed out; a failure
+    /// withholds the leaf (fail closed: a rotation gate must not miss it).
+    pub fn record_issued(&self, not_after: OffsetDateTime) -> Result<(), super::SignError> {
+        match self.issuance.get() {
+            Some(log) => log
+                .reserve(not_after.unix_timestamp())
+                .map_err(super::SignError::IssuanceRecord),
+            None => Ok(()),
         }
     }
 
@@ -157,7 +182,11 @@ impl CaStore {
 
 /// istiod refuses a root change unless multi-root is on, and then only when
 /// one root set contains the other.
-fn check_root_change(old: &CaBundle, new: &CaBundle, allow: bool) -> Result<(), MaterialError> {
+pub(crate) fn check_root_change(
+    old: &CaBundle,
+    new: &CaBundle,
+    allow: bool,
+) -> Result<(), MaterialError> {
     let set = |b: &CaBundle| -> BTreeSet<Vec<u8>> {
         b.roots().iter().map(|c| c.as_ref().to_vec()).collect()
     };

@@ -205,7 +205,7 @@ fn reason_code(reason: &str) -> &'static str {
 }
 
 /// Every reason code [`handshake_reason`] can return, plus the timeout.
-pub const KNOWN_REASONS: [&str; 17] = [
+pub const KNOWN_REASONS: [&str; 18] = [
     "tls_handshake_aborted",
     "tls_no_certificate",
     "tls_peer_incompatible",
@@ -223,6 +223,7 @@ pub const KNOWN_REASONS: [&str; 17] = [
     "mtls_foreign_trust_domain",
     "mtls_cert_expired",
     "handshake_timeout",
+    "mtls_outside_name_constraints",
 ];
 
 #[cfg(test)]

@@ -21,6 +21,7 @@ import (
 	"flag"
 	"fmt"
 	"os"
+	"path/filepath"
 	"strings"
 	"time"
 
@@ -58,6 +59,7 @@ func run() error {
 	ttl := flag.Duration("ttl", time.Hour, "requested lifetime (the agent's SECRET_TTL)")
 	ec := flag.Bool("ec", false, "ECDSA P-256 key (the agent's ECC_SIGNATURE_ALGORITHM=ECDSA); default RSA 2048 as the agent")
 	timeout := flag.Duration("timeout", 30*time.Second, "give up after this long")
+	out := flag.String("out", "", "directory to write cert-chain.pem, key.pem and root-cert.pem into, as the agent's secret cache holds them (the next run renews over mTLS with --cert/--key from it)")
 	flag.Parse()
 	if *root == "" {
 		return errors.New("--root is required")
@@ -158,6 +160,18 @@ func run() error {
 	}
 	if len(ids) != 1 || ids[0] != id {
 		return fmt.Errorf("leaf identities %v, want exactly %s", ids, id)
+	}
+
+	if *out != "" {
+		for name, body := range map[string][]byte{
+			"cert-chain.pem": []byte(certChain),
+			"key.pem":        keyPEM,
+			"root-cert.pem":  []byte(rootCert),
+		} {
+			if err := os.WriteFile(filepath.Join(*out, name), body, 0o600); err != nil {
+				return err
+			}
+		}
 	}
 
 	return json.NewEncoder(os.Stdout).Encode(result{

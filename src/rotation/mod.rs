@@ -1,0 +1,814 @@
+//! Zero-downtime CA rotation: trust -> switch -> retire, gated by meshca's
+//! own issuance data rather than timers.
+//!
+//! The operator stages the next generation (a `cacerts` or
+//! `kubernetes.io/tls` directory) in `MESHCA_ROTATION_NEXT_DIR`. The
+//! [`Rotation`] controller reads both directories and the state file on
+//! every poll, asks [`phase::settle`] what to serve, and swaps one CA
+//! snapshot holding both the signing material and the published roots
+//! (one generation per snapshot). Trust reaches clients through the
+//! snapshot's root bundle ([`trust`]). Phase changes and forced steps are
+//! written to the audit log and exported as metrics.
+
+pub mod phase;
+pub mod state;
+pub mod trust;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use time::OffsetDateTime;
+
+use crate::audit::{AuditRecord, AuditSink, Decision as AuditDecision};
+use crate::ca::bundle::{BundleFiles, MaterialError};
+use crate::ca::{CaBundle, CaStore};
+use phase::{Generation, Inputs, Phase, Signer, Step, Transition, Trust, Wait};
+use state::{ForceRequest, StateError, StateStore};
+
+/// Rotation flags (flattened into `meshca serve`).
+#[derive(Debug, Clone, clap::Args)]
+pub struct RotationArgs {
+    /// Directory of the next CA generation (cacerts or kubernetes.io/tls
+    /// layout). Setting it turns the phased rotation on; staging material
+    /// there starts one.
+    #[arg(long, env = "MESHCA_ROTATION_NEXT_DIR")]
+    pub rotation_next_dir: Option<PathBuf>,
+    /// Rotation state file (phase and write-ahead issuance mark). Keep it
+    /// on a volume that outlives the pod.
+    #[arg(
+        long,
+        env = "MESHCA_ROTATION_STATE",
+        default_value = "./var/meshca/rotation-state.json"
+    )]
+    pub rotation_state: PathBuf,
+    /// Added to the issuance mark each time it moves: one state write per
+    /// this period at most, and gates open up to this much later.
+    #[arg(long, env = "MESHCA_ROTATION_MARK_SLACK", default_value = "5m")]
+    pub rotation_mark_slack: String,
+}
+
+/// Parsed rotation settings.
+#[derive(Debug, Clone)]
+pub struct RotationSettings {
+    pub next_dir: PathBuf,
+    pub state_file: PathBuf,
+    pub mark_slack: Duration,
+}
+
+impl RotationArgs {
+    /// `None` when rotation is off. `parse_duration` is the config's
+    /// bounded duration parser (flag name, value).
+    pub fn parse<E>(
+        &self,
+        parse_duration: impl Fn(&'static str, &str) -> Result<Duration, E>,
+    ) -> Result<Option<RotationSettings>, E> {
+        let mark_slack = parse_duration("MESHCA_ROTATION_MARK_SLACK", &self.rotation_mark_slack)?;
+        Ok(self
+            .rotation_next_dir
+            .clone()
+            .map(|next_dir| RotationSettings {
+                next_dir,
+                state_file: self.rotation_state.clone(),
+                mark_slack,
+            }))
+    }
+}
+
+/// Why an evaluation could not complete.
+#[derive(Debug, thiserror::Error)]
+pub enum RotationError {
+    #[error("current CA material: {0}")]
+    Current(MaterialError),
+    #[error("serving material for phase {phase}: {source}")]
+    Effective {
+        phase: &'static str,
+        #[source]
+        source: MaterialError,
+    },
+    #[error("{0}")]
+    State(#[from] StateError),
+    #[error("rotation blocked ({0}): the material on disk does not match the rotation in progress; still serving the previous snapshot")]
+    Blocked(&'static str),
+}
+
+impl RotationError {
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Self::Current(e) => e.reason(),
+            Self::Effective { source, .. } => source.reason(),
+            Self::State(e) => e.reason(),
+            Self::Blocked(r) => r,
+        }
+    }
+}
+
+/// Rotation metrics (registered with the server's registry).
+#[derive(Debug, Clone, Default)]
+pub struct RotationMetrics {
+    pub phase: Gauge,
+    pub gate_remaining_seconds: Gauge,
+    pub trusted_roots: Gauge,
+    pub issued_max_not_after: Gauge,
+    pub transitions: Family<TransitionLabels, Counter>,
+    pub blocked: Family<crate::metrics::ReasonLabels, Counter>,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TransitionLabels {
+    pub to: &'static str,
+    pub forced: &'static str,
+}
+
+impl RotationMetrics {
+    pub fn register(registry: &mut Registry) -> Self {
+        let m = Self::default();
+        registry.register(
+            "meshca_rotation_phase",
+            "CA rotation phase: 0 idle, 1 trust, 2 switched, 3 retired",
+            m.phase.clone(),
+        );
+        registry.register(
+            "meshca_rotation_gate_remaining_seconds",
+            "Seconds until the current phase's gate opens (-1: not a matter of time)",
+            m.gate_remaining_seconds.clone(),
+        );
+        registry.register(
+            "meshca_rotation_trusted_roots",
+            "Roots in the published trust bundle",
+            m.trusted_roots.clone(),
+        );
+        registry.register(
+            "meshca_rotation_issued_max_not_after_seconds",
+            "Durable upper bound of every issued leaf's not_after (unix seconds)",
+            m.issued_max_not_after.clone(),
+        );
+        registry.register(
+            "meshca_rotation_transitions",
+            "CA rotation phase changes, by target phase and whether forced",
+            m.transitions.clone(),
+        );
+        registry.register(
+            "meshca_rotation_blocked",
+            "Rotation evaluations that could not proceed, by reason",
+            m.blocked.clone(),
+        );
+        m
+    }
+}
+
+/// What an evaluation found (also what `meshca rotate status` prints).
+#[derive(Debug, Clone)]
+pub struct Report {
+    pub phase: Phase,
+    pub waiting: Option<Wait>,
+    pub transitions: Vec<Transition>,
+    pub blocked: Option<&'static str>,
+    pub signer_key_id: String,
+    pub trusted_roots: usize,
+    pub issued_max_not_after: i64,
+    /// The staged directory holds material that does not load (reason).
+    pub next_error: Option<String>,
+    pub force_ignored: Option<Step>,
+    pub progress: phase::Progress,
+    /// This evaluation installed a new CA snapshot.
+    pub swapped: bool,
+}
+
+impl std::fmt::Display for Report {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let at = |t: i64| {
+            OffsetDateTime::from_unix_timestamp(t)
+                .ok()
+                .and_then(|d| {
+                    d.format(&time::format_description::well_known::Rfc3339)
+                        .ok()
+                })
+                .unwrap_or_else(|| t.to_string())
+        };
+        writeln!(f, "phase: {}", self.phase.as_str())?;
+        writeln!(f, "signing key: {}", self.signer_key_id)?;
+        writeln!(f, "published roots: {}", self.trusted_roots)?;
+        writeln!(f, "issued leaves end by: {}", at(self.issued_max_not_after))?;
+        let p = &self.progress;
+        for (name, t) in [
+            ("trust published", p.trust_started_at),
+            ("switched", p.switched_at),
+            ("retired", p.retired_at),
+        ] {
+            if let Some(t) = t {
+                writeln!(f, "{name}: {}", at(t))?;
+            }
+        }
+        match &self.waiting {
+            Some(w) => {
+                write!(f, "waiting for: {}", w.what)?;
+                match w.until {
+                    Some(u) => writeln!(f, " (until {}; ETA {})", at(u), eta(u))?,
+                    None => writeln!(f)?,
+                }
+            }
+            None if self.phase == Phase::Idle => writeln!(
+                f,
+                "waiting for: a new generation staged in the rotation directory"
+            )?,
+            None => {}
+        }
+        if let Some(b) = self.blocked {
+            writeln!(f, "BLOCKED: {b}")?;
+        }
+        if let Some(e) = &self.next_error {
+            writeln!(f, "staged material not usable: {e}")?;
+        }
+        if let Some(s) = self.force_ignored {
+            writeln!(f, "force {s:?} ignored: it does not apply to this phase")?;
+        }
+        Ok(())
+    }
+}
+
+fn eta(until: i64) -> String {
+    let left = until - OffsetDateTime::now_utc().unix_timestamp();
+    if left <= 0 {
+        "now".into()
+    } else {
+        crate::ca::ttl::go_duration(left as u64)
+    }
+}
+
+/// SHA-256 (hex) of each root's DER.
+fn generation(b: &CaBundle) -> Generation {
+    Generation {
+        key_id: b.key_id().to_string(),
+        roots: b
+            .roots()
+            .iter()
+            .map(|r| hex::encode(crate::ca::csr::sha256(r)))
+            .collect(),
+    }
+}
+
+/// The two directories, read and verified.
+struct Material {
+    current_files: BundleFiles,
+    current: CaBundle,
+    next: Option<(BundleFiles, CaBundle)>,
+    next_error: Option<String>,
+}
+
+fn read_material(
+    ca_dir: &Path,
+    next_dir: &Path,
+    now: OffsetDateTime,
+) -> Result<Material, RotationError> {
+    let current_files = BundleFiles::read_dir(ca_dir).map_err(RotationError::Current)?;
+    let current =
+        CaBundle::from_files(current_files.clone(), now).map_err(RotationError::Current)?;
+    let (next, next_error) = match BundleFiles::read_dir(next_dir) {
+        Err(MaterialError::NotFound(_)) => (None, None),
+        Err(e) => (None, Some(format!("{} ({})", e, e.reason()))),
+        Ok(files) => match CaBundle::from_files(files.clone(), now) {
+            Ok(b) => (Some((files, b)), None),
+            Err(e) => (None, Some(format!("{} ({})", e, e.reason()))),
+        },
+    };
+    Ok(Material {
+        current_files,
+        current,
+        next,
+        next_error,
+    })
+}
+
+/// The controller of one server.
+#[derive(Debug)]
+pub struct Rotation {
+    settings: RotationSettings,
+    ca_dir: PathBuf,
+    store: Arc<CaStore>,
+    state: Arc<StateStore>,
+    audit: Option<Arc<dyn AuditSink>>,
+    metrics: Option<Arc<crate::metrics::Metrics>>,
+    allow_root_change: bool,
+    max_ttl: Duration,
+}
+
+/// Longest wait for requests still signing with a replaced snapshot.
+const DRAIN_WAIT: Duration = Duration::from_secs(10);
+
+#[derive(Debug)]
+struct Mark(Arc<StateStore>);
+
+impl crate::ca::store::IssuanceLog for Mark {
+    fn reserve(&self, not_after: i64) -> Result<(), String> {
+        self.0.reserve(not_after).map_err(|e| e.to_string())
+    }
+}
+
+impl Rotation {
+    /// Opens the state and installs the issuance mark on `store`; call
+    /// [`Self::evaluate`] next to bring the store to the phase on disk.
+    /// `max_ttl` bounds an unknown mark.
+    pub fn new(
+        settings: RotationSettings,
+        ca_dir: &Path,
+        store: Arc<CaStore>,
+        max_ttl: Duration,
+        allow_root_change: bool,
+    ) -> Result<Self, RotationError> {
+        let now = OffsetDateTime::now_utc();
+        let bound = (now + max_ttl)
+            .min(store.snapshot().leaf_not_after_limit())
+            .unix_timestamp();
+        let state = Arc::new(StateStore::open(
+            &settings.state_file,
+            settings.mark_slack.as_secs() as i64,
+            bound,
+        )?);
+        store.set_issuance_log(Arc::new(Mark(state.clone())));
+        Ok(Self {
+            settings,
+            ca_dir: ca_dir.to_path_buf(),
+            store,
+            state,
+            audit: None,
+            metrics: None,
+            allow_root_change,
+            max_ttl,
+        })
+    }
+
+    pub fn with_audit(mut self, audit: Arc<dyn AuditSink>) -> Self {
+        self.audit = Some(audit);
+        self
+    }
+
+    pub fn with_metrics(mut self, metrics: Arc<crate::metrics::Metrics>) -> Self {
+        self.metrics = Some(metrics);
+        self
+    }
+
+    pub fn state(&self) -> &StateStore {
+        &self.state
+    }
+
+    /// One pass: read material and state, decide, swap, persist, report.
+    pub fn evaluate(&self, force: Option<ForceRequest>) -> Result<Report, RotationError> {
+        let now = OffsetDateTime::now_utc();
+        let m = read_material(&self.ca_dir, &self.settings.next_dir, now)?;
+        let file = self.state.snapshot();
+        let current = generation(&m.current);
+        let next = m.next.as_ref().map(|(_, b)| generation(b));
+        let inputs = Inputs {
+            now: now.unix_timestamp(),
+            current: &current,
+            next: next.as_ref(),
+            issued_max_not_after: self.state.issued_max_not_after(),
+            force: force.as_ref().map(|f| f.step),
+        };
+        let (d, transitions) = phase::settle(&file.progress, &inputs);
+        let mut report = Report {
+            phase: d.progress.phase,
+            waiting: d.waiting.clone(),
+            transitions: transitions.clone(),
+            blocked: d.blocked,
+            signer_key_id: self.store.snapshot().key_id().to_string(),
+            trusted_roots: self.store.snapshot().roots().len(),
+            issued_max_not_after: inputs.issued_max_not_after,
+            next_error: m.next_error.clone(),
+            force_ignored: force.as_ref().filter(|_| d.force_ignored).map(|f| f.step),
+            progress: d.progress.clone(),
+            swapped: false,
+        };
+        if let Some(reason) = d.blocked {
+            if let Some(f) = &force {
+                self.audit_force_ignored(f, reason);
+            }
+            self.observe(&report);
+            return Err(RotationError::Blocked(reason));
+        }
+        // Roots of old and new as text, fixed when trust begins.
+        let began = transitions.iter().any(|t| t.to == Phase::Trust);
+        let (old_pem, new_pem) = if began {
+            let next_roots = m
+                .next
+                .as_ref()
+                .map(|(f, _)| f.root_bundle.clone())
+                .unwrap_or_default();
+            (m.current_files.root_bundle.clone(), next_roots)
+        } else {
+            (file.old_roots_pem.clone(), file.new_roots_pem.clone())
+        };
+        let new_key = d.progress.new_key_id.clone();
+        let signer_files = match d.signer {
+            Signer::Old => m.current_files.clone(),
+            Signer::New => {
+                match m
+                    .next
+                    .as_ref()
+                    .filter(|(_, b)| Some(b.key_id()) == new_key.as_deref())
+                {
+                    Some((f, _)) => f.clone(),
+                    // decide checked one of the two holds new.
+                    None => m.current_files.clone(),
+                }
+            }
+        };
+        let root_bundle = match (d.trust, d.progress.phase) {
+            (_, Phase::Idle) | (Trust::Old, _) => signer_files.root_bundle.clone(),
+            (Trust::OldAndNew, _) => trust::union_pem(&old_pem, &new_pem),
+            (Trust::New, _) => new_pem.clone(),
+        };
+        let phase_name = d.progress.phase.as_str();
+        let effective = BundleFiles {
+            root_bundle,
+            source: if d.progress.phase == Phase::Idle {
+                signer_files.source.clone()
+            } else {
+                format!("{} [rotation: {phase_name}]", signer_files.source)
+            },
+            ..signer_files
+        };
+        let mut progress = d.progress.clone();
+        let served = self.store.snapshot();
+        if effective.fingerprint() != served.fingerprint() {
+            let bundle = CaBundle::from_files(effective, now).map_err(|source| {
+                RotationError::Effective {
+                    phase: phase_name,
+                    source,
+                }
+            })?;
+            // Outside a rotation, a root change in the CA directory keeps
+            // istiod's rule (ISTIO_MULTIROOT_MESH).
+            if d.progress.phase == Phase::Idle && transitions.is_empty() {
+                crate::ca::store::check_root_change(&served, &bundle, self.allow_root_change)
+                    .map_err(|source| RotationError::Effective {
+                        phase: phase_name,
+                        source,
+                    })?;
+            }
+            self.store.swap(bundle);
+            report.swapped = true;
+            // A request that took the replaced snapshot just before the
+            // swap records its leaf after the mark was read: wait for those
+            // to finish, then let the gates cover them too.
+            let gates = transitions
+                .iter()
+                .any(|t| matches!(t.to, Phase::Trust | Phase::Switched));
+            if gates {
+                let mark = self.drained_mark(served, now);
+                if began {
+                    progress.pre_trust_max_not_after =
+                        progress.pre_trust_max_not_after.map(|m| m.max(mark));
+                }
+                if transitions.iter().any(|t| t.to == Phase::Switched) {
+                    progress.old_max_not_after = progress.old_max_not_after.map(|m| m.max(mark));
+                }
+                report.progress = progress.clone();
+            }
+        }
+        self.state.update(|f| {
+            f.progress = progress;
+            if f.progress.phase == Phase::Idle {
+                f.old_roots_pem.clear();
+                f.new_roots_pem.clear();
+            } else {
+                f.old_roots_pem = old_pem;
+                f.new_roots_pem = new_pem;
+            }
+        })?;
+        let served = self.store.snapshot();
+        report.signer_key_id = served.key_id().to_string();
+        report.trusted_roots = served.roots().len();
+        for t in &transitions {
+            self.audit_transition(t, force.as_ref(), &report);
+        }
+        if let (Some(f), Some(_)) = (&force, report.force_ignored) {
+            tracing::warn!(step = ?f.step, phase = phase_name, "forced rotation step does not apply to this phase; ignored");
+            self.audit_force_ignored(f, phase_name);
+        }
+        self.observe(&report);
+        Ok(report)
+    }
+
+    /// The issuance mark once no request holds `replaced` any more (or,
+    /// after [`DRAIN_WAIT`], the bound every leaf signed until now obeys).
+    fn drained_mark(&self, replaced: Arc<CaBundle>, now: OffsetDateTime) -> i64 {
+        let start = std::time::Instant::now();
+        while Arc::strong_count(&replaced) > 1 {
+            if start.elapsed() >= DRAIN_WAIT {
+                tracing::warn!(
+                    "requests still hold the replaced CA snapshot; gating on now + the longest TTL"
+                );
+                return self
+                    .state
+                    .issued_max_not_after()
+                    .max((now + self.max_ttl).unix_timestamp());
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        self.state.issued_max_not_after()
+    }
+
+    fn observe(&self, r: &Report) {
+        let Some(m) = &self.metrics else { return };
+        let rm = &m.rotation;
+        rm.phase.set(r.phase.number());
+        rm.gate_remaining_seconds.set(
+            r.waiting
+                .as_ref()
+                .and_then(|w| w.until)
+                .map(|u| (u - OffsetDateTime::now_utc().unix_timestamp()).max(0))
+                .unwrap_or(-1),
+        );
+        rm.trusted_roots.set(r.trusted_roots as i64);
+        rm.issued_max_not_after.set(r.issued_max_not_after);
+        for t in &r.transitions {
+            rm.transitions
+                .get_or_create(&TransitionLabels {
+                    to: t.to.as_str(),
+                    forced: if t.forced { "true" } else { "false" },
+                })
+                .inc();
+        }
+        if let Some(b) = r.blocked {
+            rm.blocked
+                .get_or_create(&crate::metrics::ReasonLabels { reason: b.into() })
+                .inc();
+        }
+    }
+
+    fn audit_transition(&self, t: &Transition, force: Option<&ForceRequest>, r: &Report) {
+        let Some(sink) = &self.audit else { return };
+        let reason = match t.to {
+            Phase::Idle => "ca_rotation_complete",
+            Phase::Trust => "ca_rotation_trust",
+            Phase::Switched => "ca_rotation_switch",
+            Phase::Retired => "ca_rotation_retire",
+        };
+        let mut rec = event(reason);
+        rec.issuer_key_id = Some(r.signer_key_id.clone());
+        rec.rotation_step = Some(format!("{}->{}", t.from.as_str(), t.to.as_str()));
+        let mut detail = format!(
+            "published roots: {}; issued leaves end by {}",
+            r.trusted_roots, r.issued_max_not_after
+        );
+        if t.forced {
+            if let Some(f) = force {
+                rec.rotation_forced = Some(format!("{} ({})", f.by, f.reason));
+                detail.push_str("; forced before its gate opened");
+            }
+        }
+        rec.detail = Some(detail);
+        emit(sink.as_ref(), rec);
+        tracing::info!(
+            from = t.from.as_str(),
+            to = t.to.as_str(),
+            forced = t.forced,
+            "CA rotation phase changed"
+        );
+    }
+
+    fn audit_force_ignored(&self, f: &ForceRequest, phase: &str) {
+        let Some(sink) = &self.audit else { return };
+        let mut rec = event("ca_rotation_force_ignored");
+        rec.decision = AuditDecision::Deny;
+        rec.rotation_step = Some(phase.to_string());
+        rec.rotation_forced = Some(format!("{:?} by {} ({})", f.step, f.by, f.reason));
+        emit(sink.as_ref(), rec);
+    }
+
+    /// Re-evaluates every `poll` and on a pending force request, until the
+    /// task is dropped.
+    pub async fn run(self: Arc<Self>, poll: Duration) {
+        let mut ticker = tokio::time::interval(poll);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            ticker.tick().await;
+            let me = self.clone();
+            let result = tokio::task::spawn_blocking(move || {
+                let force = me.state.take_force()?;
+                me.evaluate(force)
+            })
+            .await;
+            // Counted like the plain hot reload (meshca_ca_reloads).
+            let outcome = match result {
+                Ok(Ok(r)) => r.swapped.then_some("swapped"),
+                Ok(Err(e)) => {
+                    tracing::error!(reason = e.reason(), error = %e, "CA rotation evaluation failed; still serving the previous snapshot");
+                    Some(e.reason())
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "CA rotation task failed");
+                    Some("task_failed")
+                }
+            };
+            if let (Some(result), Some(m)) = (outcome, &self.metrics) {
+                m.ca_reloads
+                    .get_or_create(&crate::metrics::ResultLabels {
+                        result: result.to_string(),
+                    })
+                    .inc();
+            }
+        }
+    }
+}
+
+fn event(reason: &str) -> AuditRecord {
+    let mut id = [0u8; 8];
+    let _ = aws_lc_rs::rand::fill(&mut id);
+    AuditRecord::new(
+        OffsetDateTime::now_utc(),
+        hex::encode(id),
+        AuditDecision::Allow,
+        reason.into(),
+    )
+}
+
+fn emit(sink: &dyn AuditSink, mut rec: AuditRecord) {
+    rec.bound();
+    if let Err(e) = sink.emit(&rec) {
+        tracing::error!(error = %e, reason = %rec.reason, "rotation audit record lost");
+    }
+}
+
+/// `meshca rotate status`: the phase on disk, re-decided read-only (no
+/// swap, no state write).
+pub fn status(
+    ca_dir: &Path,
+    settings: &RotationSettings,
+    now: OffsetDateTime,
+) -> Result<Report, RotationError> {
+    let m = read_material(ca_dir, &settings.next_dir, now)?;
+    let file = state::read_json::<state::StateFile>(&settings.state_file)?.unwrap_or_default();
+    let current = generation(&m.current);
+    let next = m.next.as_ref().map(|(_, b)| generation(b));
+    let inputs = Inputs {
+        now: now.unix_timestamp(),
+        current: &current,
+        next: next.as_ref(),
+        issued_max_not_after: file.issued_max_not_after,
+        force: None,
+    };
+    let d = phase::decide(&file.progress, &inputs);
+    let signer = match d.signer {
+        Signer::Old => m.current.key_id().to_string(),
+        Signer::New => file.progress.new_key_id.clone().unwrap_or_default(),
+    };
+    Ok(Report {
+        phase: file.progress.phase,
+        waiting: d.waiting.or_else(|| {
+            d.transition.as_ref().map(|t| Wait {
+                what: match t.to {
+                    Phase::Trust => "the server to publish trust (next poll)",
+                    Phase::Switched => "the server to switch signing (next poll)",
+                    Phase::Retired => "the server to retire the old roots (next poll)",
+                    Phase::Idle => "the server to close the rotation (next poll)",
+                },
+                until: Some(now.unix_timestamp()),
+            })
+        }),
+        transitions: vec![],
+        blocked: d.blocked,
+        signer_key_id: signer,
+        trusted_roots: match d.trust {
+            Trust::Old => m.current.roots().len(),
+            Trust::OldAndNew => {
+                let mut all: Vec<String> = file.progress.old_roots.clone();
+                all.extend(
+                    file.progress
+                        .new_roots
+                        .iter()
+                        .filter(|r| !file.progress.old_roots.contains(r))
+                        .cloned(),
+                );
+                all.len()
+            }
+            Trust::New => file.progress.new_roots.len(),
+        },
+        issued_max_not_after: file.issued_max_not_after,
+        next_error: m.next_error,
+        force_ignored: None,
+        progress: file.progress,
+        swapped: false,
+    })
+}
+
+/// `meshca rotate plan`: the steps still ahead, with the earliest time
+/// each can happen. Gates that depend on leaves not yet issued are given
+/// as bounds (the longest TTL after the previous step).
+pub fn plan(
+    ca_dir: &Path,
+    settings: &RotationSettings,
+    max_ttl: Duration,
+    now: OffsetDateTime,
+) -> Result<Vec<String>, RotationError> {
+    let st = status(ca_dir, settings, now)?;
+    let m = read_material(ca_dir, &settings.next_dir, now)?;
+    let at = |t: i64| {
+        OffsetDateTime::from_unix_timestamp(t)
+            .ok()
+            .and_then(|d| {
+                d.format(&time::format_description::well_known::Rfc3339)
+                    .ok()
+            })
+            .unwrap_or_else(|| t.to_string())
+    };
+    let ttl = max_ttl.as_secs() as i64;
+    let n = now.unix_timestamp();
+    let p = &st.progress;
+    let same_root = |a: &[String], b: &[String]| b.iter().all(|x| a.contains(x));
+    let mut out = vec![format!("now: {} ({})", st.phase.as_str(), at(n))];
+    if let Some(b) = st.blocked {
+        out.push(format!("BLOCKED: {b}"));
+        return Ok(out);
+    }
+    match st.phase {
+        Phase::Idle => {
+            let Some((_, next)) = &m.next else {
+                out.push(
+                    "nothing staged: put the next generation in the rotation directory".into(),
+                );
+                return Ok(out);
+            };
+            let (cur, nxt) = (generation(&m.current), generation(next));
+            if cur.key_id == next.key_id() {
+                out.push("the staged material is the current material: nothing to do".into());
+                return Ok(out);
+            }
+            let roots_same = same_root(&cur.roots, &nxt.roots);
+            let back_same = same_root(&nxt.roots, &cur.roots);
+            let switch = if roots_same {
+                n
+            } else {
+                st.issued_max_not_after.max(n)
+            };
+            out.push(format!("trust: at the next poll, publish {} root(s)", {
+                let mut all = cur.roots.clone();
+                all.extend(nxt.roots.iter().filter(|r| !cur.roots.contains(r)).cloned());
+                all.len()
+            }));
+            out.push(format!(
+                "switch: {} ({})",
+                if roots_same {
+                    "right after trust (same roots)".into()
+                } else {
+                    format!("at {} when leaves issued so far have expired", at(switch))
+                },
+                if roots_same {
+                    "no wait".into()
+                } else {
+                    format!("ETA {}", eta(switch))
+                }
+            ));
+            let retire = if back_same { switch } else { switch + ttl };
+            out.push(format!(
+                "retire: {}",
+                if back_same {
+                    "right after switch (no root to drop)".into()
+                } else {
+                    format!(
+                        "no later than {} (leaves signed until the switch must expire)",
+                        at(retire)
+                    )
+                }
+            ));
+        }
+        Phase::Trust => {
+            let until = p.pre_trust_max_not_after.unwrap_or(n);
+            out.push(format!("switch: at {} (ETA {})", at(until), eta(until)));
+            out.push(format!("retire: no later than {}", at(until.max(n) + ttl)));
+        }
+        Phase::Switched => {
+            let until = p.old_max_not_after.unwrap_or(n);
+            out.push(format!("retire: at {} (ETA {})", at(until), eta(until)));
+        }
+        Phase::Retired => {}
+    }
+    out.push("promote: copy the new generation into the CA directory and empty the rotation directory; the rotation then closes".into());
+    Ok(out)
+}
+
+/// `meshca rotate force`: leaves a request for the server to apply at its
+/// next poll (it audits the step, or that it did not apply).
+pub fn request_force(
+    settings: &RotationSettings,
+    step: Step,
+    reason: &str,
+    by: &str,
+) -> Result<(), StateError> {
+    state::write_json(
+        &state::force_path(&settings.state_file),
+        &ForceRequest {
+            step,
+            reason: reason.to_string(),
+            by: by.to_string(),
+            requested_at: OffsetDateTime::now_utc().unix_timestamp(),
+        },
+    )
+}
