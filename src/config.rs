@@ -256,6 +256,9 @@ pub struct ServeArgs {
     pub kill_switch: KillSwitchArgs,
     #[command(flatten)]
     pub token_verification: TokenVerificationArgs,
+    /// Signing-key custody and two-tier issuing (issue 19).
+    #[command(flatten)]
+    pub custody: crate::ca::custody::CustodyArgs,
 }
 
 impl ServeArgs {
@@ -910,6 +913,8 @@ pub struct Config {
     pub admission: crate::admission::AdmissionConfig,
     /// Bounded renewal, denylist, revocation.
     pub kill_switch: KillSwitchSettings,
+    /// Where the signing key is held; two-tier issuing.
+    pub custody: crate::ca::custody::CustodySettings,
 }
 
 impl Config {
@@ -1104,7 +1109,9 @@ impl Config {
         let (transport, input, admin) = a.limits.parse()?;
         let admission = a.admission.parse()?;
         let kill_switch = a.kill_switch.parse(a, &ttl, kube.is_some())?;
+        let custody = a.custody.parse()?;
         Ok(Self {
+            custody,
             admission,
             kill_switch,
             transport,

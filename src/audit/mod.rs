@@ -76,6 +76,17 @@ pub struct AuditRecord {
     /// source and reason the record stands for.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub count: Option<u64>,
+    /// Certificates meshca issues to itself: `issuing_ca` (two-tier issuing)
+    /// or `serving` (the gRPC TLS certificate). Absent for workload leaves.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub issued_kind: Option<String>,
+    /// Where the key that signed this certificate is held: `file`,
+    /// `memory` (a two-tier issuing CA) or `pkcs11`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signer: Option<String>,
+    /// The issued certificate (PEM), on `issued_kind` records.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub certificate: Option<String>,
 }
 
 /// What a reduced record stands for.
@@ -128,6 +139,9 @@ impl AuditRecord {
             token_verified_by: None,
             token_local_fallback: None,
             count: None,
+            issued_kind: None,
+            signer: None,
+            certificate: None,
         }
     }
 

@@ -3,7 +3,10 @@
 pub mod bundle;
 pub mod chain;
 pub mod csr;
+pub mod custody;
 pub mod generate;
+pub mod issuing;
+pub mod signer;
 pub mod store;
 pub mod ttl;
 
