@@ -255,6 +255,14 @@ impl MemorySink {
     pub fn records(&self) -> Vec<AuditRecord> {
         self.0.lock().map(|v| v.clone()).unwrap_or_default()
     }
+
+    /// The records of requests: without those of certificates meshca issued
+    /// itself (serving certificates, issuing CAs).
+    pub fn requests(&self) -> Vec<AuditRecord> {
+        let mut v = self.records();
+        v.retain(|r| r.issued_kind.is_none());
+        v
+    }
 }
 
 impl AuditSink for MemorySink {

@@ -60,7 +60,7 @@ pub enum MaterialError {
     #[error("root bundle changed; refusing to switch roots under running workloads (set ISTIO_MULTIROOT_MESH=true to allow adding or removing roots)")]
     RootChanged,
     /// The signing key's custody (file mode, PKCS#11 token, PIN).
-    #[error("{0}")]
+    #[error(transparent)]
     Signer(#[from] SignerError),
 }
 

@@ -555,6 +555,15 @@ impl Pkcs11Signer {
         self.freed.notify_one();
     }
 
+    fn drop_idle(&self) {
+        if let Ok(mut pool) = self.pool.lock() {
+            let n = pool.idle.len();
+            pool.idle.clear();
+            pool.open -= n;
+        }
+        self.freed.notify_all();
+    }
+
     fn discard(&self, session: Session) {
         drop(session);
         if let Ok(mut pool) = self.pool.lock() {
@@ -629,6 +638,9 @@ impl Signer for Pkcs11Signer {
                 }
                 Err((Recovery::Session, _, e)) => {
                     tracing::warn!(error = %e, "PKCS#11 session lost; retrying on a new session");
+                    // Session loss and logout hit every session of this
+                    // application: start over with a fresh, logged-in one.
+                    self.drop_idle();
                 }
                 Err((Recovery::Module, generation, e)) => {
                     tracing::warn!(error = %e, "PKCS#11 module or token failed; reconnecting");
