@@ -303,10 +303,20 @@ async fn issuance_with_the_ca_key_only_in_the_token(key_type: &str, issuing: &st
     } else {
         assert!(issuing_records.is_empty());
     }
-    assert!(
-        records.iter().any(|r| r["issued_kind"] == "serving"),
-        "the serving certificate is audited"
+    // The serving certificate is audited, and signed by the issuing CA
+    // when there is one.
+    let serving: Vec<_> = records
+        .iter()
+        .filter(|r| r["issued_kind"] == "serving")
+        .collect();
+    assert_eq!(serving.len(), 1, "{records:?}");
+    assert_eq!(
+        serving[0]["signer"],
+        if two_tier { "memory" } else { "pkcs11" }
     );
+    if two_tier {
+        assert_eq!(serving[0]["issuer_key_id"], leaf["issuer_key_id"]);
+    }
 
     // No CA private key in any file meshca read: the CA directory, the PIN
     // file, the SoftHSM2 config (the token's own files are the module's,
@@ -531,4 +541,110 @@ async fn two_tier_rollover_under_load_fails_no_request() {
         );
         openssl_verify(chain, *at);
     }
+}
+
+/// Two-tier issuing with the file signer follows a hot-reloaded
+/// intermediate: a new issuing CA under the new intermediate, audited, and
+/// leaves that chain through both to the unchanged root.
+#[tokio::test(flavor = "multi_thread")]
+async fn two_tier_follows_a_hot_reloaded_intermediate() {
+    use meshca::ca::generate::{write_file, KeyType};
+    let pki = meshca::testing::TestPki::new(KeyType::EcdsaP256);
+    let mut cfg = meshca::testing::test_config(pki.path_buf());
+    cfg.custody.issuing_ttl = Some(Duration::from_secs(3600));
+    let (app, audit) = meshca::testing::start_server(&cfg, Default::default()).await;
+    assert_eq!(app.ca.snapshot().signer().kind(), "memory");
+    let (cert, key) =
+        meshca::testing::client_identity(&app.custody.snapshot(), ID, &validity_hours(-1, 1));
+    let ident = (cert, key, pki.ca.root_cert.clone());
+    let chain = issue(app.addr, &ident).await.unwrap();
+    assert_eq!(chain[2], pki.ca.ca_cert);
+
+    let next = meshca::testing::new_intermediate(&pki.ca, OffsetDateTime::now_utc());
+    write_file(&pki.path().join("ca-key.pem"), next.ca_key.as_bytes(), true).unwrap();
+    write_file(
+        &pki.path().join("cert-chain.pem"),
+        next.cert_chain().as_bytes(),
+        false,
+    )
+    .unwrap();
+    write_file(
+        &pki.path().join("ca-cert.pem"),
+        next.ca_cert.as_bytes(),
+        false,
+    )
+    .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let chain = loop {
+        let chain = issue(app.addr, &ident).await.unwrap();
+        if chain[2] == next.ca_cert {
+            break chain;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "still issuing under the old intermediate"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    openssl_verify(&chain, OffsetDateTime::now_utc().unix_timestamp());
+    let issuing: Vec<_> = audit
+        .records()
+        .into_iter()
+        .filter(|r| r.issued_kind.as_deref() == Some("issuing_ca"))
+        .collect();
+    assert_eq!(issuing.len(), 2, "one issuing CA per custody bundle");
+    assert_eq!(issuing[1].certificate.as_deref(), Some(chain[1].as_str()));
+    assert_eq!(
+        issuing[1].issuer_key_id.as_deref(),
+        Some(app.custody.snapshot().key_id())
+    );
+    app.shutdown().await.unwrap();
+}
+
+/// The offline-root path: `meshca init --pkcs11` without a root writes a
+/// CSR signed by the token key; openssl (standing in for the offline root)
+/// signs it, and meshca serves with the result.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_csr_for_an_offline_root_is_signed_elsewhere_and_served() {
+    let hsm = Hsm::new("meshca");
+    let root = hsm.dir.path().join("root");
+    let ca = hsm.dir.path().join("ca");
+    run(hsm.meshca().args(["init", "--out"]).arg(&root));
+    run(hsm
+        .meshca()
+        .args(["init", "--out"])
+        .arg(&ca)
+        .args(["--pkcs11", &hsm.uri("intermediate")]));
+    let csr = ca.join("ca-csr.pem");
+    run(Command::new("openssl")
+        .args(["req", "-verify", "-noout", "-in"])
+        .arg(&csr));
+    std::fs::write(
+        hsm.dir.path().join("ext.cnf"),
+        "basicConstraints=critical,CA:TRUE,pathlen:1\nkeyUsage=critical,keyCertSign,cRLSign,digitalSignature\nsubjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid\n",
+    )
+    .unwrap();
+    run(Command::new("openssl")
+        .args(["x509", "-req", "-days", "30", "-in"])
+        .arg(&csr)
+        .arg("-CA")
+        .arg(root.join("root-cert.pem"))
+        .arg("-CAkey")
+        .arg(root.join("root-key.pem"))
+        .args(["-set_serial", "4242", "-extfile"])
+        .arg(hsm.dir.path().join("ext.cnf"))
+        .arg("-out")
+        .arg(ca.join("ca-cert.pem")));
+    std::fs::remove_file(&csr).unwrap();
+    let root_pem = std::fs::read_to_string(root.join("root-cert.pem")).unwrap();
+    let ca_pem = std::fs::read_to_string(ca.join("ca-cert.pem")).unwrap();
+    std::fs::write(ca.join("cert-chain.pem"), format!("{ca_pem}{root_pem}")).unwrap();
+    std::fs::write(ca.join("root-cert.pem"), &root_pem).unwrap();
+    let (mut child, addr, _) = spawn_listening(hsm.serve(&ca, &hsm.uri("intermediate"), &[])).await;
+    let chain = issue(addr, &client_identity(&root, ID))
+        .await
+        .expect("issued");
+    let _ = child.kill().await;
+    assert_eq!(chain.len(), 5, "two-tier is on by default with pkcs11");
+    openssl_verify(&chain, OffsetDateTime::now_utc().unix_timestamp());
 }

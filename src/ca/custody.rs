@@ -308,13 +308,15 @@ pub fn init_pkcs11(
     std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
     match root {
         None => {
-            let params = ca_params(
+            let mut params = ca_params(
                 "meshca intermediate CA",
                 &opts.organization,
                 now,
                 now,
                 Some(1),
             )?;
+            // The root chooses the serial; a CSR cannot carry one.
+            params.serial_number = None;
             let csr = params.serialize_request(&signer)?;
             write_file(&out.join("ca-csr.pem"), csr.pem()?.as_bytes(), false)?;
             println!(
