@@ -78,7 +78,11 @@ const SHUTDOWN_CHECKPOINT_WAIT: std::time::Duration = std::time::Duration::from_
 pub struct App {
     pub addr: SocketAddr,
     pub admin_addr: SocketAddr,
+    /// The store leaves are signed from: the custody store, or with
+    /// two-tier issuing the current in-memory issuing CA.
     pub ca: Arc<CaStore>,
+    /// The CA directory's material and its signing key (file or token).
+    pub custody: Arc<CaStore>,
     pub tls: Arc<ServingTls>,
     /// The pod index, when impersonation is backed by Kubernetes.
     pub pod_index: Option<Arc<PodIndex>>,
@@ -108,13 +112,16 @@ impl App {
     pub async fn start(cfg: &Config, mut deps: Deps) -> anyhow::Result<Self> {
         // One crypto provider for every rustls user in the process (kube, tonic).
         let _ = rustls::crypto::aws_lc_rs::default_provider().install_default();
+        let key_source = crate::ca::custody::KeySource::open(&cfg.custody)
+            .context("opening the CA signing key")?;
         // Under a phased rotation the controller reads the CA directory
         // (and the staged one) itself; the store then has no directory.
-        let ca = Arc::new(match &cfg.rotation {
-            None => CaStore::from_dir(&cfg.ca_dir, cfg.allow_root_change)
+        let custody = Arc::new(match &cfg.rotation {
+            None => CaStore::from_dir_with(&cfg.ca_dir, cfg.allow_root_change, key_source)
                 .context("loading CA material")?,
             Some(_) => CaStore::new(
-                CaBundle::load_dir(&cfg.ca_dir, OffsetDateTime::now_utc())
+                key_source
+                    .load(&cfg.ca_dir, OffsetDateTime::now_utc())
                     .context("loading CA material")?,
                 None,
                 cfg.allow_root_change,
@@ -161,6 +168,22 @@ impl App {
             }
         };
         let mut background = Vec::new();
+        // Two-tier issuing: leaves are signed from the issuing CA's store.
+        let ca = match cfg.custody.issuing_ttl {
+            Some(ttl) => {
+                let two_tier = crate::ca::issuing::TwoTier::start(
+                    custody.clone(),
+                    ttl,
+                    audit.clone(),
+                    Some(metrics.clone()),
+                )
+                .await
+                .context("making the first issuing CA")?;
+                background.push(tokio::spawn(two_tier.clone().run()));
+                two_tier.store()
+            }
+            None => custody.clone(),
+        };
         let mut pod_index = None;
         let mut token_reviewer = None;
         let mut kube_client_opt = None;
@@ -262,10 +285,11 @@ impl App {
             metrics.clone(),
         )?;
         background.extend(kill_switch.tasks);
-        let tls = Arc::new(ServingTls::new(
+        let tls = Arc::new(ServingTls::new_audited(
             &ca.snapshot(),
             cfg.serving_names.clone(),
             cfg.trust_domains(),
+            Some(audit.clone()),
         )?);
         let listener = TcpListener::bind(cfg.listen)
             .await
@@ -324,7 +348,9 @@ impl App {
                 }),
         );
         background.push(tokio::spawn(
-            ca.clone().watch(cfg.reload_poll, Some(metrics.clone())),
+            custody
+                .clone()
+                .watch(cfg.reload_poll, Some(metrics.clone())),
         ));
         // Time-based checkpoints are written by the audit writer thread.
         background.push(tokio::spawn(tls.clone().follow(ca.clone())));
@@ -341,7 +367,7 @@ impl App {
                 .await
                 .with_context(|| format!("binding {}", cfg.admin_listen))?;
         background.push(admin);
-        tracing::info!(%addr, ca = ca.snapshot().source(), trust_domain = %cfg.trust_domain, "meshca serving IstioCertificateService");
+        tracing::info!(%addr, ca = ca.snapshot().source(), signer = %custody.snapshot().signer().describe(), two_tier = cfg.custody.issuing_ttl.is_some(), trust_domain = %cfg.trust_domain, "meshca serving IstioCertificateService");
         Ok(Self {
             addr,
             admin_addr,
@@ -354,6 +380,7 @@ impl App {
             audit_anchor,
             handshake_rejects: (handshake_rejects, rejects_sink),
             ca,
+            custody,
             tls,
             shutdown: Some(tx),
             server,

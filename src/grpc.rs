@@ -57,6 +57,10 @@ impl From<IssueError> for Status {
             IssueError::Ttl(e @ TtlError::SignerExpired(_)) => {
                 Status::internal(format!("CSR signing error ({e})"))
             }
+            // The key holder (HSM) is down: retryable, and the token's name stays in the audit log.
+            IssueError::Sign(crate::ca::SignError::Signer(_)) => {
+                Status::unavailable("CSR signing error (signing key unavailable)")
+            }
             IssueError::Sign(e) => Status::internal(format!("CSR signing error ({e})")),
             IssueError::Audit(_) => Status::internal("CSR signing error (audit log unavailable)"),
             IssueError::AuditShed(_) => Status::unavailable("CSR signing error (audit log busy)"),

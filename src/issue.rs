@@ -437,6 +437,7 @@ impl CertificateIssuer {
         r.not_before = Some(signed.not_before);
         r.not_after = Some(signed.not_after);
         r.issuer_key_id = Some(bundle.key_id().to_string());
+        r.signer = Some(bundle.signer().kind().to_string());
         if let Some(a) = admission {
             // Signing overran the caller's deadline despite the margin: the
             // certificate is withheld and recorded as a deny, so no allow is

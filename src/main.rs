@@ -53,6 +53,15 @@ enum Command {
         /// Overwrite existing files.
         #[arg(long)]
         force: bool,
+        /// Generate the intermediate key inside this PKCS#11 token (RFC 7512
+        /// URI; PIN from pin-source or MESHCA_PKCS11_PIN) instead of a file.
+        /// Without --root-from, writes ca-csr.pem for an offline root.
+        #[arg(long)]
+        pkcs11: Option<String>,
+        /// With --pkcs11: sign the intermediate with the root in this
+        /// directory (root-cert.pem, root-key.pem, as `meshca init` wrote them).
+        #[arg(long, requires = "pkcs11")]
+        root_from: Option<PathBuf>,
     },
     /// Read the audit log: verify its hash chain and signed checkpoints, query it.
     #[command(subcommand)]
@@ -251,6 +260,8 @@ async fn main() -> anyhow::Result<()> {
             intermediate_ttl,
             trust_domain,
             force,
+            pkcs11,
+            root_from,
         } => {
             let opts = InitOptions {
                 key_type,
@@ -262,6 +273,19 @@ async fn main() -> anyhow::Result<()> {
                     .context("--intermediate-ttl")?,
                 organization: TrustDomain::new(&trust_domain)?.to_string(),
             };
+            if let Some(uri) = pkcs11 {
+                let uri = uri.parse().with_context(|| {
+                    format!("--pkcs11 {}", meshca::ca::signer::uri::redact(&uri))
+                })?;
+                return meshca::ca::custody::init_pkcs11(
+                    &uri,
+                    &opts,
+                    &out,
+                    root_from.as_deref(),
+                    force,
+                    OffsetDateTime::now_utc(),
+                );
+            }
             let ca = generate::generate(&opts, OffsetDateTime::now_utc())?;
             generate::write_cacerts(&out, &ca, force)?;
             println!("wrote ca-cert.pem, ca-key.pem, cert-chain.pem, root-cert.pem and root-key.pem to {}", out.display());

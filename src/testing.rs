@@ -78,7 +78,8 @@ pub fn new_intermediate(ca: &generate::GeneratedCa, now: OffsetDateTime) -> gene
         "cluster.local",
         now,
         now + time::Duration::days(30),
-        Some(0),
+        // As `meshca init` makes them: room for a two-tier issuing CA.
+        Some(1),
     )
     .expect("params");
     params.use_authority_key_identifier_extension = true;
@@ -220,6 +221,7 @@ pub fn test_config(ca_dir: PathBuf) -> crate::config::Config {
         kill_switch: Default::default(),
         multicluster: Default::default(),
         rotation: None,
+        custody: Default::default(),
     }
 }
 

@@ -27,6 +27,9 @@ pub enum TlsError {
     Issue(#[from] rcgen::Error),
     #[error("building the TLS config: {0}")]
     Rustls(#[from] rustls::Error),
+    /// Fail closed: no serving certificate is used without its audit record.
+    #[error("serving certificate audit record not written: {0}")]
+    Audit(String),
 }
 
 /// The current server TLS config; each new connection takes the latest.
@@ -34,6 +37,8 @@ pub struct ServingTls {
     config: ArcSwap<ServerConfig>,
     names: Vec<String>,
     trust_domains: Vec<TrustDomain>,
+    /// Where each serving certificate is recorded.
+    audit: Option<Arc<dyn crate::audit::AuditSink>>,
 }
 
 impl std::fmt::Debug for ServingTls {
@@ -50,11 +55,22 @@ impl ServingTls {
         names: Vec<String>,
         trust_domains: Vec<TrustDomain>,
     ) -> Result<Self, TlsError> {
-        let config = build(bundle, &names, &trust_domains)?;
+        Self::new_audited(bundle, names, trust_domains, None)
+    }
+
+    /// [`Self::new`], writing every serving certificate to `audit`.
+    pub fn new_audited(
+        bundle: &CaBundle,
+        names: Vec<String>,
+        trust_domains: Vec<TrustDomain>,
+        audit: Option<Arc<dyn crate::audit::AuditSink>>,
+    ) -> Result<Self, TlsError> {
+        let config = build(bundle, &names, &trust_domains, audit.as_deref())?;
         Ok(Self {
             config: ArcSwap::from_pointee(config),
             names,
             trust_domains,
+            audit,
         })
     }
 
@@ -63,8 +79,12 @@ impl ServingTls {
     }
 
     pub fn rebuild(&self, bundle: &CaBundle) -> Result<(), TlsError> {
-        self.config
-            .store(Arc::new(build(bundle, &self.names, &self.trust_domains)?));
+        self.config.store(Arc::new(build(
+            bundle,
+            &self.names,
+            &self.trust_domains,
+            self.audit.as_deref(),
+        )?));
         Ok(())
     }
 
@@ -87,8 +107,14 @@ fn build(
     bundle: &CaBundle,
     names: &[String],
     tds: &[TrustDomain],
+    audit: Option<&dyn crate::audit::AuditSink>,
 ) -> Result<ServerConfig, TlsError> {
     let (chain, key) = serving_cert(bundle, names)?;
+    if let Some(audit) = audit {
+        audit
+            .emit(&serving_record(bundle, names, &chain[0]))
+            .map_err(|e| TlsError::Audit(e.to_string()))?;
+    }
     let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
     let verifier = SpiffeClientVerifier::for_bundle(bundle, tds.to_vec(), provider.clone())?;
     let mut config = ServerConfig::builder_with_provider(provider)
@@ -158,4 +184,35 @@ pub fn serving_cert(
     chain.extend(bundle.intermediates().iter().cloned());
     let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der()));
     Ok((chain, key))
+}
+
+/// The audit record of a serving certificate.
+pub fn serving_record(
+    bundle: &CaBundle,
+    names: &[String],
+    cert: &CertificateDer<'_>,
+) -> crate::audit::AuditRecord {
+    use x509_parser::prelude::{FromDer, X509Certificate};
+    let now = OffsetDateTime::now_utc();
+    let mut id = [0u8; 8];
+    let _ = aws_lc_rs::rand::fill(&mut id);
+    let mut r = crate::audit::AuditRecord::new(
+        now,
+        hex::encode(id),
+        crate::audit::Decision::Allow,
+        "serving_cert_issued".into(),
+    );
+    if let Ok((_, c)) = X509Certificate::from_der(cert) {
+        r.serial = Some(crate::ca::serial_hex(c.raw_serial()));
+        r.spki_sha256 = Some(hex::encode(crate::ca::csr::sha256(c.public_key().raw)));
+        r.not_before = Some(c.validity().not_before.to_datetime());
+        r.not_after = Some(c.validity().not_after.to_datetime());
+    }
+    r.issuer_key_id = Some(bundle.key_id().to_string());
+    r.detail = Some(format!("serving names {}", names.join(",")));
+    r.issued_kind = Some("serving".into());
+    r.signer = Some(bundle.signer().kind().into());
+    r.certificate = Some(crate::ca::generate::pem_encode("CERTIFICATE", cert));
+    r.bound();
+    r
 }

@@ -62,7 +62,7 @@ impl Server {
     }
 
     fn records(&self) -> Vec<AuditRecord> {
-        self.audit.records()
+        self.audit.requests()
     }
 
     async fn metric(&self, name: &str) -> u64 {

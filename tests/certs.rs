@@ -499,7 +499,7 @@ async fn pem_file_and_live_call() {
     assert_eq!(code, 0, "{err}");
     let leaf_row: Vec<&str> = out.lines().nth(1).unwrap().split_whitespace().collect();
     assert_eq!(&leaf_row[..4], [id, "Leaf", "Available", "true"], "{out}");
-    assert_eq!(audit.records().len(), 1);
-    assert_eq!(audit.records()[0].serial.as_deref(), Some(leaf_row[4]));
+    assert_eq!(audit.requests().len(), 1);
+    assert_eq!(audit.requests()[0].serial.as_deref(), Some(leaf_row[4]));
     app.shutdown().await.unwrap();
 }

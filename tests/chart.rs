@@ -631,3 +631,55 @@ fn remote_secrets_role_is_exactly_the_fixture_and_namespaced() {
     let roles = role_names(&self::docs(&String::from_utf8_lossy(&out.stdout)));
     assert!(!roles.contains("meshca-remote-secrets"), "{roles:?}");
 }
+
+#[test]
+fn pkcs11_signer_gets_its_uri_and_the_pin_from_a_secret_file() {
+    let d = render("templates/deployment.yaml", "meshca", "istio-system", &[]);
+    let env = env_of(&d[0]);
+    assert!(env.contains(&("MESHCA_SIGNER".into(), "file".into())));
+    assert!(env.contains(&("MESHCA_ISSUING_CA".into(), "auto".into())));
+    let pod = &d[0]["spec"]["template"]["spec"];
+    let has_pin_volume = |pod: &Value| {
+        pod["volumes"]
+            .as_sequence()
+            .unwrap()
+            .iter()
+            .any(|v| v["name"].as_str() == Some("pkcs11-pin"))
+    };
+    assert!(!has_pin_volume(pod), "no PIN mount without a PIN Secret");
+
+    let uri = "pkcs11:token=meshca;object=ica?module-path=/opt/hsm/lib.so&pin-source=file:/etc/meshca-pkcs11/pin";
+    let d = render(
+        "templates/deployment.yaml",
+        "meshca",
+        "istio-system",
+        &[
+            "--set-string",
+            &format!("signer.uri={uri}"),
+            "--set",
+            "signer.pkcs11.pinSecretName=hsm-pin",
+        ],
+    );
+    let env = env_of(&d[0]);
+    assert!(env.contains(&("MESHCA_SIGNER".into(), uri.into())));
+    let pod = &d[0]["spec"]["template"]["spec"];
+    assert!(has_pin_volume(pod));
+    let vol = pod["volumes"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"].as_str() == Some("pkcs11-pin"))
+        .unwrap();
+    assert_eq!(vol["secret"]["secretName"].as_str(), Some("hsm-pin"));
+    assert_eq!(vol["secret"]["items"][0]["key"].as_str(), Some("pin"));
+    let mount = pod["containers"][0]["volumeMounts"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .find(|m| m["name"].as_str() == Some("pkcs11-pin"))
+        .unwrap();
+    assert_eq!(mount["mountPath"].as_str(), Some("/etc/meshca-pkcs11"));
+    assert_eq!(mount["readOnly"].as_bool(), Some(true));
+    // The PIN itself is never a value or an env var.
+    assert!(!env.iter().any(|(k, _)| k == "MESHCA_PKCS11_PIN"));
+}

@@ -152,7 +152,7 @@ async fn issued_leaf_matches_istiod_profile_and_chain_layout() {
     assert_eq!(seen, ["aki", "bc", "eku", "ku", "san"]);
 
     // Exactly one audit record, allow, with the issued serial.
-    let records = audit.records();
+    let records = audit.requests();
     assert_eq!(records.len(), 1);
     let r = &records[0];
     assert_eq!(r.decision, Decision::Allow);
@@ -213,7 +213,7 @@ async fn a_burst_of_leaves_gets_lifetimes_spread_over_the_band() {
         .into_iter()
         .map(Result::unwrap)
         .collect();
-    let records = audit.records();
+    let records = audit.requests();
     let mut quarters = [0usize; 4];
     let mut lifetimes = std::collections::HashSet::new();
     for (call, nb, na, serial) in &leaves {
@@ -335,7 +335,8 @@ async fn kubernetes_tls_secret_layout_is_served() {
     let pki = TestPki::new(KeyType::EcdsaP256);
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("tls.crt"), &pki.ca.ca_cert).unwrap();
-    std::fs::write(dir.path().join("tls.key"), &pki.ca.ca_key).unwrap();
+    meshca::ca::generate::write_file(&dir.path().join("tls.key"), pki.ca.ca_key.as_bytes(), true)
+        .unwrap();
     std::fs::write(dir.path().join("ca.crt"), &pki.ca.root_cert).unwrap();
     let b = CaBundle::load_dir(dir.path(), OffsetDateTime::now_utc()).unwrap();
     let (app, _) = testing::start_server(
@@ -853,7 +854,7 @@ async fn bad_inputs_get_stable_codes_and_one_audit_record_each() {
     assert!(cases.len() >= 25);
 
     for (name, ident, auth, req, want, reason) in cases {
-        let before = audit.records().len();
+        let before = audit.requests().len();
         let got = async {
             let mut c = client(
                 app.addr,
@@ -871,7 +872,7 @@ async fn bad_inputs_get_stable_codes_and_one_audit_record_each() {
                 .map_err(|s| format!("{:?}|{}", s.code(), s.message()))
         }
         .await;
-        let records = audit.records();
+        let records = audit.requests();
         match want {
             Want::Code(Code::Ok) => {
                 let resp = got.unwrap_or_else(|e| panic!("{name}: expected OK, got {e}"));
@@ -969,6 +970,13 @@ fn secret_volume_write(dir: &std::path::Path, generation: u32, files: &[(&str, S
     std::fs::create_dir(&ts).unwrap();
     for (name, body) in files {
         std::fs::write(ts.join(name), body).unwrap();
+        // The chart's Secret volume mode (0440, group = the pod's fsGroup):
+        // meshca refuses a key file others can read.
+        std::fs::set_permissions(
+            ts.join(name),
+            std::os::unix::fs::PermissionsExt::from_mode(0o440),
+        )
+        .unwrap();
     }
     let tmp = dir.join("..data_tmp");
     std::os::unix::fs::symlink(ts.file_name().unwrap(), &tmp).unwrap();
@@ -1083,7 +1091,7 @@ async fn hot_reload_swaps_intermediate_without_failing_requests() {
         "leaves from both intermediates"
     );
     // New leaves are signed by the new intermediate.
-    let records = audit.records();
+    let records = audit.requests();
     assert_eq!(
         records.last().unwrap().issuer_key_id.as_deref(),
         Some(new_key_id.as_str())
@@ -1139,7 +1147,7 @@ async fn metrics_count_a_scripted_mix_and_health_endpoints_answer() {
     mtls.create_certificate(request(csr_for(&k, CLIENT_ID), i64::MAX, &[]))
         .await
         .unwrap_err();
-    assert_eq!(audit.records().len(), 8);
+    assert_eq!(audit.requests().len(), 8);
 
     let (status, text) = testing::http_get(app.admin_addr, "/metrics").await;
     assert_eq!(status, 200);

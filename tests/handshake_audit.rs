@@ -229,14 +229,14 @@ async fn the_last_interval_is_written_at_shutdown_and_expired_certificates_are_n
     }
     assert!(
         audit
-            .records()
+            .requests()
             .iter()
             .all(|r| !r.reason.starts_with("tls_handshake_rejected:")),
         "nothing is written before the interval ends"
     );
     app.shutdown().await.unwrap();
     let got: Vec<_> = audit
-        .records()
+        .requests()
         .into_iter()
         .filter(|r| r.reason.starts_with("tls_handshake_rejected:"))
         .map(|r| (r.peer, r.reason, r.count))

@@ -120,8 +120,9 @@ async fn next_audit(s: &mut Server) -> serde_json::Value {
             .expect("an audit record")
             .expect("meshca's stdout is open");
         let v: serde_json::Value = serde_json::from_str(&line).unwrap();
-        // Checkpoint lines commit to the chain; requests carry a decision.
-        if v.get("decision").is_some() {
+        // Checkpoint lines commit to the chain; requests carry a decision
+        // (records of meshca's own serving certificate carry issued_kind).
+        if v.get("decision").is_some() && v.get("issued_kind").is_none() {
             return v;
         }
     }

@@ -108,7 +108,7 @@ async fn ztunnel_impersonates_only_workloads_on_its_node() {
         app_id,
         "issued for the impersonated identity"
     );
-    let rec = srv.audit.records().last().cloned().unwrap();
+    let rec = srv.audit.requests().last().cloned().unwrap();
     assert!(rec.impersonated && rec.authn_method.as_deref() == Some("token-review"));
     assert_eq!(rec.node.as_deref(), Some("node-a"));
     assert!(
@@ -303,7 +303,7 @@ async fn bad_tokens_are_unauthenticated() {
     assert_denied(r, &srv, Code::Unauthenticated, &["token_expired"]);
     assert!(
         srv.audit
-            .records()
+            .requests()
             .last()
             .unwrap()
             .detail
@@ -311,7 +311,7 @@ async fn bad_tokens_are_unauthenticated() {
             .unwrap()
             .contains("expired"),
         "{:?}",
-        srv.audit.records().last()
+        srv.audit.requests().last()
     );
 
     // Minted for a pod that is then deleted, never reviewed before: invalid.
@@ -332,7 +332,7 @@ async fn bad_tokens_are_unauthenticated() {
         .await;
     assert_denied(r, &srv, Code::Unauthenticated, &["token_unknown_cluster"]);
     // No token response ever leaks the reason.
-    for r in srv.audit.records() {
+    for r in srv.audit.requests() {
         assert!(!r.detail.clone().unwrap_or_default().contains(&good));
     }
 }
@@ -351,7 +351,7 @@ async fn sidecar_token_gets_exactly_its_own_identity_and_reviews_are_cached() {
         .await
         .unwrap();
     assert_eq!(leaf_uri(&chain[0]), id);
-    let rec = srv.audit.records().last().cloned().unwrap();
+    let rec = srv.audit.requests().last().cloned().unwrap();
     assert_eq!(
         rec.caller_pod.as_deref(),
         Some(format!("{ns}/app-0").as_str())
@@ -727,7 +727,7 @@ async fn mtls_node_proxy_impersonates_by_source_ip_only_when_enabled() {
         if enabled {
             let chain = r.unwrap().into_inner().cert_chain;
             assert_eq!(leaf_uri(&chain[0]), app);
-            let rec = srv.audit.records().last().cloned().unwrap();
+            let rec = srv.audit.requests().last().cloned().unwrap();
             assert_eq!(rec.authn_method.as_deref(), Some("mtls"));
             assert_eq!(rec.node.as_deref(), Some("node-a"));
             let r = c.create_certificate(ask(&far)).await;

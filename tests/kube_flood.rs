@@ -457,7 +457,7 @@ async fn tokenreview_flood_stays_within_the_budget_and_serves_every_valid_caller
 
     // The flood did hit the budget, and each refusal is audited with its reason.
     assert!(refused > 0, "the flood must exceed the budget to test it");
-    let records = srv.audit.records();
+    let records = srv.audit.requests();
     let audited = |reason: &str| records.iter().filter(|r| r.reason == reason).count() as u64;
     let refused_audited = audited(REASON_BUDGET) + audited("tokenreview_inflight_exhausted");
     assert_eq!(

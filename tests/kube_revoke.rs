@@ -90,7 +90,7 @@ async fn mtls_renewal_needs_a_live_pod_deleted_pod_is_denied() {
     let (ns, id, srv) = renewal_setup(&k, Duration::from_secs(24 * 3600), |_| {}).await;
     let cert = client_cert(&srv.pki, &id, 3600);
     renew(&srv, &cert, &id, 0).await.unwrap();
-    let rec = srv.audit.records().last().cloned().unwrap();
+    let rec = srv.audit.requests().last().cloned().unwrap();
     assert_eq!(rec.reason, "issued");
     assert_eq!(rec.renewal_check.as_deref(), Some("pod_live"));
 
@@ -136,14 +136,14 @@ async fn over_long_mtls_renewal_is_capped() {
             left <= time::Duration::seconds(3600),
             "asked {ask}s, got a leaf living {left}"
         );
-        let rec = srv.audit.records().last().cloned().unwrap();
+        let rec = srv.audit.requests().last().cloned().unwrap();
         assert_eq!(rec.renewal_check.as_deref(), Some("pod_live,capped"));
         assert_eq!(rec.lifetime.unwrap().granted_secs, 3600);
     }
     // Under the cap: untouched.
     let chain = renew(&srv, &cert, &id, 600).await.unwrap();
     assert!(not_after(&chain[0]) - OffsetDateTime::now_utc() <= time::Duration::seconds(600));
-    let rec = srv.audit.records().last().cloned().unwrap();
+    let rec = srv.audit.requests().last().cloned().unwrap();
     assert_eq!(rec.renewal_check.as_deref(), Some("pod_live"));
     // Over MAX_WORKLOAD_CERT_TTL is still refused as istiod refuses it.
     let e = renew(&srv, &cert, &id, 90 * 24 * 3600 + 1)
@@ -292,12 +292,12 @@ async fn connection_closes_at_client_cert_expiry_and_no_session_resumes_past_it(
         !frames,
         "an expired client certificate must not reach HTTP/2"
     );
-    let before = srv.audit.records().len();
+    let before = srv.audit.requests().len();
     renew(&srv, &(chain_pem, key_pem), &id, 0)
         .await
         .expect_err("an expired client certificate gets no certificate");
     assert_eq!(
-        srv.audit.records().len(),
+        srv.audit.requests().len(),
         before,
         "refused in the handshake, before any request"
     );
@@ -403,7 +403,7 @@ async fn stale_index_refuses_source_ip_impersonation_and_renewal() {
     };
     impersonate(&srv).await.unwrap();
     assert_eq!(
-        srv.audit.records().last().unwrap().node.as_deref(),
+        srv.audit.requests().last().unwrap().node.as_deref(),
         Some("node-a")
     );
     renew(&srv, &zt_cert, &zt_id, 0).await.unwrap();
@@ -602,7 +602,7 @@ async fn denylist_changes_take_effect_within_seconds_under_load() {
     ] {
         let stop = Arc::new(AtomicBool::new(false));
         let first = Arc::new(std::sync::Mutex::new(None));
-        let before = srv.audit.records().len();
+        let before = srv.audit.requests().len();
         let loaders = load(&srv, cert.clone(), id.clone(), stop.clone(), first.clone());
         tokio::time::sleep(Duration::from_millis(500)).await;
         assert!(
@@ -635,14 +635,14 @@ async fn denylist_changes_take_effect_within_seconds_under_load() {
         let took = first.lock().unwrap().unwrap() - changed;
         // Every request after the first denial is denied too.
         tokio::time::sleep(Duration::from_millis(300)).await;
-        let cutoff = srv.audit.records().len();
+        let cutoff = srv.audit.requests().len();
         tokio::time::sleep(Duration::from_millis(500)).await;
         stop.store(true, Ordering::Relaxed);
         let mut total = 0;
         for l in loaders {
             total += l.await.unwrap();
         }
-        let records = srv.audit.records();
+        let records = srv.audit.requests();
         let after: Vec<_> = records[cutoff..]
             .iter()
             .map(|r| r.reason.as_str())
@@ -722,7 +722,7 @@ async fn revoked_serial_is_in_a_crl_openssl_verifies_and_in_the_configmap() {
     .await;
     let cert = client_cert(&srv.pki, &id, 3600);
     let chain = renew(&srv, &cert, &id, 0).await.unwrap();
-    let issued = srv.audit.records().last().cloned().unwrap();
+    let issued = srv.audit.requests().last().cloned().unwrap();
     let serial = issued.serial.clone().unwrap();
     // The client certificate's own serial: revoked, it may not renew.
     let client_serial = {
@@ -734,7 +734,7 @@ async fn revoked_serial_is_in_a_crl_openssl_verifies_and_in_the_configmap() {
     // What `meshca revoke --identity` does: find the serials in the audit log, append them.
     let now = OffsetDateTime::now_utc();
     let found = meshca::revocation::select(
-        &srv.audit.records(),
+        &srv.audit.requests(),
         &meshca::revocation::Target::Identity(id.clone()),
         "key-compromise",
         Some("test"),
@@ -832,7 +832,7 @@ async fn revoked_serial_is_in_a_crl_openssl_verifies_and_in_the_configmap() {
     // Each revocation is an audit record of its own.
     let revoked: Vec<_> = srv
         .audit
-        .records()
+        .requests()
         .into_iter()
         .filter(|r| r.reason == "revoked")
         .filter_map(|r| r.serial)

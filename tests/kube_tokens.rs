@@ -115,7 +115,7 @@ async fn verdict(
     id: &str,
 ) -> (bool, String, Option<String>, Option<String>) {
     let r = srv.call(token, id, None, None).await;
-    let rec = srv.audit.records().last().cloned().unwrap();
+    let rec = srv.audit.requests().last().cloned().unwrap();
     (
         r.is_ok(),
         format!("{} {}", rec.reason, rec.detail.unwrap_or_default()),

@@ -69,7 +69,7 @@ async fn warm_key_set_verifies_new_callers_through_an_api_server_outage() {
                 srv.call(token, &id, None, None)
                     .await
                     .expect("verified locally while the API server is down");
-                let rec = srv.audit.records().last().cloned().unwrap();
+                let rec = srv.audit.requests().last().cloned().unwrap();
                 assert_eq!(rec.token_verified_by.as_deref(), Some("local"));
             }
             // Still no wrong allow: a forged claim under a real signature.

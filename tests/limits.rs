@@ -167,7 +167,7 @@ async fn an_oversized_impersonated_identity_is_refused_and_not_recorded() {
         .unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument);
     assert!(err.message().len() < 200, "{}", err.message());
-    let records = s.audit.records();
+    let records = s.audit.requests();
     assert_eq!(records.len(), 1);
     assert_eq!(records[0].reason, "impersonated_identity_too_large");
     let line = serde_json::to_string(&records[0]).unwrap();
@@ -215,7 +215,7 @@ async fn an_oversized_bearer_token_or_clusterid_is_unauthenticated() {
         body.send_data(vec![0u8, 0, 0, 0, 0].into(), true).unwrap();
         // 16 = UNAUTHENTICATED
         assert_eq!(grpc_status(resp).await.as_deref(), Some("16"), "{reason}");
-        assert_eq!(s.audit.records().last().unwrap().reason, reason);
+        assert_eq!(s.audit.requests().last().unwrap().reason, reason);
     }
 }
 

@@ -530,14 +530,15 @@ async fn fuzz_seeds_are_real_meshca_outputs() {
     assert_eq!(outcome("token_expiry", "no-exp"), Err("no_exp"));
     assert_eq!(outcome("audit_verify", "signed"), Ok(()));
     assert_eq!(outcome("audit_verify", "unkeyed"), Ok(()));
-    // The log is the real server's: an issue, two denials, signed checkpoints.
+    // The log is the real server's: its serving certificate, an issue, two
+    // denials, signed checkpoints.
     let log = std::fs::read_to_string(dir.join("audit_verify/seed-signed")).unwrap();
     let report = verify_lines(
         &fuzzing::log_lines(&log[1..]),
         Some(&fuzzing::audit_key().verify_key()),
     )
     .unwrap();
-    assert_eq!(report.records, 3, "{log}");
+    assert_eq!(report.records, 4, "{log}");
     assert!(report.signed_checkpoints >= 2);
     assert_eq!(report.unsigned_tail, 0);
     assert!(log.contains(r#""decision":"allow""#) && log.contains(r#""decision":"deny""#));

@@ -88,6 +88,17 @@ pub struct AuditRecord {
     /// Who forced a rotation step, and why (`meshca rotate force`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rotation_forced: Option<String>,
+    /// Certificates meshca issues to itself: `issuing_ca` (two-tier issuing)
+    /// or `serving` (the gRPC TLS certificate). Absent for workload leaves.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub issued_kind: Option<String>,
+    /// Where the key that signed this certificate is held: `file`,
+    /// `memory` (a two-tier issuing CA) or `pkcs11`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signer: Option<String>,
+    /// The issued certificate (PEM), on `issued_kind` records.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub certificate: Option<String>,
 }
 
 /// What a reduced record stands for.
@@ -143,6 +154,9 @@ impl AuditRecord {
             cluster_id: None,
             rotation_step: None,
             rotation_forced: None,
+            issued_kind: None,
+            signer: None,
+            certificate: None,
         }
     }
 
@@ -256,6 +270,14 @@ pub struct MemorySink(pub std::sync::Mutex<Vec<AuditRecord>>);
 impl MemorySink {
     pub fn records(&self) -> Vec<AuditRecord> {
         self.0.lock().map(|v| v.clone()).unwrap_or_default()
+    }
+
+    /// The records of requests: without those of certificates meshca issued
+    /// itself (serving certificates, issuing CAs).
+    pub fn requests(&self) -> Vec<AuditRecord> {
+        let mut v = self.records();
+        v.retain(|r| r.issued_kind.is_none());
+        v
     }
 }
 

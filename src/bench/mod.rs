@@ -1085,7 +1085,7 @@ mod tests {
         // At most a response racing its client's deadline on a loaded machine.
         assert!(matches!(r.issued_not_received, Some(0..=2)), "{r:?}");
         let allows = audit
-            .records()
+            .requests()
             .iter()
             .filter(|x| x.decision == crate::audit::Decision::Allow)
             .count();
@@ -1105,7 +1105,7 @@ mod tests {
         assert!(r.errors.is_empty());
         assert!(r.ceiling.as_ref().is_some_and(|c| c.per_core > 0.0));
         assert!(r.p50_ms <= r.p99_ms && r.p99_ms <= r.max_ms);
-        assert_eq!(audit.records().len(), 2 + 4 + 40); // 2 connections warmed, warmup, run
+        assert_eq!(audit.requests().len(), 2 + 4 + 40); // 2 connections warmed, warmup, run
         let line = serde_json::to_value(&r).expect("json");
         assert_eq!(line["mode"], "mtls-renewal");
 

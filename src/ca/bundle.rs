@@ -1,19 +1,20 @@
 //! CA key material: loading and verifying a bundle, and signing leaves with it.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use rcgen::{
     CertificateParams, CustomExtension, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
-    Issuer, KeyPair, KeyUsagePurpose, SanType, SerialNumber, SignatureAlgorithm,
-    SubjectPublicKeyInfo,
+    Issuer, KeyPair, KeyUsagePurpose, SanType, SerialNumber, SubjectPublicKeyInfo,
 };
 use rustls_pki_types::pem::PemObject;
-use rustls_pki_types::{CertificateDer, PrivateKeyDer, UnixTime};
+use rustls_pki_types::{CertificateDer, UnixTime};
 use time::OffsetDateTime;
 use x509_parser::prelude::{FromDer, X509Certificate};
 
 use super::chain::split_elements;
 use super::csr::{sha256, KeyKind};
+use super::signer::{Signer, SignerError, SignerKey};
 use super::ttl::Validity;
 use crate::identity::SpiffeId;
 
@@ -62,6 +63,9 @@ pub enum MaterialError {
     BadNameConstraint(String),
     #[error("root bundle changed; refusing to switch roots under running workloads (set ISTIO_MULTIROOT_MESH=true to allow adding or removing roots)")]
     RootChanged,
+    /// The signing key's custody (file mode, PKCS#11 token, PIN).
+    #[error(transparent)]
+    Signer(#[from] SignerError),
 }
 
 impl MaterialError {
@@ -81,6 +85,7 @@ impl MaterialError {
             Self::RootChanged => "ca_root_changed",
             Self::ChainMismatch(_) => "ca_chain_mismatch",
             Self::BadNameConstraint(_) => "ca_bad_name_constraint",
+            Self::Signer(e) => e.reason(),
         }
     }
 }
@@ -99,6 +104,9 @@ pub enum SignError {
     /// The issuance mark could not be made durable; the leaf is withheld.
     #[error("recording the issued leaf failed: {0}")]
     IssuanceRecord(String),
+    /// The key holder (token, KMS) could not sign.
+    #[error("{0}")]
+    Signer(SignerError),
 }
 
 impl SignError {
@@ -108,6 +116,7 @@ impl SignError {
             Self::Generation(_) => "sign_generation",
             Self::OutsideNameConstraints { .. } => "sign_outside_name_constraints",
             Self::IssuanceRecord(_) => "sign_issuance_record_failed",
+            Self::Signer(e) => e.reason(),
         }
     }
 }
@@ -199,10 +208,17 @@ impl BundleFiles {
     }
 }
 
+// The key text is cleared when the files are dropped.
+impl Drop for BundleFiles {
+    fn drop(&mut self) {
+        zeroize::Zeroize::zeroize(&mut self.signing_key);
+    }
+}
+
 /// A verified, immutable CA snapshot. Requests hold an `Arc` to one for their
 /// whole life, so a reload never changes material under a request.
 pub struct CaBundle {
-    issuer: Issuer<'static, KeyPair>,
+    issuer: Issuer<'static, SignerKey>,
     signing_cert: CertificateDer<'static>,
     signing_not_after: OffsetDateTime,
     /// Earliest not_after on the verified path (signing cert .. root).
@@ -251,6 +267,16 @@ impl CaBundle {
     /// the signing cert is an unexpired CA that chains to the root bundle, and
     /// a probe leaf signed with it verifies against the roots.
     pub fn from_files(files: BundleFiles, now: OffsetDateTime) -> Result<Self, MaterialError> {
+        Self::from_files_with(files, None, now)
+    }
+
+    /// [`Self::from_files`] with the key held by `signer` (a token, or the
+    /// in-memory issuing key) instead of the key file text.
+    pub fn from_files_with(
+        mut files: BundleFiles,
+        signer: Option<Arc<dyn Signer>>,
+        now: OffsetDateTime,
+    ) -> Result<Self, MaterialError> {
         let fingerprint = files.fingerprint();
         let signing_cert = certs("signing certificate", &files.signing_cert)?
             .into_iter()
@@ -301,11 +327,16 @@ impl CaBundle {
         }
         let spki = parsed.public_key();
         let (alg, key_algorithm) = signing_algorithm(spki)?;
-        let key_der = PrivateKeyDer::from_pem_slice(files.signing_key.as_bytes())
-            .map_err(|e| MaterialError::BadKey(format!("no private key PEM block ({e})")))?;
-        let key = KeyPair::from_der_and_sign_algo(&key_der, alg)
-            .map_err(|e| MaterialError::BadKey(e.to_string()))?;
-        if rcgen::PublicKeyData::der_bytes(&key) != spki.subject_public_key.data.as_ref() {
+        let key = match signer {
+            Some(s) => SignerKey(s),
+            None => SignerKey(Arc::new(
+                super::signer::file::from_pem(&files.signing_key, alg, &files.source)
+                    .map_err(|e| MaterialError::BadKey(e.to_string()))?,
+            )),
+        };
+        if key.0.algorithm() != alg
+            || rcgen::PublicKeyData::der_bytes(&key) != spki.subject_public_key.data.as_ref()
+        {
             return Err(MaterialError::KeyMismatch);
         }
         let key_id = match parsed
@@ -361,14 +392,14 @@ impl CaBundle {
             key_id,
             key_algorithm,
             chain_elements: split_elements(&files.cert_chain),
-            root_bundle: files.root_bundle,
+            root_bundle: std::mem::take(&mut files.root_bundle),
             roots,
             intermediates,
             root_not_after,
             chain_not_after,
             uri_constraints: Vec::new(),
             fingerprint,
-            source: files.source,
+            source: std::mem::take(&mut files.source),
         };
         let path = bundle.probe(now, &chain)?;
         // Leaves end no later than any CA on their path, root included: a
@@ -500,7 +531,10 @@ impl CaBundle {
         common_name: bool,
         validity: &Validity,
     ) -> Result<IssuedLeaf, SignError> {
-        let gen = |e: rcgen::Error| SignError::Generation(e.to_string());
+        let gen = |e: rcgen::Error| match super::signer::signer_error(&e) {
+            Some(s) => SignError::Signer(s),
+            None => SignError::Generation(e.to_string()),
+        };
         let id = identity.map(|i| i.to_string()).unwrap_or_default();
         let mut serial = [0u8; 16];
         aws_lc_rs::rand::fill(&mut serial).map_err(|_| SignError::Generation("rng".into()))?;
@@ -614,8 +648,12 @@ impl CaBundle {
     pub fn source(&self) -> &str {
         &self.source
     }
-    pub(crate) fn issuer(&self) -> &Issuer<'static, KeyPair> {
+    pub(crate) fn issuer(&self) -> &Issuer<'static, SignerKey> {
         &self.issuer
+    }
+    /// Who holds the signing key.
+    pub fn signer(&self) -> &Arc<dyn Signer> {
+        self.issuer.key().signer()
     }
 }
 
@@ -653,13 +691,14 @@ fn certs_allow_empty(file: &str, pem: &str) -> Result<Vec<CertificateDer<'static
 
 fn signing_algorithm(
     spki: &x509_parser::x509::SubjectPublicKeyInfo<'_>,
-) -> Result<(&'static SignatureAlgorithm, &'static str), MaterialError> {
+) -> Result<(super::signer::KeyAlgorithm, &'static str), MaterialError> {
+    use super::signer::KeyAlgorithm as A;
     match super::csr::spki_kind(spki)
         .map_err(|e| MaterialError::BadKey(format!("unsupported signing key: {e}")))?
     {
-        KeyKind::EcdsaP256 => Ok((&rcgen::PKCS_ECDSA_P256_SHA256, "ecdsa-p256")),
-        KeyKind::EcdsaP384 => Ok((&rcgen::PKCS_ECDSA_P384_SHA384, "ecdsa-p384")),
-        KeyKind::Rsa(bits) if bits >= 2048 => Ok((&rcgen::PKCS_RSA_SHA256, "rsa")),
+        KeyKind::EcdsaP256 => Ok((A::EcdsaP256, "ecdsa-p256")),
+        KeyKind::EcdsaP384 => Ok((A::EcdsaP384, "ecdsa-p384")),
+        KeyKind::Rsa(bits) if bits >= 2048 => Ok((A::Rsa, "rsa")),
         KeyKind::Rsa(bits) => Err(MaterialError::BadKey(format!(
             "RSA signing key of {bits} bits is below 2048"
         ))),

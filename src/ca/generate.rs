@@ -122,12 +122,14 @@ pub fn generate(opts: &InitOptions, now: OffsetDateTime) -> Result<GeneratedCa, 
 
     let ca_key = opts.key_type.generate()?;
     let ca_end = (now + opts.intermediate_ttl).min(root_end);
+    // Path length 1: room for the short-lived issuing CA of two-tier
+    // issuing (MESHCA_ISSUING_CA) below this intermediate.
     let mut ca_params = ca_params(
         "meshca intermediate CA",
         &opts.organization,
         now,
         ca_end,
-        Some(0),
+        Some(1),
     )?;
     ca_params.use_authority_key_identifier_extension = true;
     let ca_cert = ca_params.signed_by(&ca_key, &root_issuer)?;

@@ -4,7 +4,10 @@ pub mod bundle;
 pub mod chain;
 pub mod constraints;
 pub mod csr;
+pub mod custody;
 pub mod generate;
+pub mod issuing;
+pub mod signer;
 pub mod store;
 pub mod ttl;
 

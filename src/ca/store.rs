@@ -37,6 +37,8 @@ pub struct CaStore {
     allow_root_change: bool,
     generation: watch::Sender<u64>,
     issuance: std::sync::OnceLock<Arc<dyn IssuanceLog>>,
+    /// How the directory's signing key is held (file or token).
+    key_source: super::custody::KeySource,
 }
 
 impl std::fmt::Debug for CaStore {
@@ -50,12 +52,19 @@ impl std::fmt::Debug for CaStore {
 impl CaStore {
     /// A store backed by a directory, loaded now.
     pub fn from_dir(dir: &Path, allow_root_change: bool) -> Result<Self, MaterialError> {
-        let bundle = CaBundle::load_dir(dir, OffsetDateTime::now_utc())?;
-        Ok(Self::new(
-            bundle,
-            Some(dir.to_path_buf()),
-            allow_root_change,
-        ))
+        Self::from_dir_with(dir, allow_root_change, Default::default())
+    }
+
+    /// A store whose signing key is held as `key_source` says.
+    pub fn from_dir_with(
+        dir: &Path,
+        allow_root_change: bool,
+        key_source: super::custody::KeySource,
+    ) -> Result<Self, MaterialError> {
+        let bundle = key_source.load(dir, OffsetDateTime::now_utc())?;
+        let mut store = Self::new(bundle, Some(dir.to_path_buf()), allow_root_change);
+        store.key_source = key_source;
+        Ok(store)
     }
 
     pub fn new(bundle: CaBundle, dir: Option<PathBuf>, allow_root_change: bool) -> Self {
@@ -64,6 +73,7 @@ impl CaStore {
             dir,
             allow_root_change,
             generation: watch::channel(0).0,
+            key_source: Default::default(),
             issuance: std::sync::OnceLock::new(),
         }
     }
@@ -99,13 +109,14 @@ impl CaStore {
         let Some(dir) = &self.dir else {
             return Ok(ReloadOutcome::Unchanged);
         };
-        let files = super::bundle::BundleFiles::read_dir(dir)?;
+        let files = self.key_source.read(dir)?;
         let old = self.snapshot();
         // Unchanged files are not verified again (polling runs every few seconds).
         if files.fingerprint() == old.fingerprint() {
             return Ok(ReloadOutcome::Unchanged);
         }
-        let new = CaBundle::from_files(files, OffsetDateTime::now_utc())?;
+        let new =
+            CaBundle::from_files_with(files, self.key_source.signer(), OffsetDateTime::now_utc())?;
         check_root_change(&old, &new, self.allow_root_change)?;
         self.swap(new);
         Ok(ReloadOutcome::Swapped)

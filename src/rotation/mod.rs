@@ -425,15 +425,13 @@ impl Rotation {
             (Trust::New, _) => new_pem.clone(),
         };
         let phase_name = d.progress.phase.as_str();
-        let effective = BundleFiles {
-            root_bundle,
-            source: if d.progress.phase == Phase::Idle {
-                signer_files.source.clone()
-            } else {
-                format!("{} [rotation: {phase_name}]", signer_files.source)
-            },
-            ..signer_files
-        };
+        // BundleFiles zeroizes its key on drop, so it is edited in place
+        // rather than rebuilt with struct update syntax.
+        let mut effective = signer_files;
+        effective.root_bundle = root_bundle;
+        if d.progress.phase != Phase::Idle {
+            effective.source = format!("{} [rotation: {phase_name}]", effective.source);
+        }
         let mut progress = d.progress.clone();
         let served = self.store.snapshot();
         if effective.fingerprint() != served.fingerprint() {

@@ -1,0 +1,364 @@
+//! Two-tier issuing. The custody key (a token, or the key file) signs a
+//! short-lived issuing CA whose key exists only in this process's memory,
+//! and that key signs leaves and the serving certificate. The custody key
+//! then signs once per issuing CA instead of once per leaf, so an HSM or
+//! KMS rate limit does not cap issuance; a memory compromise exposes a key
+//! that dies within one issuing-CA lifetime.
+//!
+//! A new issuing CA is made at half-life (and at once when the custody
+//! material reloads). The previous one stays valid until its own end, so
+//! leaves it signed keep verifying; requests in flight finish on the
+//! snapshot they started with. Every issuing-CA certificate is an audit
+//! record, written before the certificate is used.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use time::OffsetDateTime;
+use tokio::time::Instant;
+use x509_parser::prelude::{FromDer, X509Certificate};
+
+use super::bundle::{BundleFiles, CaBundle, MaterialError};
+use super::signer::memory::MemorySigner;
+use super::signer::{KeyAlgorithm, Signer, SignerError, SignerKey};
+use super::store::CaStore;
+use crate::audit::{AuditRecord, AuditSink, Decision};
+
+/// Issuing CAs are backdated by this much, as leaves are (clock skew).
+const BACKDATE: time::Duration = time::Duration::minutes(5);
+/// Retry delays after a failed rollover (HSM down): the current issuing CA
+/// keeps serving meanwhile.
+const RETRY_MIN: Duration = Duration::from_secs(1);
+const RETRY_MAX: Duration = Duration::from_secs(60);
+
+/// Why an issuing CA could not be made.
+#[derive(Debug, thiserror::Error)]
+pub enum IssuingError {
+    #[error("the signing certificate allows no CA below it (pathLenConstraint 0); two-tier issuing needs path length 1 or more (re-issue it, e.g. with `meshca init`, or set MESHCA_ISSUING_CA=off)")]
+    PathLength,
+    #[error("signing the issuing CA: {0}")]
+    Signer(SignerError),
+    #[error("issuing CA certificate: {0}")]
+    Generation(String),
+    #[error("issuing CA does not verify: {0}")]
+    Material(#[from] MaterialError),
+    #[error("issuing CA audit record not written: {0}")]
+    Audit(String),
+}
+
+impl IssuingError {
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Self::PathLength => "issuing_ca_path_length",
+            Self::Signer(e) => e.reason(),
+            Self::Generation(_) => "issuing_ca_generation",
+            Self::Material(e) => e.reason(),
+            Self::Audit(_) => "issuing_ca_audit_failed",
+        }
+    }
+}
+
+/// A new issuing CA: the bundle leaves are signed with, and its audit record.
+pub struct Minted {
+    pub bundle: CaBundle,
+    pub record: AuditRecord,
+}
+
+/// Makes an issuing CA under `custody`, valid for `ttl` (never past the
+/// custody certificate), with a fresh in-memory ECDSA P-256 key.
+pub fn mint(
+    custody: &CaBundle,
+    ttl: Duration,
+    now: OffsetDateTime,
+) -> Result<Minted, IssuingError> {
+    let (_, parent) = X509Certificate::from_der(custody.signing_cert())
+        .map_err(|e| IssuingError::Generation(e.to_string()))?;
+    if let Ok(Some(bc)) = parent.basic_constraints() {
+        if bc.value.path_len_constraint == Some(0) {
+            return Err(IssuingError::PathLength);
+        }
+    }
+    let org = parent
+        .subject()
+        .iter_organization()
+        .next()
+        .and_then(|o| o.as_str().ok())
+        .unwrap_or("meshca")
+        .to_string();
+    let key: Arc<dyn Signer> =
+        Arc::new(MemorySigner::generate(KeyAlgorithm::EcdsaP256).map_err(IssuingError::Signer)?);
+    let not_after = (now + ttl).min(custody.signing_not_after());
+    let gen = |e: rcgen::Error| IssuingError::Generation(e.to_string());
+    let mut params = super::generate::ca_params(
+        "meshca issuing CA",
+        &org,
+        now - BACKDATE,
+        not_after,
+        Some(0),
+    )
+    .map_err(gen)?;
+    params.use_authority_key_identifier_extension = true;
+    let cert = params
+        .signed_by(&SignerKey(key.clone()), custody.issuer())
+        .map_err(|e| match super::signer::signer_error(&e) {
+            Some(s) => IssuingError::Signer(s),
+            None => gen(e),
+        })?;
+    let pem = cert.pem();
+    // [issuing CA, custody chain...]: the root bundle is the response's last element.
+    let mut chain = custody.response_chain(&pem);
+    chain.pop();
+    let files = BundleFiles {
+        signing_cert: pem.clone(),
+        signing_key: String::new(),
+        cert_chain: chain.concat(),
+        root_bundle: custody.root_bundle().to_string(),
+        source: format!("issuing CA under {}", custody.source()),
+    };
+    let bundle = CaBundle::from_files_with(files, Some(key.clone()), now)?;
+    let (_, issued) = X509Certificate::from_der(bundle.signing_cert())
+        .map_err(|e| IssuingError::Generation(e.to_string()))?;
+    let mut id = [0u8; 8];
+    let _ = aws_lc_rs::rand::fill(&mut id);
+    let mut r = AuditRecord::new(
+        now,
+        hex::encode(id),
+        Decision::Allow,
+        "issuing_ca_issued".into(),
+    );
+    r.serial = Some(super::serial_hex(issued.raw_serial()));
+    r.spki_sha256 = Some(hex::encode(super::csr::sha256(issued.public_key().raw)));
+    r.not_before = Some(issued.validity().not_before.to_datetime());
+    r.not_after = Some(issued.validity().not_after.to_datetime());
+    r.issuer_key_id = Some(custody.key_id().to_string());
+    r.detail = Some(format!(
+        "issuing CA key {} signed by {}",
+        bundle.key_id(),
+        custody.signer().describe()
+    ));
+    r.issued_kind = Some("issuing_ca".into());
+    r.signer = Some(custody.signer().kind().into());
+    r.certificate = Some(pem);
+    Ok(Minted { bundle, record: r })
+}
+
+/// Writes `record` and waits for the writer to acknowledge it.
+pub async fn audit_acked(audit: &dyn AuditSink, record: &AuditRecord) -> Result<(), String> {
+    match audit.submit(record) {
+        Ok(crate::audit::Ack::Written) => Ok(()),
+        Ok(crate::audit::Ack::Pending(rx)) => match rx.await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(_) => Err("audit writer stopped".into()),
+        },
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// The running two-tier issuer: follows the custody store, and keeps the
+/// store leaves are signed from (the issuing CA) current.
+pub struct TwoTier {
+    custody: Arc<CaStore>,
+    issuing: Arc<CaStore>,
+    ttl: Duration,
+    audit: Arc<dyn AuditSink>,
+    /// When the current issuing CA reaches half-life.
+    due: Mutex<Instant>,
+    metrics: Option<Arc<crate::metrics::Metrics>>,
+}
+
+impl std::fmt::Debug for TwoTier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TwoTier")
+            .field("ttl", &self.ttl)
+            .finish_non_exhaustive()
+    }
+}
+
+fn half_life(b: &CaBundle, now: OffsetDateTime) -> Instant {
+    let left = (b.signing_not_after() - now).max(time::Duration::ZERO);
+    Instant::now() + Duration::try_from(left / 2).unwrap_or_default()
+}
+
+impl TwoTier {
+    /// Makes and audits the first issuing CA; fails startup if it cannot.
+    pub async fn start(
+        custody: Arc<CaStore>,
+        ttl: Duration,
+        audit: Arc<dyn AuditSink>,
+        metrics: Option<Arc<crate::metrics::Metrics>>,
+    ) -> Result<Arc<Self>, IssuingError> {
+        let now = OffsetDateTime::now_utc();
+        let snapshot = custody.snapshot();
+        let minted = tokio::task::spawn_blocking(move || mint(&snapshot, ttl, now))
+            .await
+            .map_err(|e| IssuingError::Generation(e.to_string()))??;
+        audit_acked(audit.as_ref(), &minted.record)
+            .await
+            .map_err(IssuingError::Audit)?;
+        let due = half_life(&minted.bundle, now);
+        tracing::info!(key_id = minted.bundle.key_id(), not_after = %minted.bundle.signing_not_after(), "issuing CA made");
+        let issuing = Arc::new(CaStore::new(minted.bundle, None, true));
+        Ok(Arc::new(Self {
+            custody,
+            issuing,
+            ttl,
+            audit,
+            due: Mutex::new(due),
+            metrics,
+        }))
+    }
+
+    /// The store leaves, the serving certificate and CRLs are signed from.
+    pub fn store(&self) -> Arc<CaStore> {
+        self.issuing.clone()
+    }
+
+    /// Makes the next issuing CA now; it replaces the current one only once
+    /// its audit record is written.
+    pub async fn rollover(&self) -> Result<(), IssuingError> {
+        let now = OffsetDateTime::now_utc();
+        let custody = self.custody.snapshot();
+        let ttl = self.ttl;
+        let minted = tokio::task::spawn_blocking(move || mint(&custody, ttl, now))
+            .await
+            .map_err(|e| IssuingError::Generation(e.to_string()))??;
+        audit_acked(self.audit.as_ref(), &minted.record)
+            .await
+            .map_err(IssuingError::Audit)?;
+        if let Ok(mut due) = self.due.lock() {
+            *due = half_life(&minted.bundle, now);
+        }
+        self.issuing.swap(minted.bundle);
+        Ok(())
+    }
+
+    fn count(&self, result: &str) {
+        if let Some(m) = &self.metrics {
+            m.ca_reloads
+                .get_or_create(&crate::metrics::ResultLabels {
+                    result: format!("issuing_ca_{result}"),
+                })
+                .inc();
+        }
+    }
+
+    /// Rolls over at half-life and on every custody reload, retrying with
+    /// backoff while the custody key cannot sign. Runs until dropped.
+    pub async fn run(self: Arc<Self>) {
+        let mut custody_changes = self.custody.subscribe();
+        let mut retry = RETRY_MIN;
+        loop {
+            let due = self
+                .due
+                .lock()
+                .map(|d| *d)
+                .unwrap_or_else(|_| Instant::now());
+            tokio::select! {
+                changed = custody_changes.changed() => if changed.is_err() { return },
+                _ = tokio::time::sleep_until(due) => {}
+            }
+            match self.rollover().await {
+                Ok(()) => {
+                    retry = RETRY_MIN;
+                    self.count("rolled");
+                }
+                Err(e) => {
+                    let left =
+                        self.issuing.snapshot().signing_not_after() - OffsetDateTime::now_utc();
+                    tracing::error!(reason = e.reason(), error = %e, current_left = %left, "could not make the next issuing CA; the current one keeps signing until it expires");
+                    self.count(e.reason());
+                    if let Ok(mut due) = self.due.lock() {
+                        *due = Instant::now() + retry;
+                    }
+                    retry = (retry * 2).min(RETRY_MAX);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ca::generate::{generate, InitOptions};
+    use crate::identity::SpiffeId;
+
+    fn custody(now: OffsetDateTime) -> CaBundle {
+        let ca = generate(&InitOptions::default(), now).unwrap();
+        CaBundle::from_files(
+            BundleFiles {
+                signing_cert: ca.ca_cert.clone(),
+                signing_key: ca.ca_key.clone(),
+                cert_chain: ca.cert_chain(),
+                root_bundle: ca.root_cert.clone(),
+                source: "test".into(),
+            },
+            now,
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn an_issuing_ca_signs_leaves_that_chain_through_it_to_the_root() {
+        let now = OffsetDateTime::now_utc();
+        let c = custody(now);
+        let m = mint(&c, Duration::from_secs(3600), now).unwrap();
+        let b = &m.bundle;
+        assert_eq!(b.signer().kind(), "memory");
+        assert_ne!(b.key_id(), c.key_id());
+        assert_eq!(b.roots(), c.roots());
+        assert!(b.signing_not_after() <= now + time::Duration::hours(1));
+        let id: SpiffeId = "spiffe://cluster.local/ns/a/sa/b".parse().unwrap();
+        let v = crate::ca::Validity {
+            not_before: now - time::Duration::minutes(2),
+            not_after: now + time::Duration::minutes(30),
+            clamped: false,
+        };
+        let key = rcgen::KeyPair::generate().unwrap();
+        let leaf = b
+            .sign_leaf(
+                &rcgen::PublicKeyData::subject_public_key_info(&key),
+                &id,
+                false,
+                &v,
+            )
+            .unwrap();
+        // Verified with the custody bundle's roots and the response chain's intermediates.
+        let chain = b.response_chain(&leaf.pem);
+        // The custody chain (intermediate, root) plus the issuing CA.
+        assert_eq!(chain.len(), c.response_chain(&leaf.pem).len() + 1);
+        assert_eq!(
+            chain.len(),
+            5,
+            "leaf, issuing CA, intermediate, root, root bundle"
+        );
+        b.verify_leaf(&leaf.der, now).unwrap();
+        let r = &m.record;
+        assert_eq!(r.reason, "issuing_ca_issued");
+        assert_eq!(r.issued_kind.as_deref(), Some("issuing_ca"));
+        assert_eq!(r.issuer_key_id.as_deref(), Some(c.key_id()));
+        assert_eq!(r.signer.as_deref(), Some("file"));
+        assert_eq!(r.certificate.as_deref(), Some(chain[1].as_str()));
+    }
+
+    #[test]
+    fn an_issuing_ca_never_outlives_the_custody_certificate() {
+        let now = OffsetDateTime::now_utc();
+        let c = custody(now);
+        let m = mint(&c, crate::ca::custody::MAX_ISSUING_TTL * 1000, now).unwrap();
+        assert_eq!(m.bundle.signing_not_after(), c.signing_not_after());
+    }
+
+    #[test]
+    fn a_path_length_zero_intermediate_is_refused_with_a_reason() {
+        let now = OffsetDateTime::now_utc();
+        // An issuing CA is itself pathlen 0: nothing may be minted under it.
+        let c = custody(now);
+        let first = mint(&c, Duration::from_secs(3600), now).unwrap();
+        let err = mint(&first.bundle, Duration::from_secs(3600), now)
+            .err()
+            .unwrap();
+        assert_eq!(err.reason(), "issuing_ca_path_length");
+    }
+}
