@@ -184,6 +184,7 @@ impl App {
             if !cfg.trusted_node_accounts.is_empty()
                 || renewal_index
                 || verification.mode.uses_local()
+                || cfg.pod_certificates.is_some()
             {
                 let index = Arc::new(PodIndex::new());
                 background.push(tokio::spawn(crate::podindex::watch::run(
@@ -249,6 +250,24 @@ impl App {
             metrics.clone(),
         )?;
         background.extend(kill_switch.tasks);
+        // The PodCertificateRequest signer and its ClusterTrustBundle (issue 17).
+        if let (Some(settings), Some(client), Some(index)) =
+            (&cfg.pod_certificates, &kube_client_opt, &pod_index)
+        {
+            background.extend(crate::podcert::controller::spawn(
+                client.clone(),
+                crate::podcert::controller::Signer {
+                    settings: settings.clone(),
+                    trust_domain: cfg.trust_domain.clone(),
+                    ca: ca.clone(),
+                    index: index.clone(),
+                    max_index_staleness: cfg.kill_switch.renewal.max_index_staleness,
+                    denylist: kill_switch.guards.denylist.clone(),
+                    audit: audit.clone(),
+                    metrics: metrics.clone(),
+                },
+            ));
+        }
         let tls = Arc::new(ServingTls::new(
             &ca.snapshot(),
             cfg.serving_names.clone(),

@@ -91,6 +91,8 @@ pub struct Metrics {
     pub kill_switch: KillSwitchMetrics,
     /// Token verification by path (local or TokenReview) and the issuer keys.
     pub token_paths: TokenPathMetrics,
+    /// The PodCertificateRequest signer's decisions and status writes.
+    pub pod_certificates: crate::podcert::controller::PodCertMetrics,
     registry: Registry,
 }
 
@@ -311,7 +313,9 @@ impl Metrics {
         );
         let kill_switch = KillSwitchMetrics::register(&mut registry);
         let token_paths = TokenPathMetrics::register(&mut registry);
+        let pod_certificates = crate::podcert::controller::PodCertMetrics::register(&mut registry);
         Self {
+            pod_certificates,
             admission_shed,
             admission_running,
             admission_queued,

@@ -218,6 +218,7 @@ pub fn test_config(ca_dir: PathBuf) -> crate::config::Config {
         admin: Default::default(),
         admission: Default::default(),
         kill_switch: Default::default(),
+        pod_certificates: None,
     }
 }
 

@@ -76,6 +76,12 @@ pub struct AuditRecord {
     /// source and reason the record stands for.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub count: Option<u64>,
+    /// Pod certificate decisions: the PodCertificateRequest `namespace/name`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_certificate_request: Option<String>,
+    /// Pod certificate decisions: the PodCertificateRequest's UID.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_certificate_request_uid: Option<String>,
 }
 
 /// What a reduced record stands for.
@@ -128,6 +134,8 @@ impl AuditRecord {
             token_verified_by: None,
             token_local_fallback: None,
             count: None,
+            pod_certificate_request: None,
+            pod_certificate_request_uid: None,
         }
     }
 
@@ -153,6 +161,8 @@ impl AuditRecord {
             &mut self.issuer_key_id,
             &mut self.revocation_reason,
             &mut self.renewal_check,
+            &mut self.pod_certificate_request,
+            &mut self.pod_certificate_request_uid,
         ] {
             bound_opt(f, FIELD_MAX);
         }
