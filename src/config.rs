@@ -448,7 +448,7 @@ pub struct PodCertArgs {
     #[arg(long, env = "MESHCA_POD_CERTIFICATE_POD_WAIT", default_value = "30s")]
     pub pod_certificate_pod_wait: String,
     /// Requests signed and written concurrently.
-    #[arg(long, env = "MESHCA_POD_CERTIFICATE_WORKERS", default_value_t = 8)]
+    #[arg(long, env = "MESHCA_POD_CERTIFICATE_WORKERS", default_value_t = 32)]
     pub pod_certificate_workers: usize,
     /// Publish the root bundle as the signer-linked ClusterTrustBundle
     /// `<signer with / as :>:root-cert`.

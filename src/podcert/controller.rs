@@ -628,6 +628,33 @@ mod tests {
     }
 
     #[test]
+    fn the_chain_is_the_leaf_then_intermediates_without_roots() {
+        use rustls_pki_types::pem::PemObject;
+        let pki = crate::testing::TestPki::new(crate::ca::generate::KeyType::EcdsaP256);
+        let bundle = CaBundle::load_dir(pki.path(), OffsetDateTime::now_utc()).unwrap();
+        // cert-chain.pem as Istio writes it repeats the root after the intermediate.
+        assert!(pki.ca.cert_chain().contains(pki.ca.root_cert.trim()));
+        let id = "spiffe://cluster.local/ns/a/sa/b".parse().unwrap();
+        let key = rcgen::KeyPair::generate().unwrap();
+        let leaf = bundle
+            .sign_leaf(
+                &rcgen::PublicKeyData::subject_public_key_info(&key),
+                &id,
+                false,
+                &crate::testing::validity_hours(-1, 1),
+            )
+            .unwrap();
+        let chain = leaf_and_intermediates(&bundle, &leaf.pem);
+        let certs: Vec<_> = rustls_pki_types::CertificateDer::pem_slice_iter(chain.as_bytes())
+            .collect::<Result<_, _>>()
+            .unwrap();
+        assert_eq!(certs.len(), 2);
+        assert_eq!(certs[0], leaf.der);
+        assert_eq!(&certs[1], bundle.signing_cert());
+        assert!(certs.iter().all(|c| !bundle.roots().contains(c)));
+    }
+
+    #[test]
     fn statuses_follow_the_api_rules() {
         let now = time::macros::datetime!(2026-09-01 12:00:00.5 UTC);
         let band = crate::ca::ttl::JitterBand::new(50, 75).unwrap();
