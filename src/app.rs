@@ -222,7 +222,8 @@ impl App {
                 &cfg.cluster_id,
                 client.clone(),
                 crate::cluster::Origin::Local,
-                cfg.kill_switch.renewal_pod_check,
+                // The pod-certificate signer checks each request's pod too.
+                cfg.kill_switch.renewal_pod_check || cfg.pod_certificates.is_some(),
             );
             background.extend(tasks);
             pod_index = local.index.clone();
@@ -285,6 +286,24 @@ impl App {
             metrics.clone(),
         )?;
         background.extend(kill_switch.tasks);
+        // The PodCertificateRequest signer and its ClusterTrustBundle (issue 17).
+        if let (Some(settings), Some(client), Some(index)) =
+            (&cfg.pod_certificates, &kube_client_opt, &pod_index)
+        {
+            background.extend(crate::podcert::controller::spawn(
+                client.clone(),
+                crate::podcert::controller::Signer {
+                    settings: settings.clone(),
+                    trust_domain: cfg.trust_domain.clone(),
+                    ca: ca.clone(),
+                    index: index.clone(),
+                    max_index_staleness: cfg.kill_switch.renewal.max_index_staleness,
+                    denylist: kill_switch.guards.denylist.clone(),
+                    audit: audit.clone(),
+                    metrics: metrics.clone(),
+                },
+            ));
+        }
         let tls = Arc::new(ServingTls::new_audited(
             &ca.snapshot(),
             cfg.serving_names.clone(),

@@ -95,6 +95,8 @@ pub struct Metrics {
     pub clusters: ClusterMetrics,
     /// CA rotation (issue 18).
     pub rotation: crate::rotation::RotationMetrics,
+    /// The PodCertificateRequest signer's decisions and status writes.
+    pub pod_certificates: crate::podcert::controller::PodCertMetrics,
     registry: Registry,
 }
 
@@ -317,9 +319,11 @@ impl Metrics {
         let token_paths = TokenPathMetrics::register(&mut registry);
         let clusters = ClusterMetrics::register(&mut registry);
         let rotation = crate::rotation::RotationMetrics::register(&mut registry);
+        let pod_certificates = crate::podcert::controller::PodCertMetrics::register(&mut registry);
         Self {
             clusters,
             rotation,
+            pod_certificates,
             admission_shed,
             admission_running,
             admission_queued,

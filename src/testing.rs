@@ -222,6 +222,7 @@ pub fn test_config(ca_dir: PathBuf) -> crate::config::Config {
         multicluster: Default::default(),
         rotation: None,
         custody: Default::default(),
+        pod_certificates: None,
     }
 }
 

@@ -683,3 +683,36 @@ fn pkcs11_signer_gets_its_uri_and_the_pin_from_a_secret_file() {
     // The PIN itself is never a value or an env var.
     assert!(!env.iter().any(|(k, _)| k == "MESHCA_PKCS11_PIN"));
 }
+
+const POD_CERT_RBAC: &str = "tests/fixtures/rbac-pod-certificate-signer.yaml";
+
+#[test]
+fn pod_certificate_signer_adds_exactly_the_signer_rules() {
+    // Off by default: default_cluster_role_is_exactly_the_test_cluster_rbac has no such rule.
+    let signer = ["--set", "podCertificates.signerName=meshca.test/spiffe"];
+    let mut expected = fixture_rules(TESTENV_RBAC);
+    expected.extend(fixture_rules(POD_CERT_RBAC));
+    expected.sort();
+    assert_eq!(chart_rules(&signer), expected);
+    // The signer alone still reads pods (its own pod checks need the index).
+    let mut alone = signer.to_vec();
+    alone.extend([
+        "--set-json",
+        "trustedNodeAccounts=[]",
+        "--set",
+        "killSwitch.renewalPodCheck=false",
+        "--set",
+        "tokenVerification.mode=review",
+    ]);
+    assert!(chart_rules(&alone)
+        .iter()
+        .any(|r| r.resources.contains("pods")));
+    // Without the trust bundle: no ClusterTrustBundle rights and no attest.
+    let mut no_ctb = signer.to_vec();
+    no_ctb.extend(["--set", "podCertificates.trustBundle=false"]);
+    let got = chart_rules(&no_ctb);
+    assert!(got
+        .iter()
+        .all(|r| !r.resources.contains("clustertrustbundles") && !r.verbs.contains("attest")));
+    assert!(got.iter().any(|r| r.verbs.contains("sign")));
+}

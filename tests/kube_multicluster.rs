@@ -87,7 +87,7 @@ async fn secrets_namespace(a: &Kte) -> String {
             ..Default::default()
         },
         role_ref: RoleRef {
-            api_group: "rbac.authorization.k8s.io".into(),
+            api_group: Some("rbac.authorization.k8s.io".into()),
             kind: "Role".into(),
             name: role.metadata.name.clone().unwrap(),
         },

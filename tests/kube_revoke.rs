@@ -515,7 +515,7 @@ async fn kubeconfig_with(
                 ..Default::default()
             },
             role_ref: RoleRef {
-                api_group: "rbac.authorization.k8s.io".into(),
+                api_group: Some("rbac.authorization.k8s.io".into()),
                 kind: "ClusterRole".into(),
                 name,
             },
@@ -540,7 +540,7 @@ async fn kubeconfig_with(
                 ..Default::default()
             },
             role_ref: RoleRef {
-                api_group: "rbac.authorization.k8s.io".into(),
+                api_group: Some("rbac.authorization.k8s.io".into()),
                 kind: "Role".into(),
                 name: "meshca-denylist".into(),
             },

@@ -99,6 +99,12 @@ pub struct AuditRecord {
     /// The issued certificate (PEM), on `issued_kind` records.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub certificate: Option<String>,
+    /// Pod certificate decisions: the PodCertificateRequest `namespace/name`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_certificate_request: Option<String>,
+    /// Pod certificate decisions: the PodCertificateRequest's UID.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_certificate_request_uid: Option<String>,
 }
 
 /// What a reduced record stands for.
@@ -157,6 +163,8 @@ impl AuditRecord {
             issued_kind: None,
             signer: None,
             certificate: None,
+            pod_certificate_request: None,
+            pod_certificate_request_uid: None,
         }
     }
 
@@ -183,6 +191,8 @@ impl AuditRecord {
             &mut self.revocation_reason,
             &mut self.renewal_check,
             &mut self.cluster_id,
+            &mut self.pod_certificate_request,
+            &mut self.pod_certificate_request_uid,
         ] {
             bound_opt(f, FIELD_MAX);
         }

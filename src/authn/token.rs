@@ -367,7 +367,7 @@ impl ReviewBackend for KubeReviewBackend {
         let api: Api<TokenReview> = Api::all(self.0.clone());
         let review = TokenReview {
             spec: TokenReviewSpec {
-                token: Some(token.to_string()),
+                token: token.to_string(),
                 audiences: Some(audiences.to_vec()),
             },
             ..Default::default()

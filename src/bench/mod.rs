@@ -438,8 +438,8 @@ async fn pod_token(
     uid: &str,
 ) -> anyhow::Result<String> {
     let tr = TokenRequest {
-        spec: TokenRequestSpec {
-            audiences: vec!["istio-ca".into()],
+        spec: Some(TokenRequestSpec {
+            audiences: Some(vec!["istio-ca".into()]),
             expiration_seconds: Some(3600),
             bound_object_ref: Some(BoundObjectReference {
                 api_version: Some("v1".into()),
@@ -447,13 +447,16 @@ async fn pod_token(
                 name: Some(pod.into()),
                 uid: Some(uid.into()),
             }),
-        },
+            ..Default::default()
+        }),
         ..Default::default()
     };
     let out: TokenRequest = Api::<ServiceAccount>::namespaced(kube.clone(), ns)
         .create_subresource("token", sa, &PostParams::default(), &tr)
         .await?;
-    Ok(out.status.context("TokenRequest without status")?.token)
+    out.status
+        .and_then(|s| s.token)
+        .context("TokenRequest without a token")
 }
 
 /// Creates the bench namespace, ServiceAccounts and pods, and mints pod-bound tokens.

@@ -219,7 +219,9 @@ pub(crate) fn spki_kind(
     }
 }
 
-fn key_kind(spki: &x509_parser::x509::SubjectPublicKeyInfo<'_>) -> Result<KeyKind, CsrError> {
+pub(crate) fn key_kind(
+    spki: &x509_parser::x509::SubjectPublicKeyInfo<'_>,
+) -> Result<KeyKind, CsrError> {
     match spki_kind(spki).map_err(CsrError::UnsupportedKeyType)? {
         KeyKind::Rsa(bits) if !(MIN_RSA_BITS..=MAX_RSA_BITS).contains(&bits) => {
             Err(CsrError::RsaKeySize(bits))

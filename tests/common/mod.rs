@@ -159,8 +159,8 @@ impl Kte {
         audience: &str,
     ) -> String {
         let tr = TokenRequest {
-            spec: TokenRequestSpec {
-                audiences: vec![audience.into()],
+            spec: Some(TokenRequestSpec {
+                audiences: Some(vec![audience.into()]),
                 expiration_seconds: Some(3600),
                 bound_object_ref: pod.map(|(name, uid)| BoundObjectReference {
                     api_version: Some("v1".into()),
@@ -168,7 +168,8 @@ impl Kte {
                     name: Some(name.into()),
                     uid: Some(uid.into()),
                 }),
-            },
+                ..Default::default()
+            }),
             ..Default::default()
         };
         let api = Api::<ServiceAccount>::namespaced(self.admin.clone(), ns);
@@ -176,7 +177,7 @@ impl Kte {
             .create_subresource("token", sa, &PostParams::default(), &tr)
             .await
             .unwrap();
-        out.status.unwrap().token
+        out.status.unwrap().token.unwrap()
     }
 
     /// A token for `ns/sa` signed with the cluster's real ServiceAccount key
@@ -301,7 +302,7 @@ impl Kte {
                 ..Default::default()
             },
             role_ref: RoleRef {
-                api_group: "rbac.authorization.k8s.io".into(),
+                api_group: Some("rbac.authorization.k8s.io".into()),
                 kind: "ClusterRole".into(),
                 name: ns.clone(),
             },

@@ -1,0 +1,268 @@
+//! ClusterTrustBundle publisher (`certificates.k8s.io/v1`, GA in 1.37):
+//! keeps one signer-linked ClusterTrustBundle holding a set of root
+//! certificates, so pods can mount meshca's roots with a
+//! `clusterTrustBundle` projection (by name, or by signer name).
+//!
+//! It takes the roots as a channel of PEM texts, not from the CA store, so
+//! any set can be published: the current root (the pod certificate signer),
+//! or old and new roots together during a CA rotation. What to write is the
+//! pure [`trust_bundle`] and [`decide`]; [`run`] does the I/O.
+//!
+//! A signer-linked bundle needs RBAC `attest` on `signers/<signer name>`
+//! beside the ClusterTrustBundle verbs, and its name must start with the
+//! signer name with '/' as ':' followed by ':' ([`crate::podcert::trust_bundle_name`]).
+
+use std::time::Duration;
+
+use k8s_openapi::api::certificates::v1::{ClusterTrustBundle, ClusterTrustBundleSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::api::PostParams;
+use kube::{Api, Client};
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::CertificateDer;
+use tokio::sync::watch;
+use x509_parser::prelude::{FromDer, X509Certificate};
+
+/// The API's cap on `spec.trustBundle`.
+pub const MAX_TRUST_BUNDLE_BYTES: usize = 1024 * 1024;
+/// Label on the bundles meshca manages.
+pub const MANAGED_BY: (&str, &str) = ("app.kubernetes.io/managed-by", "meshca");
+/// How soon a failed write is tried again.
+const RETRY_EVERY: Duration = Duration::from_secs(5);
+
+/// Which bundle to keep and how often to re-check it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CtbSettings {
+    pub name: String,
+    pub signer_name: String,
+    pub resync: Duration,
+}
+
+/// Why a set of roots cannot be published; each has a reason code.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CtbError {
+    #[error("no root certificate to publish")]
+    Empty,
+    #[error("root {0} does not parse as an X.509 certificate")]
+    Unparsable(usize),
+    #[error("root {0} is not a CA certificate (the API refuses it)")]
+    NotCa(usize),
+    #[error("the trust bundle is {0} bytes, over the API's {MAX_TRUST_BUNDLE_BYTES}")]
+    TooLarge(usize),
+}
+
+impl CtbError {
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Self::Empty => "ctb_empty",
+            Self::Unparsable(_) => "ctb_unparsable_root",
+            Self::NotCa(_) => "ctb_not_ca",
+            Self::TooLarge(_) => "ctb_too_large",
+        }
+    }
+}
+
+/// The `spec.trustBundle` text for `roots` (PEM texts, each one or more
+/// certificates): every certificate once, in order of first appearance,
+/// re-encoded without PEM headers, as the API's validation wants.
+pub fn trust_bundle(roots: &[String]) -> Result<String, CtbError> {
+    let mut seen: Vec<CertificateDer<'static>> = Vec::new();
+    for text in roots {
+        for der in CertificateDer::pem_slice_iter(text.as_bytes()) {
+            let der = der.map_err(|_| CtbError::Unparsable(seen.len()))?;
+            if !seen.contains(&der) {
+                seen.push(der);
+            }
+        }
+    }
+    if seen.is_empty() {
+        return Err(CtbError::Empty);
+    }
+    let mut out = String::new();
+    for (i, der) in seen.iter().enumerate() {
+        let (_, cert) = X509Certificate::from_der(der).map_err(|_| CtbError::Unparsable(i))?;
+        let ca = cert
+            .basic_constraints()
+            .ok()
+            .flatten()
+            .is_some_and(|bc| bc.value.ca);
+        if !ca {
+            return Err(CtbError::NotCa(i));
+        }
+        out.push_str(&crate::audit::pem_encode("CERTIFICATE", der));
+    }
+    if out.len() > MAX_TRUST_BUNDLE_BYTES {
+        return Err(CtbError::TooLarge(out.len()));
+    }
+    Ok(out)
+}
+
+/// What to do about the bundle.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Action {
+    Create,
+    /// Replace the spec (signer name or bundle differ).
+    Update,
+    Nothing,
+}
+
+/// Compares what exists (`signerName`, `trustBundle`) with what is wanted.
+pub fn decide(current: Option<(Option<&str>, &str)>, signer_name: &str, bundle: &str) -> Action {
+    match current {
+        None => Action::Create,
+        Some((s, b)) if s == Some(signer_name) && b == bundle => Action::Nothing,
+        Some(_) => Action::Update,
+    }
+}
+
+/// Makes the bundle named in `settings` hold `bundle`; returns what it did.
+pub async fn apply(
+    api: &Api<ClusterTrustBundle>,
+    settings: &CtbSettings,
+    bundle: &str,
+) -> Result<Action, kube::Error> {
+    let current = api.get_opt(&settings.name).await?;
+    let action = decide(
+        current
+            .as_ref()
+            .map(|c| (c.spec.signer_name.as_deref(), c.spec.trust_bundle.as_str())),
+        &settings.signer_name,
+        bundle,
+    );
+    let spec = ClusterTrustBundleSpec {
+        signer_name: Some(settings.signer_name.clone()),
+        trust_bundle: bundle.to_string(),
+    };
+    match (&action, current) {
+        (Action::Create, _) => {
+            let obj = ClusterTrustBundle {
+                metadata: ObjectMeta {
+                    name: Some(settings.name.clone()),
+                    labels: Some([(MANAGED_BY.0.into(), MANAGED_BY.1.into())].into()),
+                    ..Default::default()
+                },
+                spec,
+            };
+            api.create(&PostParams::default(), &obj).await?;
+        }
+        (Action::Update, Some(mut obj)) => {
+            // resourceVersion is kept: a concurrent writer makes this a 409, retried.
+            obj.spec = spec;
+            api.replace(&settings.name, &PostParams::default(), &obj)
+                .await?;
+        }
+        _ => {}
+    }
+    Ok(action)
+}
+
+/// The CA store's root bundle as a roots channel, updated on every CA swap
+/// (one root set; a rotation feeds its own channel with old and new).
+pub fn follow_ca(
+    ca: std::sync::Arc<crate::ca::CaStore>,
+) -> (watch::Receiver<Vec<String>>, tokio::task::JoinHandle<()>) {
+    let (tx, rx) = watch::channel(vec![ca.snapshot().root_bundle().to_string()]);
+    let mut generation = ca.subscribe();
+    let task = tokio::spawn(async move {
+        while generation.changed().await.is_ok() {
+            let root = vec![ca.snapshot().root_bundle().to_string()];
+            tx.send_if_modified(|cur| {
+                let changed = *cur != root;
+                if changed {
+                    *cur = root;
+                }
+                changed
+            });
+        }
+    });
+    (rx, task)
+}
+
+/// Keeps the bundle current: on every change of `roots` and every resync.
+pub async fn run(client: Client, settings: CtbSettings, mut roots: watch::Receiver<Vec<String>>) {
+    let api: Api<ClusterTrustBundle> = Api::all(client);
+    loop {
+        let wanted = trust_bundle(&roots.borrow_and_update());
+        let wait = match wanted {
+            Err(e) => {
+                tracing::error!(error = %e, reason = e.reason(), name = %settings.name, "ClusterTrustBundle not published");
+                settings.resync
+            }
+            Ok(bundle) => match apply(&api, &settings, &bundle).await {
+                Ok(Action::Nothing) => settings.resync,
+                Ok(action) => {
+                    tracing::info!(name = %settings.name, ?action, "ClusterTrustBundle published");
+                    settings.resync
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, name = %settings.name, "ClusterTrustBundle write failed; retrying");
+                    RETRY_EVERY
+                }
+            },
+        };
+        tokio::select! {
+            changed = roots.changed() => if changed.is_err() { return },
+            _ = tokio::time::sleep(wait) => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ca::generate::KeyType;
+    use crate::testing::TestPki;
+
+    #[test]
+    fn bundles_dedupe_and_keep_order() {
+        let a = TestPki::new(KeyType::EcdsaP256);
+        let b = TestPki::new(KeyType::EcdsaP256);
+        let ra = a.ca.root_cert.clone();
+        let rb = b.ca.root_cert.clone();
+        let one = trust_bundle(std::slice::from_ref(&ra)).unwrap();
+        let both = trust_bundle(&[ra.clone(), format!("{rb}{ra}")]).unwrap();
+        assert_eq!(one.matches("BEGIN CERTIFICATE").count(), 1);
+        assert_eq!(both.matches("BEGIN CERTIFICATE").count(), 2);
+        assert!(both.starts_with(&one), "old root first, as given");
+    }
+
+    #[test]
+    fn only_ca_certificates_are_published() {
+        let a = TestPki::new(KeyType::EcdsaP256);
+        assert_eq!(trust_bundle(&[]).unwrap_err(), CtbError::Empty);
+        assert_eq!(
+            trust_bundle(&["nothing".into()]).unwrap_err(),
+            CtbError::Empty
+        );
+        let bundle =
+            crate::ca::CaBundle::load_dir(a.path(), time::OffsetDateTime::now_utc()).unwrap();
+        let id = "spiffe://cluster.local/ns/a/sa/b".parse().unwrap();
+        let (leaf, _) = bundle
+            .client_identity(&id, &crate::testing::validity_hours(-1, 1))
+            .unwrap();
+        let leaf_only = leaf
+            .split("-----END CERTIFICATE-----")
+            .next()
+            .unwrap()
+            .to_string()
+            + "-----END CERTIFICATE-----\n";
+        assert_eq!(
+            trust_bundle(&[leaf_only]).unwrap_err().reason(),
+            "ctb_not_ca"
+        );
+    }
+
+    #[test]
+    fn decisions() {
+        assert_eq!(decide(None, "m.io/s", "B"), Action::Create);
+        assert_eq!(
+            decide(Some((Some("m.io/s"), "B")), "m.io/s", "B"),
+            Action::Nothing
+        );
+        assert_eq!(
+            decide(Some((Some("m.io/s"), "A")), "m.io/s", "B"),
+            Action::Update
+        );
+        assert_eq!(decide(Some((None, "B")), "m.io/s", "B"), Action::Update);
+    }
+}

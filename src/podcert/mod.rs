@@ -1,0 +1,132 @@
+//! The PodCertificateRequest signer (Kubernetes 1.35+ `v1beta1`, GA `v1` in
+//! 1.37): the kubelet makes a key for a pod and asks a named signer; meshca,
+//! when `--pod-certificate-signer` names it, answers with the same SPIFFE
+//! X509-SVID CreateCertificate issues, from the same CA, checked against the
+//! same pod index and kill switch, in the same audit log.
+//!
+//! [`decide`] is the pure decision, [`key`] reads the requested key, and
+//! [`controller`] watches the requests and writes their status. The trust
+//! bundle is published by [`crate::ctb`].
+
+pub mod controller;
+pub mod decide;
+pub mod key;
+
+use std::time::Duration;
+
+use crate::ca::ttl::JitterBand;
+
+/// The audit record's `authn_method` for pod certificate decisions: the
+/// API server authenticated the requester (a kubelet, under NodeRestriction).
+pub const AUTHN_METHOD: &str = "pod-certificate-request";
+/// Suffix of the signer-linked ClusterTrustBundle name.
+pub const TRUST_BUNDLE_SUFFIX: &str = "root-cert";
+
+/// The signer's settings, parsed once from flags.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PodCertSettings {
+    /// The domain-prefixed signer name meshca answers for.
+    pub signer_name: String,
+    /// Wanted certificate lifetime (cut to the request's maxExpirationSeconds, at least 1 h).
+    pub lifetime: Duration,
+    /// `beginRefreshAt` is drawn from this band of the lifetime.
+    pub refresh_band: JitterBand,
+    /// How long a request for a pod the index does not know is waited for.
+    pub pod_wait: Duration,
+    /// Requests signed and written concurrently.
+    pub workers: usize,
+    /// Publish the root bundle as a signer-linked ClusterTrustBundle.
+    pub trust_bundle: bool,
+    /// Full re-check period of the ClusterTrustBundle.
+    pub trust_bundle_resync: Duration,
+}
+
+/// Why a signer name is refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("signer name {name:?}: {detail}")]
+pub struct SignerNameError {
+    pub name: String,
+    pub detail: &'static str,
+}
+
+/// Checks a signer name the way the API does for custom signers
+/// (`<domain>/<path>`), and refuses the reserved `kubernetes.io` domain.
+pub fn parse_signer_name(s: &str) -> Result<String, SignerNameError> {
+    let e = |detail| SignerNameError {
+        name: s.to_string(),
+        detail,
+    };
+    let (domain, path) = s
+        .split_once('/')
+        .ok_or_else(|| e("must be <domain>/<path>"))?;
+    if domain.is_empty() || domain.len() > 253 || path.is_empty() || s.len() > 571 {
+        return Err(e(
+            "domain and path must be non-empty (domain at most 253 bytes)",
+        ));
+    }
+    let label_ok = |l: &str| {
+        !l.is_empty()
+            && l.len() <= 63
+            && l.bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+            && !l.starts_with('-')
+            && !l.ends_with('-')
+    };
+    if !domain.split('.').all(label_ok) || !domain.contains('.') {
+        return Err(e("domain must be a fully qualified DNS name"));
+    }
+    if domain == "kubernetes.io" || domain.ends_with(".kubernetes.io") || domain == "k8s.io" {
+        return Err(e("the kubernetes.io and k8s.io domains are reserved"));
+    }
+    if !path
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'/'))
+        || path
+            .split('/')
+            .any(|seg| seg.is_empty() || seg == "." || seg == "..")
+    {
+        return Err(e(
+            "path segments may hold letters, digits, '-', '_' and '.'",
+        ));
+    }
+    Ok(s.to_string())
+}
+
+/// The ClusterTrustBundle name for a signer: the API requires the signer
+/// name with '/' as ':' and a ':' before the rest.
+pub fn trust_bundle_name(signer_name: &str) -> String {
+    format!("{}:{TRUST_BUNDLE_SUFFIX}", signer_name.replace('/', ":"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use test_case::test_case;
+
+    #[test_case("meshca.io/spiffe", true ; "plain")]
+    #[test_case("meshca.example.com/mesh/spiffe", true ; "nested path")]
+    #[test_case("spiffe", false ; "no domain")]
+    #[test_case("meshca/spiffe", false ; "unqualified domain")]
+    #[test_case("kubernetes.io/kube-apiserver-client-pod", false ; "reserved")]
+    #[test_case("x.kubernetes.io/a", false ; "reserved subdomain")]
+    #[test_case("meshca.io/", false ; "empty path")]
+    #[test_case("meshca.io/a//b", false ; "empty segment")]
+    #[test_case("meshca.io/a/../b", false ; "dot dot")]
+    #[test_case("Meshca.io/a", false ; "upper case domain")]
+    #[test_case("meshca.io/a b", false ; "space")]
+    fn signer_names(name: &str, ok: bool) {
+        assert_eq!(parse_signer_name(name).is_ok(), ok, "{name}");
+    }
+
+    #[test]
+    fn trust_bundle_names_carry_the_signer() {
+        assert_eq!(
+            trust_bundle_name("meshca.io/spiffe"),
+            "meshca.io:spiffe:root-cert"
+        );
+        assert_eq!(
+            trust_bundle_name("meshca.example.com/mesh/spiffe"),
+            "meshca.example.com:mesh:spiffe:root-cert"
+        );
+    }
+}
