@@ -49,8 +49,11 @@ struct AuditLine<'a> {
     record: &'a AuditRecord,
 }
 
-/// A checkpoint line.
+/// A checkpoint line. Unknown members are refused: the last checkpoint is
+/// covered only by its signature, and a renamed member (say `shed`) would
+/// otherwise read as absent and sign the same as its default.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
 pub struct Checkpoint {
     #[serde(rename = "type")]
     pub kind: String,
@@ -92,6 +95,7 @@ pub struct Checkpoint {
 /// The head a run continues from: the seq and line hash of the previous
 /// run's last line (read from the file, or from the anchor for stdout).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
 pub struct PreviousHead {
     pub seq: u64,
     pub hash: String,
@@ -132,6 +136,7 @@ impl RunInfo {
 /// count, size and SHA-256 (each line with its newline) so `audit verify`
 /// can tell recorded damage from tampering.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
 pub struct Recovery {
     /// `torn_line`, `unparsable_tail`, `oversize_line` or `write_error`.
     pub found: String,

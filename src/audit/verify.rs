@@ -382,6 +382,15 @@ pub fn verify_lines_with<L: AsRef<[u8]>>(
             }
         };
         if let Some(cp) = checkpoint {
+            // v2 members are written together; the signed message reads an
+            // absent count or shed as 0, so a missing one is an edit.
+            if cp.run.is_some() && (cp.replica.is_none() || cp.count.is_none() || cp.shed.is_none())
+            {
+                return Err(fail(
+                    seq,
+                    "checkpoint names its run but lacks replica, count or shed (edited)".into(),
+                ));
+            }
             if check_signature(cp, opts.keys).map_err(|why| fail(seq, why))? {
                 report.signed_checkpoints += 1;
             }
