@@ -138,6 +138,16 @@ impl BundleFiles {
     /// Reads either layout from `dir`. A Kubernetes Secret volume is read
     /// through its `..data` link once, so all files come from one generation.
     pub fn read_dir(dir: &Path) -> Result<Self, MaterialError> {
+        Self::read_layout(dir, true)
+    }
+
+    /// Either layout without its key file, for a key held outside the
+    /// directory (a PKCS#11 token); `signing_key` is then empty.
+    pub fn read_dir_without_key(dir: &Path) -> Result<Self, MaterialError> {
+        Self::read_layout(dir, false)
+    }
+
+    fn read_layout(dir: &Path, with_key: bool) -> Result<Self, MaterialError> {
         let base = std::fs::canonicalize(dir.join("..data")).unwrap_or_else(|_| dir.to_path_buf());
         let exists = |f: &str| base.join(f).exists();
         let read = |f: &str| -> Result<String, MaterialError> {
@@ -148,13 +158,17 @@ impl BundleFiles {
             })?;
             String::from_utf8(bytes).map_err(|_| MaterialError::NotText(f.to_string()))
         };
+        let is_key = |f: &&str| *f == "tls.key" || *f == "ca-key.pem";
         let missing = |files: &[&str]| -> Vec<String> {
             files
                 .iter()
+                .filter(|f| with_key || !is_key(f))
                 .filter(|f| !exists(f))
                 .map(|f| f.to_string())
                 .collect()
         };
+        let key = |f: &str| if with_key { read(f) } else { Ok(String::new()) };
+        let held = if with_key { "" } else { ", key external" };
         if exists("tls.crt") {
             let m = missing(&TLS_FILES);
             if !m.is_empty() {
@@ -168,14 +182,18 @@ impl BundleFiles {
             // istiod: the chain is tls.crt followed by ca.crt.
             return Ok(Self {
                 signing_cert: tls.clone(),
-                signing_key: read("tls.key")?,
+                signing_key: key("tls.key")?,
                 cert_chain: format!("{tls}{ca}"),
                 root_bundle: ca,
-                source: format!("{} (kubernetes.io/tls)", dir.display()),
+                source: format!("{} (kubernetes.io/tls{held})", dir.display()),
             });
         }
+        let wanted = CACERTS_FILES
+            .iter()
+            .filter(|f| with_key || !is_key(f))
+            .count();
         let m = missing(&CACERTS_FILES);
-        if m.len() == CACERTS_FILES.len() {
+        if m.len() == wanted {
             return Err(MaterialError::NotFound(dir.to_path_buf()));
         }
         if !m.is_empty() {
@@ -186,10 +204,10 @@ impl BundleFiles {
         }
         Ok(Self {
             signing_cert: read("ca-cert.pem")?,
-            signing_key: read("ca-key.pem")?,
+            signing_key: key("ca-key.pem")?,
             cert_chain: read("cert-chain.pem")?,
             root_bundle: read("root-cert.pem")?,
-            source: format!("{} (cacerts)", dir.display()),
+            source: format!("{} (cacerts{held})", dir.display()),
         })
     }
 

@@ -203,7 +203,7 @@ impl KeySource {
                     ))
                     .into());
                 }
-                read_without_key(dir, &base)
+                BundleFiles::read_dir_without_key(dir)
             }
         }
     }
@@ -211,53 +211,6 @@ impl KeySource {
     pub fn load(&self, dir: &Path, now: OffsetDateTime) -> Result<CaBundle, MaterialError> {
         CaBundle::from_files_with(self.read(dir)?, self.signer(), now)
     }
-}
-
-/// Either layout without its key file (the key is in a token).
-fn read_without_key(dir: &Path, base: &Path) -> Result<BundleFiles, MaterialError> {
-    let read = |f: &str| -> Result<String, MaterialError> {
-        let path = base.join(f);
-        let bytes = std::fs::read(&path).map_err(|source| MaterialError::Io {
-            path: path.clone(),
-            source,
-        })?;
-        String::from_utf8(bytes).map_err(|_| MaterialError::NotText(f.to_string()))
-    };
-    let require = |files: &[&str]| -> Result<(), MaterialError> {
-        let missing: Vec<String> = files
-            .iter()
-            .filter(|f| !base.join(f).exists())
-            .map(|f| f.to_string())
-            .collect();
-        match missing.len() {
-            0 => Ok(()),
-            n if n == files.len() => Err(MaterialError::NotFound(dir.to_path_buf())),
-            _ => Err(MaterialError::Incomplete {
-                dir: dir.to_path_buf(),
-                missing,
-            }),
-        }
-    };
-    if base.join("tls.crt").exists() {
-        require(&["tls.crt", "ca.crt"])?;
-        let tls = read("tls.crt")?;
-        let ca = read("ca.crt")?;
-        return Ok(BundleFiles {
-            signing_cert: tls.clone(),
-            signing_key: String::new(),
-            cert_chain: format!("{tls}{ca}"),
-            root_bundle: ca,
-            source: format!("{} (kubernetes.io/tls, key external)", dir.display()),
-        });
-    }
-    require(&["ca-cert.pem", "cert-chain.pem", "root-cert.pem"])?;
-    Ok(BundleFiles {
-        signing_cert: read("ca-cert.pem")?,
-        signing_key: String::new(),
-        cert_chain: read("cert-chain.pem")?,
-        root_bundle: read("root-cert.pem")?,
-        source: format!("{} (cacerts, key external)", dir.display()),
-    })
 }
 
 /// `meshca init --pkcs11`: generates the intermediate key in the token
