@@ -348,11 +348,9 @@ pub struct RevocationSettings {
 }
 
 fn audit_revocation(sink: &dyn AuditSink, r: &Revocation, reason: &str) {
-    let mut id = [0u8; 8];
-    let _ = aws_lc_rs::rand::fill(&mut id);
     let mut rec = AuditRecord::new(
         OffsetDateTime::now_utc(),
-        hex::encode(id),
+        crate::audit::random_id(),
         Decision::Deny,
         reason.into(),
     );
@@ -410,11 +408,9 @@ pub async fn follow(
                                 aws_lc_rs::digest::digest(&aws_lc_rs::digest::SHA256, &bytes)
                                     .as_ref(),
                             );
-                            let mut id = [0u8; 8];
-                            let _ = aws_lc_rs::rand::fill(&mut id);
                             let mut r = AuditRecord::new(
                                 now,
-                                hex::encode(id),
+                                crate::audit::random_id(),
                                 Decision::Allow,
                                 "revocation_list_loaded".into(),
                             );

@@ -194,11 +194,9 @@ pub fn serving_record(
 ) -> crate::audit::AuditRecord {
     use x509_parser::prelude::{FromDer, X509Certificate};
     let now = OffsetDateTime::now_utc();
-    let mut id = [0u8; 8];
-    let _ = aws_lc_rs::rand::fill(&mut id);
     let mut r = crate::audit::AuditRecord::new(
         now,
-        hex::encode(id),
+        crate::audit::random_id(),
         crate::audit::Decision::Allow,
         "serving_cert_issued".into(),
     );

@@ -315,6 +315,14 @@ pub struct AuditGuard {
     done: bool,
 }
 
+/// A random id for a record no request carries (events, certificates meshca
+/// issues itself) and for a request that sent none.
+pub fn random_id() -> String {
+    let mut id = [0u8; 8];
+    let _ = aws_lc_rs::rand::fill(&mut id);
+    hex::encode(id)
+}
+
 impl AuditGuard {
     /// `metrics`: pass `Some(metrics)` (an `Arc<Metrics>` coerces).
     pub fn new(
@@ -322,14 +330,12 @@ impl AuditGuard {
         metrics: Option<Arc<dyn OutcomeObserver>>,
         peer: Option<SocketAddr>,
     ) -> Self {
-        let mut id = [0u8; 8];
-        let _ = aws_lc_rs::rand::fill(&mut id);
         Self {
             record: AuditRecord {
                 peer: peer.map(|p| p.to_string()),
                 ..AuditRecord::new(
                     OffsetDateTime::now_utc(),
-                    hex::encode(id),
+                    random_id(),
                     Decision::Deny,
                     "request_abandoned".into(),
                 )

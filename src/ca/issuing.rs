@@ -118,11 +118,9 @@ pub fn mint(
     let bundle = CaBundle::from_files_with(files, Some(key.clone()), now)?;
     let (_, issued) = X509Certificate::from_der(bundle.signing_cert())
         .map_err(|e| IssuingError::Generation(e.to_string()))?;
-    let mut id = [0u8; 8];
-    let _ = aws_lc_rs::rand::fill(&mut id);
     let mut r = AuditRecord::new(
         now,
-        hex::encode(id),
+        crate::audit::random_id(),
         Decision::Allow,
         "issuing_ca_issued".into(),
     );

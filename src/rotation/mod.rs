@@ -618,11 +618,9 @@ impl Rotation {
 }
 
 fn event(reason: &str) -> AuditRecord {
-    let mut id = [0u8; 8];
-    let _ = aws_lc_rs::rand::fill(&mut id);
     AuditRecord::new(
         OffsetDateTime::now_utc(),
-        hex::encode(id),
+        crate::audit::random_id(),
         AuditDecision::Allow,
         reason.into(),
     )

@@ -99,25 +99,21 @@ impl RejectCounts {
             .map(|(reason, n)| (OVERFLOW_PEER.to_string(), *reason, *n));
         per_source
             .chain(overflow)
-            .map(|(peer, reason, n)| {
-                let mut id = [0u8; 8];
-                let _ = aws_lc_rs::rand::fill(&mut id);
-                AuditRecord {
-                    peer: Some(peer),
-                    detail: Some(format!(
-                        "{n} rejected TLS handshake(s) since {}",
-                        since
-                            .format(&time::format_description::well_known::Rfc3339)
-                            .unwrap_or_default()
-                    )),
-                    count: Some(n),
-                    ..AuditRecord::new(
-                        now,
-                        hex::encode(id),
-                        Decision::Deny,
-                        format!("{REASON_PREFIX}{reason}"),
-                    )
-                }
+            .map(|(peer, reason, n)| AuditRecord {
+                peer: Some(peer),
+                detail: Some(format!(
+                    "{n} rejected TLS handshake(s) since {}",
+                    since
+                        .format(&time::format_description::well_known::Rfc3339)
+                        .unwrap_or_default()
+                )),
+                count: Some(n),
+                ..AuditRecord::new(
+                    now,
+                    crate::audit::random_id(),
+                    Decision::Deny,
+                    format!("{REASON_PREFIX}{reason}"),
+                )
             })
             .collect()
     }
