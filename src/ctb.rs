@@ -27,6 +27,11 @@ use x509_parser::prelude::{FromDer, X509Certificate};
 pub const MAX_TRUST_BUNDLE_BYTES: usize = 1024 * 1024;
 /// Label on the bundles meshca manages.
 pub const MANAGED_BY: (&str, &str) = ("app.kubernetes.io/managed-by", "meshca");
+/// Istio's signer for its root ClusterTrustBundle (`ENABLE_CLUSTER_TRUST_BUNDLE_API`);
+/// its bundle is `istio.io:istiod-ca:root-cert`.
+pub const ISTIO_SIGNER: &str = "istio.io/istiod-ca";
+/// The API's cap on an object name.
+const MAX_NAME_BYTES: usize = 253;
 /// How soon a failed write is tried again.
 const RETRY_EVERY: Duration = Duration::from_secs(5);
 
@@ -95,6 +100,52 @@ pub fn trust_bundle(roots: &[String]) -> Result<String, CtbError> {
         return Err(CtbError::TooLarge(out.len()));
     }
     Ok(out)
+}
+
+/// Checks a bundle name for `signer_name` as the API does for signer-linked
+/// bundles: `<signer with / as :>:` then a non-empty rest, one path segment.
+pub fn check_name(name: &str, signer_name: &str) -> Result<(), &'static str> {
+    let prefix = format!("{}:", signer_name.replace('/', ":"));
+    let rest = name.strip_prefix(&prefix).ok_or(
+        "a signer-linked bundle's name must start with the signer name ('/' as ':') and ':'",
+    )?;
+    if rest.is_empty() || name.len() > MAX_NAME_BYTES || name.contains('/') || name.contains('%') {
+        return Err("the name needs a suffix after the signer, no '/' or '%', at most 253 bytes");
+    }
+    Ok(())
+}
+
+/// Whether the pod-certificate signer still writes its own bundle (named
+/// `signer_bundle`) when the standalone publisher runs: not when both
+/// would write the same object, which would flip between their root sets
+/// during a rotation. The standalone one wins, as it carries every root.
+pub fn signer_publishes(
+    signer_wants: bool,
+    signer_bundle: &str,
+    standalone: Option<&CtbSettings>,
+) -> bool {
+    signer_wants && standalone.is_none_or(|s| s.name != signer_bundle)
+}
+
+/// The standalone publisher's input: each trust set's roots, one PEM per
+/// root (old and new during a rotation).
+pub fn follow_trust(
+    mut trust: watch::Receiver<crate::rotation::trust::TrustSet>,
+) -> (watch::Receiver<Vec<String>>, tokio::task::JoinHandle<()>) {
+    let (tx, rx) = watch::channel(trust.borrow().roots_pem.clone());
+    let task = tokio::spawn(async move {
+        while trust.changed().await.is_ok() {
+            let roots = trust.borrow().roots_pem.clone();
+            tx.send_if_modified(|cur| {
+                let changed = *cur != roots;
+                if changed {
+                    *cur = roots;
+                }
+                changed
+            });
+        }
+    });
+    (rx, task)
 }
 
 /// What to do about the bundle.
@@ -250,6 +301,44 @@ mod tests {
             trust_bundle(&[leaf_only]).unwrap_err().reason(),
             "ctb_not_ca"
         );
+    }
+
+    #[test]
+    fn istio_layout_and_name_checks() {
+        let istio = crate::podcert::trust_bundle_name(ISTIO_SIGNER);
+        assert_eq!(istio, "istio.io:istiod-ca:root-cert");
+        let table: &[(&str, &str, bool)] = &[
+            ("istio.io:istiod-ca:root-cert", ISTIO_SIGNER, true),
+            ("istio.io:istiod-ca:other", ISTIO_SIGNER, true),
+            ("istio.io:istiod-ca:", ISTIO_SIGNER, false),
+            ("istio.io:istiod-ca", ISTIO_SIGNER, false),
+            ("root-cert", ISTIO_SIGNER, false),
+            ("istio.io:istiod:root-cert", ISTIO_SIGNER, false),
+            ("m.io:a:b:root-cert", "m.io/a/b", true),
+            ("m.io:a:b:x%2f", "m.io/a/b", false),
+        ];
+        for (name, signer, ok) in table {
+            assert_eq!(check_name(name, signer).is_ok(), *ok, "{name} for {signer}");
+        }
+        let long = format!("istio.io:istiod-ca:{}", "x".repeat(240));
+        assert!(check_name(&long, ISTIO_SIGNER).is_err());
+    }
+
+    #[test]
+    fn one_writer_per_bundle() {
+        let s = |name: &str| CtbSettings {
+            name: name.into(),
+            signer_name: ISTIO_SIGNER.into(),
+            resync: Duration::from_secs(60),
+        };
+        let same = s("m.io:s:root-cert");
+        let other = s("istio.io:istiod-ca:root-cert");
+        // (signer wants it, standalone) -> signer still writes
+        assert!(signer_publishes(true, "m.io:s:root-cert", None));
+        assert!(!signer_publishes(false, "m.io:s:root-cert", None));
+        assert!(signer_publishes(true, "m.io:s:root-cert", Some(&other)));
+        assert!(!signer_publishes(true, "m.io:s:root-cert", Some(&same)));
+        assert!(!signer_publishes(false, "m.io:s:root-cert", Some(&other)));
     }
 
     #[test]
