@@ -8,15 +8,17 @@
 //! or old and new roots together during a CA rotation. What to write is the
 //! pure [`trust_bundle`] and [`decide`]; [`run`] does the I/O.
 //!
+//! The API version is discovered: `v1` where served, else `v1beta1` (Kubernetes
+//! 1.33-1.36 with the beta API enabled); the object is the same in both.
+//!
 //! A signer-linked bundle needs RBAC `attest` on `signers/<signer name>`
 //! beside the ClusterTrustBundle verbs, and its name must start with the
 //! signer name with '/' as ':' followed by ':' ([`crate::podcert::trust_bundle_name`]).
 
 use std::time::Duration;
 
-use k8s_openapi::api::certificates::v1::{ClusterTrustBundle, ClusterTrustBundleSpec};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use kube::api::PostParams;
+use k8s_openapi::api::certificates::v1::ClusterTrustBundleSpec;
+use kube::api::{ApiResource, DynamicObject, GroupVersionKind, PostParams};
 use kube::{Api, Client};
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::CertificateDer;
@@ -32,6 +34,10 @@ pub const MANAGED_BY: (&str, &str) = ("app.kubernetes.io/managed-by", "meshca");
 pub const ISTIO_SIGNER: &str = "istio.io/istiod-ca";
 /// The API's cap on an object name.
 const MAX_NAME_BYTES: usize = 253;
+const GROUP: &str = "certificates.k8s.io";
+const PLURAL: &str = "clustertrustbundles";
+/// Versions tried, newest first.
+pub const VERSIONS: [&str; 2] = ["v1", "v1beta1"];
 /// How soon a failed write is tried again.
 const RETRY_EVERY: Duration = Duration::from_secs(5);
 
@@ -166,39 +172,68 @@ pub fn decide(current: Option<(Option<&str>, &str)>, signer_name: &str, bundle: 
     }
 }
 
+/// The ClusterTrustBundle resource of `version`.
+pub fn resource(version: &str) -> ApiResource {
+    let gvk = GroupVersionKind::gvk(GROUP, version, "ClusterTrustBundle");
+    ApiResource::from_gvk_with_plural(&gvk, PLURAL)
+}
+
+/// The served ClusterTrustBundle version, newest first; `None` when the API
+/// server serves none (before 1.37 without the beta API turned on).
+pub async fn discover(client: &Client) -> Result<Option<ApiResource>, kube::Error> {
+    for v in VERSIONS {
+        match client
+            .list_api_group_resources(&format!("{GROUP}/{v}"))
+            .await
+        {
+            Ok(list) if list.resources.iter().any(|r| r.name == PLURAL) => {
+                return Ok(Some(resource(v)))
+            }
+            Ok(_) => {}
+            Err(kube::Error::Api(e)) if e.code == 404 => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(None)
+}
+
+/// The spec of a fetched bundle (`None` if it does not read as one, which
+/// makes [`decide`] replace it).
+fn spec_of(obj: &DynamicObject) -> Option<ClusterTrustBundleSpec> {
+    serde_json::from_value(obj.data.get("spec")?.clone()).ok()
+}
+
 /// Makes the bundle named in `settings` hold `bundle`; returns what it did.
 pub async fn apply(
-    api: &Api<ClusterTrustBundle>,
+    api: &Api<DynamicObject>,
+    ar: &ApiResource,
     settings: &CtbSettings,
     bundle: &str,
 ) -> Result<Action, kube::Error> {
     let current = api.get_opt(&settings.name).await?;
+    let spec_now = current.as_ref().map(spec_of);
     let action = decide(
-        current
-            .as_ref()
-            .map(|c| (c.spec.signer_name.as_deref(), c.spec.trust_bundle.as_str())),
+        spec_now.as_ref().map(|s| match s {
+            Some(s) => (s.signer_name.as_deref(), s.trust_bundle.as_str()),
+            None => (None, ""),
+        }),
         &settings.signer_name,
         bundle,
     );
-    let spec = ClusterTrustBundleSpec {
-        signer_name: Some(settings.signer_name.clone()),
-        trust_bundle: bundle.to_string(),
-    };
+    let spec = serde_json::json!({
+        "signerName": settings.signer_name,
+        "trustBundle": bundle,
+    });
     match (&action, current) {
         (Action::Create, _) => {
-            let obj = ClusterTrustBundle {
-                metadata: ObjectMeta {
-                    name: Some(settings.name.clone()),
-                    labels: Some([(MANAGED_BY.0.into(), MANAGED_BY.1.into())].into()),
-                    ..Default::default()
-                },
-                spec,
-            };
+            let mut obj =
+                DynamicObject::new(&settings.name, ar).data(serde_json::json!({ "spec": spec }));
+            obj.metadata.labels = Some([(MANAGED_BY.0.into(), MANAGED_BY.1.into())].into());
             api.create(&PostParams::default(), &obj).await?;
         }
         (Action::Update, Some(mut obj)) => {
             // resourceVersion is kept: a concurrent writer makes this a 409, retried.
-            obj.spec = spec;
+            obj.data["spec"] = spec;
             api.replace(&settings.name, &PostParams::default(), &obj)
                 .await?;
         }
@@ -231,7 +266,19 @@ pub fn follow_ca(
 
 /// Keeps the bundle current: on every change of `roots` and every resync.
 pub async fn run(client: Client, settings: CtbSettings, mut roots: watch::Receiver<Vec<String>>) {
-    let api: Api<ClusterTrustBundle> = Api::all(client);
+    let ar = loop {
+        match discover(&client).await {
+            Ok(Some(ar)) => break ar,
+            Ok(None) => tracing::error!(
+                name = %settings.name,
+                "the API server serves no {GROUP} ClusterTrustBundle (v1 or v1beta1): not published; retrying"
+            ),
+            Err(e) => tracing::warn!(error = %e, "ClusterTrustBundle discovery failed; retrying"),
+        }
+        tokio::time::sleep(RETRY_EVERY).await;
+    };
+    tracing::info!(version = %ar.version, name = %settings.name, "publishing the ClusterTrustBundle");
+    let api: Api<DynamicObject> = Api::all_with(client, &ar);
     loop {
         let wanted = trust_bundle(&roots.borrow_and_update());
         let wait = match wanted {
@@ -239,7 +286,7 @@ pub async fn run(client: Client, settings: CtbSettings, mut roots: watch::Receiv
                 tracing::error!(error = %e, reason = e.reason(), name = %settings.name, "ClusterTrustBundle not published");
                 settings.resync
             }
-            Ok(bundle) => match apply(&api, &settings, &bundle).await {
+            Ok(bundle) => match apply(&api, &ar, &settings, &bundle).await {
                 Ok(Action::Nothing) => settings.resync,
                 Ok(action) => {
                     tracing::info!(name = %settings.name, ?action, "ClusterTrustBundle published");
@@ -339,6 +386,32 @@ mod tests {
         assert!(signer_publishes(true, "m.io:s:root-cert", Some(&other)));
         assert!(!signer_publishes(true, "m.io:s:root-cert", Some(&same)));
         assert!(!signer_publishes(false, "m.io:s:root-cert", Some(&other)));
+    }
+
+    #[test]
+    fn both_versions_address_the_same_object() {
+        for v in VERSIONS {
+            let ar = resource(v);
+            assert_eq!(ar.api_version, format!("certificates.k8s.io/{v}"));
+            assert_eq!(
+                (ar.kind.as_str(), ar.plural.as_str()),
+                ("ClusterTrustBundle", PLURAL)
+            );
+        }
+        let obj: DynamicObject = serde_json::from_value(serde_json::json!({
+            "apiVersion": "certificates.k8s.io/v1beta1", "kind": "ClusterTrustBundle",
+            "metadata": {"name": "m.io:s:root-cert"},
+            "spec": {"signerName": "m.io/s", "trustBundle": "B"}
+        }))
+        .unwrap();
+        let spec = spec_of(&obj).unwrap();
+        assert_eq!(
+            (spec.signer_name.as_deref(), spec.trust_bundle.as_str()),
+            (Some("m.io/s"), "B")
+        );
+        let mut broken = obj.clone();
+        broken.data["spec"] = serde_json::json!({"trustBundle": 7});
+        assert!(spec_of(&broken).is_none(), "an unreadable spec is replaced");
     }
 
     #[test]
