@@ -211,6 +211,13 @@ impl App {
                     rx,
                 )));
             }
+            if let Some(settings) = cfg.cluster_trust_bundle.clone() {
+                // The ClusterTrustBundle gets one PEM per root, so old and
+                // new roots reach it in the same swap as the ConfigMap.
+                let (rx, roots_task) = crate::ctb::follow_trust(trust_feed.clone());
+                background.push(roots_task);
+                background.push(tokio::spawn(crate::ctb::run(client.clone(), settings, rx)));
+            }
             // Every cluster (the local one, and remote ones from remote
             // secrets) lives in the registry, which routes tokens and
             // impersonations to it.

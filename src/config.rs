@@ -267,6 +267,9 @@ pub struct ServeArgs {
     /// The PodCertificateRequest signer (`podcert` module).
     #[command(flatten)]
     pub pod_certificates: PodCertArgs,
+    /// The standalone ClusterTrustBundle publisher (`ctb` module).
+    #[command(flatten)]
+    pub cluster_trust_bundle: CtbArgs,
 }
 
 impl ServeArgs {
@@ -526,6 +529,67 @@ impl PodCertArgs {
             trust_bundle: self.pod_certificate_trust_bundle,
             // The same full re-check period as the root ConfigMap publisher.
             trust_bundle_resync: bounded_duration(
+                "MESHCA_PUBLISH_ROOT_RESYNC",
+                &a.publish_root_resync,
+                false,
+                MAX_PERIOD,
+            )?,
+        }))
+    }
+}
+
+/// Flags of the standalone ClusterTrustBundle publisher (`ctb`): the mesh
+/// roots, old and new during a rotation, next to the root ConfigMap.
+#[derive(Debug, Clone, clap::Args)]
+pub struct CtbArgs {
+    /// Publish the root bundle (every root, old and new during a rotation)
+    /// as a signer-linked ClusterTrustBundle (certificates.k8s.io/v1).
+    #[arg(long, env = "MESHCA_PUBLISH_CLUSTER_TRUST_BUNDLE", default_value_t = false, action = clap::ArgAction::Set)]
+    pub publish_cluster_trust_bundle: bool,
+    /// Signer name the bundle is linked to (Istio's by default, so Istio's
+    /// injection templates that mount it by signer or name find it).
+    #[arg(
+        long,
+        env = "MESHCA_CLUSTER_TRUST_BUNDLE_SIGNER",
+        default_value = crate::ctb::ISTIO_SIGNER
+    )]
+    pub cluster_trust_bundle_signer: String,
+    /// Bundle name; empty: `<signer with / as :>:root-cert`
+    /// (`istio.io:istiod-ca:root-cert` for Istio's signer).
+    #[arg(long, env = "MESHCA_CLUSTER_TRUST_BUNDLE_NAME", default_value = "")]
+    pub cluster_trust_bundle_name: String,
+}
+
+impl CtbArgs {
+    fn parse(
+        &self,
+        a: &ServeArgs,
+        kube_on: bool,
+    ) -> Result<Option<crate::ctb::CtbSettings>, ConfigError> {
+        if !self.publish_cluster_trust_bundle {
+            return Ok(None);
+        }
+        if !kube_on {
+            return Err(err(
+                "MESHCA_PUBLISH_CLUSTER_TRUST_BUNDLE",
+                "true",
+                "needs Kubernetes (a kubeconfig or in-cluster config)",
+            ));
+        }
+        let signer = self.cluster_trust_bundle_signer.trim();
+        let signer_name = crate::podcert::parse_signer_name(signer)
+            .map_err(|e| err("MESHCA_CLUSTER_TRUST_BUNDLE_SIGNER", signer, e.detail))?;
+        let name = match self.cluster_trust_bundle_name.trim() {
+            "" => crate::podcert::trust_bundle_name(&signer_name),
+            n => n.to_string(),
+        };
+        crate::ctb::check_name(&name, &signer_name)
+            .map_err(|e| err("MESHCA_CLUSTER_TRUST_BUNDLE_NAME", &name, e))?;
+        Ok(Some(crate::ctb::CtbSettings {
+            name,
+            signer_name,
+            // The same full re-check period as the root ConfigMap publisher.
+            resync: bounded_duration(
                 "MESHCA_PUBLISH_ROOT_RESYNC",
                 &a.publish_root_resync,
                 false,
@@ -1125,6 +1189,8 @@ pub struct Config {
     pub custody: crate::ca::custody::CustodySettings,
     /// The PodCertificateRequest signer, when a signer name is set.
     pub pod_certificates: Option<crate::podcert::PodCertSettings>,
+    /// The standalone ClusterTrustBundle publisher, when on.
+    pub cluster_trust_bundle: Option<crate::ctb::CtbSettings>,
 }
 
 impl Config {
@@ -1335,8 +1401,19 @@ impl Config {
                 "phased CA rotation works only with the file signer and without two-tier issuing (MESHCA_ISSUING_CA=off); it is not built for the others yet",
             ));
         }
-        let pod_certificates = a.pod_certificates.parse(a, kube.is_some())?;
+        let mut pod_certificates = a.pod_certificates.parse(a, kube.is_some())?;
+        let cluster_trust_bundle = a.cluster_trust_bundle.parse(a, kube.is_some())?;
+        // One writer per bundle: the standalone publisher (fed every root of
+        // a rotation) takes over a bundle the signer would also write.
+        if let Some(pc) = pod_certificates.as_mut() {
+            pc.trust_bundle = crate::ctb::signer_publishes(
+                pc.trust_bundle,
+                &crate::podcert::trust_bundle_name(&pc.signer_name),
+                cluster_trust_bundle.as_ref(),
+            );
+        }
         Ok(Self {
+            cluster_trust_bundle,
             custody,
             multicluster,
             rotation,
@@ -1734,5 +1811,52 @@ mod limit_tests {
         .unwrap();
         assert!(!v.clamped);
         crate::ca::ttl::validity(time::OffsetDateTime::now_utc(), 0, &c.ttl, end).unwrap();
+    }
+
+    #[test]
+    fn cluster_trust_bundle_option() {
+        assert!(parse(&[]).unwrap().cluster_trust_bundle.is_none());
+        let e = parse(&["--publish-cluster-trust-bundle", "true"]).unwrap_err();
+        assert!(e.to_string().contains("needs Kubernetes"), "{e}");
+        let k = [
+            "--kubeconfig",
+            "/k",
+            "--publish-cluster-trust-bundle",
+            "true",
+        ];
+        let c = parse(&k).unwrap().cluster_trust_bundle.unwrap();
+        assert_eq!(c.signer_name, "istio.io/istiod-ca");
+        assert_eq!(c.name, "istio.io:istiod-ca:root-cert");
+        let mut named = k.to_vec();
+        named.extend(["--cluster-trust-bundle-name", "istio.io:istiod-ca:mesh"]);
+        assert_eq!(
+            parse(&named).unwrap().cluster_trust_bundle.unwrap().name,
+            "istio.io:istiod-ca:mesh"
+        );
+        let mut bad = k.to_vec();
+        bad.extend(["--cluster-trust-bundle-name", "other:root-cert"]);
+        let e = parse(&bad).unwrap_err();
+        assert!(
+            e.to_string().contains("MESHCA_CLUSTER_TRUST_BUNDLE_NAME"),
+            "{e}"
+        );
+        let mut bad = k.to_vec();
+        bad.extend(["--cluster-trust-bundle-signer", "kubernetes.io/x"]);
+        assert!(parse(&bad).is_err());
+        // The pod-certificate signer on the same signer name leaves the
+        // bundle to the standalone publisher; on another name it keeps its own.
+        let mut both = k.to_vec();
+        both.extend(["--pod-certificate-signer", "istio.io/istiod-ca"]);
+        let c = parse(&both).unwrap();
+        assert!(!c.pod_certificates.unwrap().trust_bundle);
+        let mut apart = k.to_vec();
+        apart.extend(["--pod-certificate-signer", "meshca.io/spiffe"]);
+        assert!(
+            parse(&apart)
+                .unwrap()
+                .pod_certificates
+                .unwrap()
+                .trust_bundle
+        );
     }
 }

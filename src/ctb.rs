@@ -8,15 +8,17 @@
 //! or old and new roots together during a CA rotation. What to write is the
 //! pure [`trust_bundle`] and [`decide`]; [`run`] does the I/O.
 //!
+//! The API version is discovered: `v1` where served, else `v1beta1` (Kubernetes
+//! 1.33-1.36 with the beta API enabled); the object is the same in both.
+//!
 //! A signer-linked bundle needs RBAC `attest` on `signers/<signer name>`
 //! beside the ClusterTrustBundle verbs, and its name must start with the
 //! signer name with '/' as ':' followed by ':' ([`crate::podcert::trust_bundle_name`]).
 
 use std::time::Duration;
 
-use k8s_openapi::api::certificates::v1::{ClusterTrustBundle, ClusterTrustBundleSpec};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use kube::api::PostParams;
+use k8s_openapi::api::certificates::v1::ClusterTrustBundleSpec;
+use kube::api::{ApiResource, DynamicObject, GroupVersionKind, PostParams};
 use kube::{Api, Client};
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::CertificateDer;
@@ -27,6 +29,15 @@ use x509_parser::prelude::{FromDer, X509Certificate};
 pub const MAX_TRUST_BUNDLE_BYTES: usize = 1024 * 1024;
 /// Label on the bundles meshca manages.
 pub const MANAGED_BY: (&str, &str) = ("app.kubernetes.io/managed-by", "meshca");
+/// Istio's signer for its root ClusterTrustBundle (`ENABLE_CLUSTER_TRUST_BUNDLE_API`);
+/// its bundle is `istio.io:istiod-ca:root-cert`.
+pub const ISTIO_SIGNER: &str = "istio.io/istiod-ca";
+/// The API's cap on an object name.
+const MAX_NAME_BYTES: usize = 253;
+const GROUP: &str = "certificates.k8s.io";
+const PLURAL: &str = "clustertrustbundles";
+/// Versions tried, newest first.
+pub const VERSIONS: [&str; 2] = ["v1", "v1beta1"];
 /// How soon a failed write is tried again.
 const RETRY_EVERY: Duration = Duration::from_secs(5);
 
@@ -97,6 +108,52 @@ pub fn trust_bundle(roots: &[String]) -> Result<String, CtbError> {
     Ok(out)
 }
 
+/// Checks a bundle name for `signer_name` as the API does for signer-linked
+/// bundles: `<signer with / as :>:` then a non-empty rest, one path segment.
+pub fn check_name(name: &str, signer_name: &str) -> Result<(), &'static str> {
+    let prefix = format!("{}:", signer_name.replace('/', ":"));
+    let rest = name.strip_prefix(&prefix).ok_or(
+        "a signer-linked bundle's name must start with the signer name ('/' as ':') and ':'",
+    )?;
+    if rest.is_empty() || name.len() > MAX_NAME_BYTES || name.contains('/') || name.contains('%') {
+        return Err("the name needs a suffix after the signer, no '/' or '%', at most 253 bytes");
+    }
+    Ok(())
+}
+
+/// Whether the pod-certificate signer still writes its own bundle (named
+/// `signer_bundle`) when the standalone publisher runs: not when both
+/// would write the same object, which would flip between their root sets
+/// during a rotation. The standalone one wins, as it carries every root.
+pub fn signer_publishes(
+    signer_wants: bool,
+    signer_bundle: &str,
+    standalone: Option<&CtbSettings>,
+) -> bool {
+    signer_wants && standalone.is_none_or(|s| s.name != signer_bundle)
+}
+
+/// The standalone publisher's input: each trust set's roots, one PEM per
+/// root (old and new during a rotation).
+pub fn follow_trust(
+    mut trust: watch::Receiver<crate::rotation::trust::TrustSet>,
+) -> (watch::Receiver<Vec<String>>, tokio::task::JoinHandle<()>) {
+    let (tx, rx) = watch::channel(trust.borrow().roots_pem.clone());
+    let task = tokio::spawn(async move {
+        while trust.changed().await.is_ok() {
+            let roots = trust.borrow().roots_pem.clone();
+            tx.send_if_modified(|cur| {
+                let changed = *cur != roots;
+                if changed {
+                    *cur = roots;
+                }
+                changed
+            });
+        }
+    });
+    (rx, task)
+}
+
 /// What to do about the bundle.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Action {
@@ -115,39 +172,68 @@ pub fn decide(current: Option<(Option<&str>, &str)>, signer_name: &str, bundle: 
     }
 }
 
+/// The ClusterTrustBundle resource of `version`.
+pub fn resource(version: &str) -> ApiResource {
+    let gvk = GroupVersionKind::gvk(GROUP, version, "ClusterTrustBundle");
+    ApiResource::from_gvk_with_plural(&gvk, PLURAL)
+}
+
+/// The served ClusterTrustBundle version, newest first; `None` when the API
+/// server serves none (before 1.37 without the beta API turned on).
+pub async fn discover(client: &Client) -> Result<Option<ApiResource>, kube::Error> {
+    for v in VERSIONS {
+        match client
+            .list_api_group_resources(&format!("{GROUP}/{v}"))
+            .await
+        {
+            Ok(list) if list.resources.iter().any(|r| r.name == PLURAL) => {
+                return Ok(Some(resource(v)))
+            }
+            Ok(_) => {}
+            Err(kube::Error::Api(e)) if e.code == 404 => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(None)
+}
+
+/// The spec of a fetched bundle (`None` if it does not read as one, which
+/// makes [`decide`] replace it).
+fn spec_of(obj: &DynamicObject) -> Option<ClusterTrustBundleSpec> {
+    serde_json::from_value(obj.data.get("spec")?.clone()).ok()
+}
+
 /// Makes the bundle named in `settings` hold `bundle`; returns what it did.
 pub async fn apply(
-    api: &Api<ClusterTrustBundle>,
+    api: &Api<DynamicObject>,
+    ar: &ApiResource,
     settings: &CtbSettings,
     bundle: &str,
 ) -> Result<Action, kube::Error> {
     let current = api.get_opt(&settings.name).await?;
+    let spec_now = current.as_ref().map(spec_of);
     let action = decide(
-        current
-            .as_ref()
-            .map(|c| (c.spec.signer_name.as_deref(), c.spec.trust_bundle.as_str())),
+        spec_now.as_ref().map(|s| match s {
+            Some(s) => (s.signer_name.as_deref(), s.trust_bundle.as_str()),
+            None => (None, ""),
+        }),
         &settings.signer_name,
         bundle,
     );
-    let spec = ClusterTrustBundleSpec {
-        signer_name: Some(settings.signer_name.clone()),
-        trust_bundle: bundle.to_string(),
-    };
+    let spec = serde_json::json!({
+        "signerName": settings.signer_name,
+        "trustBundle": bundle,
+    });
     match (&action, current) {
         (Action::Create, _) => {
-            let obj = ClusterTrustBundle {
-                metadata: ObjectMeta {
-                    name: Some(settings.name.clone()),
-                    labels: Some([(MANAGED_BY.0.into(), MANAGED_BY.1.into())].into()),
-                    ..Default::default()
-                },
-                spec,
-            };
+            let mut obj =
+                DynamicObject::new(&settings.name, ar).data(serde_json::json!({ "spec": spec }));
+            obj.metadata.labels = Some([(MANAGED_BY.0.into(), MANAGED_BY.1.into())].into());
             api.create(&PostParams::default(), &obj).await?;
         }
         (Action::Update, Some(mut obj)) => {
             // resourceVersion is kept: a concurrent writer makes this a 409, retried.
-            obj.spec = spec;
+            obj.data["spec"] = spec;
             api.replace(&settings.name, &PostParams::default(), &obj)
                 .await?;
         }
@@ -180,7 +266,19 @@ pub fn follow_ca(
 
 /// Keeps the bundle current: on every change of `roots` and every resync.
 pub async fn run(client: Client, settings: CtbSettings, mut roots: watch::Receiver<Vec<String>>) {
-    let api: Api<ClusterTrustBundle> = Api::all(client);
+    let ar = loop {
+        match discover(&client).await {
+            Ok(Some(ar)) => break ar,
+            Ok(None) => tracing::error!(
+                name = %settings.name,
+                "the API server serves no {GROUP} ClusterTrustBundle (v1 or v1beta1): not published; retrying"
+            ),
+            Err(e) => tracing::warn!(error = %e, "ClusterTrustBundle discovery failed; retrying"),
+        }
+        tokio::time::sleep(RETRY_EVERY).await;
+    };
+    tracing::info!(version = %ar.version, name = %settings.name, "publishing the ClusterTrustBundle");
+    let api: Api<DynamicObject> = Api::all_with(client, &ar);
     loop {
         let wanted = trust_bundle(&roots.borrow_and_update());
         let wait = match wanted {
@@ -188,7 +286,7 @@ pub async fn run(client: Client, settings: CtbSettings, mut roots: watch::Receiv
                 tracing::error!(error = %e, reason = e.reason(), name = %settings.name, "ClusterTrustBundle not published");
                 settings.resync
             }
-            Ok(bundle) => match apply(&api, &settings, &bundle).await {
+            Ok(bundle) => match apply(&api, &ar, &settings, &bundle).await {
                 Ok(Action::Nothing) => settings.resync,
                 Ok(action) => {
                     tracing::info!(name = %settings.name, ?action, "ClusterTrustBundle published");
@@ -250,6 +348,70 @@ mod tests {
             trust_bundle(&[leaf_only]).unwrap_err().reason(),
             "ctb_not_ca"
         );
+    }
+
+    #[test]
+    fn istio_layout_and_name_checks() {
+        let istio = crate::podcert::trust_bundle_name(ISTIO_SIGNER);
+        assert_eq!(istio, "istio.io:istiod-ca:root-cert");
+        let table: &[(&str, &str, bool)] = &[
+            ("istio.io:istiod-ca:root-cert", ISTIO_SIGNER, true),
+            ("istio.io:istiod-ca:other", ISTIO_SIGNER, true),
+            ("istio.io:istiod-ca:", ISTIO_SIGNER, false),
+            ("istio.io:istiod-ca", ISTIO_SIGNER, false),
+            ("root-cert", ISTIO_SIGNER, false),
+            ("istio.io:istiod:root-cert", ISTIO_SIGNER, false),
+            ("m.io:a:b:root-cert", "m.io/a/b", true),
+            ("m.io:a:b:x%2f", "m.io/a/b", false),
+        ];
+        for (name, signer, ok) in table {
+            assert_eq!(check_name(name, signer).is_ok(), *ok, "{name} for {signer}");
+        }
+        let long = format!("istio.io:istiod-ca:{}", "x".repeat(240));
+        assert!(check_name(&long, ISTIO_SIGNER).is_err());
+    }
+
+    #[test]
+    fn one_writer_per_bundle() {
+        let s = |name: &str| CtbSettings {
+            name: name.into(),
+            signer_name: ISTIO_SIGNER.into(),
+            resync: Duration::from_secs(60),
+        };
+        let same = s("m.io:s:root-cert");
+        let other = s("istio.io:istiod-ca:root-cert");
+        // (signer wants it, standalone) -> signer still writes
+        assert!(signer_publishes(true, "m.io:s:root-cert", None));
+        assert!(!signer_publishes(false, "m.io:s:root-cert", None));
+        assert!(signer_publishes(true, "m.io:s:root-cert", Some(&other)));
+        assert!(!signer_publishes(true, "m.io:s:root-cert", Some(&same)));
+        assert!(!signer_publishes(false, "m.io:s:root-cert", Some(&other)));
+    }
+
+    #[test]
+    fn both_versions_address_the_same_object() {
+        for v in VERSIONS {
+            let ar = resource(v);
+            assert_eq!(ar.api_version, format!("certificates.k8s.io/{v}"));
+            assert_eq!(
+                (ar.kind.as_str(), ar.plural.as_str()),
+                ("ClusterTrustBundle", PLURAL)
+            );
+        }
+        let obj: DynamicObject = serde_json::from_value(serde_json::json!({
+            "apiVersion": "certificates.k8s.io/v1beta1", "kind": "ClusterTrustBundle",
+            "metadata": {"name": "m.io:s:root-cert"},
+            "spec": {"signerName": "m.io/s", "trustBundle": "B"}
+        }))
+        .unwrap();
+        let spec = spec_of(&obj).unwrap();
+        assert_eq!(
+            (spec.signer_name.as_deref(), spec.trust_bundle.as_str()),
+            (Some("m.io/s"), "B")
+        );
+        let mut broken = obj.clone();
+        broken.data["spec"] = serde_json::json!({"trustBundle": 7});
+        assert!(spec_of(&broken).is_none(), "an unreadable spec is replaced");
     }
 
     #[test]

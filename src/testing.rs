@@ -223,6 +223,7 @@ pub fn test_config(ca_dir: PathBuf) -> crate::config::Config {
         rotation: None,
         custody: Default::default(),
         pod_certificates: None,
+        cluster_trust_bundle: None,
     }
 }
 

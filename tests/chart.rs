@@ -716,3 +716,31 @@ fn pod_certificate_signer_adds_exactly_the_signer_rules() {
         .all(|r| !r.resources.contains("clustertrustbundles") && !r.verbs.contains("attest")));
     assert!(got.iter().any(|r| r.verbs.contains("sign")));
 }
+
+const CTB_RBAC: &str = "tests/fixtures/rbac-cluster-trust-bundle.yaml";
+
+#[test]
+fn cluster_trust_bundle_adds_exactly_the_publisher_rules() {
+    // Off by default: default_cluster_role_is_exactly_the_test_cluster_rbac has no such rule.
+    let on = ["--set", "clusterTrustBundle.enabled=true"];
+    let mut expected = fixture_rules(TESTENV_RBAC);
+    expected.extend(fixture_rules(CTB_RBAC));
+    expected.sort();
+    assert_eq!(chart_rules(&on), expected);
+    // Another signer and an explicit name move attest and the named rule with them.
+    let mut moved = on.to_vec();
+    moved.extend([
+        "--set",
+        "clusterTrustBundle.signerName=mesh.example.com/ca",
+        "--set",
+        "clusterTrustBundle.name=mesh.example.com:ca:roots",
+    ]);
+    let text = std::fs::read_to_string(repo().join(CTB_RBAC))
+        .unwrap()
+        .replace("istio.io/istiod-ca", "mesh.example.com/ca")
+        .replace("istio.io:istiod-ca:root-cert", "mesh.example.com:ca:roots");
+    let mut expected = fixture_rules(TESTENV_RBAC);
+    expected.extend(rules_of(&docs(&text), "ClusterRole"));
+    expected.sort();
+    assert_eq!(chart_rules(&moved), expected);
+}

@@ -19,6 +19,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use k8s_openapi::api::certificates::v1::ClusterTrustBundle;
 use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::{Patch, PatchParams};
 use kube::Api;
@@ -317,6 +318,30 @@ async fn wait_configmap(k: &common::Kte, ns: &str, roots: &str, when: &str) {
             std::time::Instant::now() < deadline,
             "{when}: {ns}/{CM} holds {} root(s), want {}",
             got.as_deref().map(|g| der_set(g).len()).unwrap_or(0),
+            want.len()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Waits until the ClusterTrustBundle `name` holds exactly `roots` (as a
+/// set) and is linked to `signer`.
+async fn wait_ctb(k: &common::Kte, name: &str, signer: &str, roots: &str, when: &str) {
+    let want = der_set(roots);
+    let api = Api::<ClusterTrustBundle>::all(k.admin.clone());
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let got = api.get_opt(name).await.unwrap();
+        let set = got.as_ref().map(|c| der_set(&c.spec.trust_bundle));
+        if set.as_ref() == Some(&want) {
+            let ctb = got.unwrap();
+            assert_eq!(ctb.spec.signer_name.as_deref(), Some(signer), "{when}");
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{when}: ClusterTrustBundle {name} holds {} root(s), want {}",
+            set.map(|s| s.len()).unwrap_or(0),
             want.len()
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -655,6 +680,15 @@ async fn root_and_intermediate_rotation_under_load_with_zero_failed_requests() {
         namespace_selector: Some(format!("meshca-rotation={tag}")),
         resync: Duration::from_secs(600),
     });
+    // The ClusterTrustBundle next to the ConfigMap, on a signer of its own
+    // (Istio's layout: <signer with / as :>:root-cert).
+    let ctb_signer = format!("{tag}.meshca.test/istiod-ca");
+    let ctb = meshca::ctb::CtbSettings {
+        name: meshca::podcert::trust_bundle_name(&ctb_signer),
+        signer_name: ctb_signer.clone(),
+        resync: Duration::from_secs(600),
+    };
+    cfg.cluster_trust_bundle = Some(ctb.clone());
     cfg.rotation = Some(settings.clone());
     let (app, audit) = testing::start_server(&cfg, Default::default()).await;
     let addr = app.addr;
@@ -686,6 +720,7 @@ async fn root_and_intermediate_rotation_under_load_with_zero_failed_requests() {
     };
     std::fs::write(&istio.token_file, format!("{token}\n")).unwrap();
     wait_configmap(&k, &ns, &gen1.root_cert, "idle").await;
+    wait_ctb(&k, &ctb.name, &ctb_signer, &gen1.root_cert, "idle").await;
     std::fs::write(istio.dir.path().join("root-cert.pem"), &gen1.root_cert).unwrap();
     istio
         .run(addr, false)
@@ -727,6 +762,7 @@ async fn root_and_intermediate_rotation_under_load_with_zero_failed_requests() {
     assert!(issuer_is(&after, &gen1), "trust: generation 1 still signs");
     handshakes_both_ways(&before, &after, "idle -> trust").await;
     wait_configmap(&k, &ns, &union, "trust").await;
+    wait_ctb(&k, &ctb.name, &ctb_signer, &union, "trust").await;
     let v = agent.renewed_since(trust_seen, "trust").await;
     assert_eq!(
         der_set(v["rootCert"].as_str().unwrap()),
@@ -755,6 +791,7 @@ async fn root_and_intermediate_rotation_under_load_with_zero_failed_requests() {
     assert_eq!(der_set(&after.trust), der_set(&union));
     handshakes_both_ways(&before, &after, "trust -> switched").await;
     wait_configmap(&k, &ns, &union, "switched").await;
+    wait_ctb(&k, &ctb.name, &ctb_signer, &union, "switched").await;
     agent.renewed_since(switch_seen, "switched").await;
 
     // Retired: once the last leaf signed by generation 1 has expired.
@@ -777,6 +814,7 @@ async fn root_and_intermediate_rotation_under_load_with_zero_failed_requests() {
         .await;
     handshakes_both_ways(&before, &after, "switched -> retired").await;
     wait_configmap(&k, &ns, &gen2.root_cert, "retired").await;
+    wait_ctb(&k, &ctb.name, &ctb_signer, &gen2.root_cert, "retired").await;
     let v = agent.renewed_since(retire_seen, "retired").await;
     assert_eq!(
         der_set(v["rootCert"].as_str().unwrap()),
@@ -805,6 +843,14 @@ async fn root_and_intermediate_rotation_under_load_with_zero_failed_requests() {
     assert_eq!(der_set(&after.trust), der_set(&gen2.root_cert));
     handshakes_both_ways(&before, &after, "intermediate rotation").await;
     wait_configmap(&k, &ns, &gen2.root_cert, "intermediate rotation").await;
+    wait_ctb(
+        &k,
+        &ctb.name,
+        &ctb_signer,
+        &gen2.root_cert,
+        "intermediate rotation",
+    )
+    .await;
     agent
         .renewed_since(intermediate_seen, "intermediate rotation")
         .await;
@@ -1047,4 +1093,91 @@ async fn name_constrained_intermediate_serves_mtls_renewal_and_confines_identiti
             .any(|r| r == "tls_handshake_rejected:mtls_outside_name_constraints"),
         "{reasons:?}"
     );
+}
+
+/// The standalone ClusterTrustBundle publisher holding exactly the chart's
+/// rules (tests/fixtures/rbac-cluster-trust-bundle.yaml, on a signer of its
+/// own) creates and updates its bundle; the same identity may not link a
+/// bundle to another signer (no `attest`) nor read another bundle.
+#[tokio::test]
+async fn cluster_trust_bundle_publisher_runs_with_exactly_the_fixture_rules() {
+    use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
+    use kube::api::PostParams;
+    let k = common::kte().await;
+    let signer = format!("{}.meshca.test/istiod-ca", common::unique("ctb"));
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/rbac-cluster-trust-bundle.yaml"
+    ))
+    .unwrap()
+    .replace("istio.io/istiod-ca", &signer)
+    .replace("istio.io:istiod-ca", &signer.replace('/', ":"));
+    let mut role: ClusterRole = serde_yaml_ng::from_str(&text).unwrap();
+    let role_name = common::unique("ctb-publisher");
+    role.metadata.name = Some(role_name.clone());
+    Api::<ClusterRole>::all(k.admin.clone())
+        .create(&PostParams::default(), &role)
+        .await
+        .unwrap();
+    let binding: ClusterRoleBinding = serde_json::from_value(json!({
+        "metadata": {"name": role_name},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role_name},
+        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": "meshca"}]
+    }))
+    .unwrap();
+    Api::<ClusterRoleBinding>::all(k.admin.clone())
+        .create(&PostParams::default(), &binding)
+        .await
+        .unwrap();
+    let meshca = common::client(&k.meshca_kubeconfig()).await;
+    let api = Api::<ClusterTrustBundle>::all(meshca.clone());
+    let name = meshca::podcert::trust_bundle_name(&signer);
+    // The RBAC authorizer reads bindings through an informer.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while api.get_opt(&name).await.is_err() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "fixture RBAC never took effect"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    let now = OffsetDateTime::now_utc();
+    let gen1 = generate::generate(&InitOptions::default(), now).unwrap();
+    let gen2 = generate::generate(&InitOptions::default(), now).unwrap();
+    let (tx, rx) = tokio::sync::watch::channel(vec![gen1.root_cert.clone()]);
+    let settings = meshca::ctb::CtbSettings {
+        name: name.clone(),
+        signer_name: signer.clone(),
+        resync: Duration::from_secs(600),
+    };
+    let task = tokio::spawn(meshca::ctb::run(meshca.clone(), settings, rx));
+    wait_ctb(&k, &name, &signer, &gen1.root_cert, "created").await;
+    tx.send(vec![gen1.root_cert.clone(), gen2.root_cert.clone()])
+        .unwrap();
+    let union = format!("{}{}", gen1.root_cert, gen2.root_cert);
+    wait_ctb(&k, &name, &signer, &union, "old + new").await;
+    tx.send(vec![gen2.root_cert.clone()]).unwrap();
+    wait_ctb(&k, &name, &signer, &gen2.root_cert, "new").await;
+    task.abort();
+
+    // Least privilege, as the API server enforces it.
+    let other = format!("{}.meshca.test/other", common::unique("ctb"));
+    let obj: ClusterTrustBundle = serde_json::from_value(json!({
+        "metadata": {"name": meshca::podcert::trust_bundle_name(&other)},
+        "spec": {
+            "signerName": other,
+            "trustBundle": meshca::ctb::trust_bundle(std::slice::from_ref(&gen1.root_cert)).unwrap(),
+        }
+    }))
+    .unwrap();
+    match api.create(&PostParams::default(), &obj).await {
+        Err(kube::Error::Api(e)) => assert_eq!(e.code, 403, "another signer: {e:?}"),
+        other => panic!("a bundle for an unattested signer: {other:?}"),
+    }
+    let sibling = format!("{}:other", signer.replace('/', ":"));
+    match api.get(&sibling).await {
+        Err(kube::Error::Api(e)) => assert_eq!(e.code, 403, "another name: {e:?}"),
+        other => panic!("read a bundle outside resourceNames: {other:?}"),
+    }
 }
