@@ -290,13 +290,19 @@ impl ServeArgs {
         Ok(crate::rootpub::RootPublisherSettings {
             configmap_name,
             namespace_selector: Some(selector.to_string()).filter(|s| !s.is_empty()),
-            resync: bounded_duration(
-                "MESHCA_PUBLISH_ROOT_RESYNC",
-                &self.publish_root_resync,
-                false,
-                MAX_PERIOD,
-            )?,
+            resync: self.publish_resync()?,
         })
+    }
+
+    /// The full re-check period every trust publisher uses (root and CRL
+    /// ConfigMaps, ClusterTrustBundles).
+    fn publish_resync(&self) -> Result<Duration, ConfigError> {
+        bounded_duration(
+            "MESHCA_PUBLISH_ROOT_RESYNC",
+            &self.publish_root_resync,
+            false,
+            MAX_PERIOD,
+        )
     }
 }
 
@@ -528,12 +534,7 @@ impl PodCertArgs {
             )?,
             trust_bundle: self.pod_certificate_trust_bundle,
             // The same full re-check period as the root ConfigMap publisher.
-            trust_bundle_resync: bounded_duration(
-                "MESHCA_PUBLISH_ROOT_RESYNC",
-                &a.publish_root_resync,
-                false,
-                MAX_PERIOD,
-            )?,
+            trust_bundle_resync: a.publish_resync()?,
         }))
     }
 }
@@ -589,12 +590,7 @@ impl CtbArgs {
             name,
             signer_name,
             // The same full re-check period as the root ConfigMap publisher.
-            resync: bounded_duration(
-                "MESHCA_PUBLISH_ROOT_RESYNC",
-                &a.publish_root_resync,
-                false,
-                MAX_PERIOD,
-            )?,
+            resync: a.publish_resync()?,
         }))
     }
 }
