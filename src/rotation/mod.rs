@@ -180,17 +180,21 @@ pub struct Report {
     pub swapped: bool,
 }
 
+/// A unix time as RFC 3339 for `rotate status|plan`; the number itself when
+/// it is out of range.
+fn unix_rfc3339(t: i64) -> String {
+    OffsetDateTime::from_unix_timestamp(t)
+        .ok()
+        .and_then(|d| {
+            d.format(&time::format_description::well_known::Rfc3339)
+                .ok()
+        })
+        .unwrap_or_else(|| t.to_string())
+}
+
 impl std::fmt::Display for Report {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let at = |t: i64| {
-            OffsetDateTime::from_unix_timestamp(t)
-                .ok()
-                .and_then(|d| {
-                    d.format(&time::format_description::well_known::Rfc3339)
-                        .ok()
-                })
-                .unwrap_or_else(|| t.to_string())
-        };
+        let at = unix_rfc3339;
         writeln!(f, "phase: {}", self.phase.as_str())?;
         writeln!(f, "signing key: {}", self.signer_key_id)?;
         writeln!(f, "published roots: {}", self.trusted_roots)?;
@@ -706,15 +710,7 @@ pub fn plan(
 ) -> Result<Vec<String>, RotationError> {
     let st = status(ca_dir, settings, now)?;
     let m = read_material(ca_dir, &settings.next_dir, now)?;
-    let at = |t: i64| {
-        OffsetDateTime::from_unix_timestamp(t)
-            .ok()
-            .and_then(|d| {
-                d.format(&time::format_description::well_known::Rfc3339)
-                    .ok()
-            })
-            .unwrap_or_else(|| t.to_string())
-    };
+    let at = unix_rfc3339;
     let ttl = max_ttl.as_secs() as i64;
     let n = now.unix_timestamp();
     let p = &st.progress;
