@@ -17,7 +17,6 @@ use std::time::{Duration, Instant};
 
 use meshca::ca::custody::KeySource;
 use meshca::ca::generate::{self, InitOptions, KeyType};
-use meshca::ca::signer::pkcs11::Pkcs11Signer;
 use meshca::ca::{csr, ttl, CaBundle};
 use meshca::identity::SpiffeId;
 use time::OffsetDateTime;
@@ -150,9 +149,9 @@ fn main() {
         now,
     )
     .unwrap();
-    let signer = Arc::new(Pkcs11Signer::open(&uri, sessions).unwrap());
+    let keys = meshca::ca::custody::ExternalKeys::pkcs11(uri, sessions);
     let pkcs11 = Arc::new(
-        KeySource::External(signer)
+        KeySource::External(Arc::new(keys))
             .load(&p.join("hsm"), now)
             .unwrap(),
     );

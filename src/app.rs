@@ -117,7 +117,7 @@ impl App {
         // Under a phased rotation the controller reads the CA directory
         // (and the staged one) itself; the store then has no directory.
         let custody = Arc::new(match &cfg.rotation {
-            None => CaStore::from_dir_with(&cfg.ca_dir, cfg.allow_root_change, key_source)
+            None => CaStore::from_dir_with(&cfg.ca_dir, cfg.allow_root_change, key_source.clone())
                 .context("loading CA material")?,
             Some(_) => CaStore::new(
                 key_source
@@ -169,6 +169,7 @@ impl App {
         };
         let mut background = Vec::new();
         // Two-tier issuing: leaves are signed from the issuing CA's store.
+        let mut two_tier_issuer = None;
         let ca = match cfg.custody.issuing_ttl {
             Some(ttl) => {
                 let two_tier = crate::ca::issuing::TwoTier::start(
@@ -180,6 +181,7 @@ impl App {
                 .await
                 .context("making the first issuing CA")?;
                 background.push(tokio::spawn(two_tier.clone().run()));
+                two_tier_issuer = Some(two_tier.clone());
                 two_tier.store()
             }
             None => custody.clone(),
@@ -264,22 +266,34 @@ impl App {
             );
         }
         if let Some(settings) = cfg.rotation.clone() {
-            let rotation = crate::rotation::Rotation::new(
-                settings,
-                &cfg.ca_dir,
-                ca.clone(),
-                cfg.ttl.max,
-                cfg.allow_root_change,
-            )
-            .context("opening the CA rotation state")?
-            .with_audit(audit.clone())
-            .with_metrics(metrics.clone());
-            // Serve the phase on disk from the first request on.
-            let report = rotation
-                .evaluate(None)
+            // The rotation swaps the custody material; with two-tier
+            // issuing each swap re-mints the issuing CA under it.
+            let target = match &two_tier_issuer {
+                Some(t) => crate::rotation::Install::TwoTier(t.clone()),
+                None => crate::rotation::Install::Direct(custody.clone()),
+            };
+            let rotation = Arc::new(
+                crate::rotation::Rotation::new(
+                    settings,
+                    &cfg.ca_dir,
+                    key_source,
+                    target,
+                    cfg.ttl.max,
+                    cfg.allow_root_change,
+                )
+                .context("opening the CA rotation state")?
+                .with_audit(audit.clone())
+                .with_metrics(metrics.clone()),
+            );
+            // Serve the phase on disk from the first request on (blocking:
+            // token signatures, the issuing CA's acknowledged audit record).
+            let first = rotation.clone();
+            let report = tokio::task::spawn_blocking(move || first.evaluate(None))
+                .await
+                .context("the CA rotation task failed")?
                 .context("bringing the CA to the rotation phase on disk")?;
             tracing::info!(phase = report.phase.as_str(), "CA rotation on");
-            background.push(tokio::spawn(Arc::new(rotation).run(cfg.reload_poll)));
+            background.push(tokio::spawn(rotation.run(cfg.reload_poll)));
         }
         let kill_switch = crate::guards::start(
             cfg,

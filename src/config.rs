@@ -1384,19 +1384,10 @@ impl Config {
         let multicluster = a.multicluster.parse(kube.is_some())?;
         let rotation = a.rotation.parse(duration)?;
         let custody = a.custody.parse()?;
-        // The rotation controller loads each generation's key from its
-        // directory and signs leaves with it: a token-held key or a two-tier
-        // issuing CA would be bypassed, so the combination is refused.
-        if rotation.is_some()
-            && (custody.issuing_ttl.is_some()
-                || !matches!(custody.signer, crate::ca::custody::SignerSpec::File))
-        {
-            return Err(err(
-                "MESHCA_ROTATION_NEXT_DIR",
-                "(set)",
-                "phased CA rotation works only with the file signer and without two-tier issuing (MESHCA_ISSUING_CA=off); it is not built for the others yet",
-            ));
-        }
+        // Rotation works with every signer and with two-tier issuing: each
+        // generation names its key (a key file, or `ca-key.uri` in a token,
+        // ca::custody::choose_key) and every phase re-mints the issuing CA
+        // (rotation::Install).
         let mut pod_certificates = a.pod_certificates.parse(a, kube.is_some())?;
         let cluster_trust_bundle = a.cluster_trust_bundle.parse(a, kube.is_some())?;
         // One writer per bundle: the standalone publisher (fed every root of
@@ -1853,6 +1844,42 @@ mod limit_tests {
                 .pod_certificates
                 .unwrap()
                 .trust_bundle
+        );
+    }
+}
+
+#[cfg(test)]
+mod rotation_custody_tests {
+    use super::*;
+    use clap::Parser;
+    use test_case::test_case;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        serve: ServeArgs,
+    }
+
+    const URI: &str = "pkcs11:token=mesh;object=ica-1?module-path=/usr/lib/softhsm/libsofthsm2.so&pin-source=file:/run/pin";
+
+    // Phased rotation was refused with two-tier issuing or a token key; it
+    // now runs with every combination (the staged generation names its
+    // token key in its own directory, checked when it is read).
+    #[test_case(&[], false, false ; "file signer, direct")]
+    #[test_case(&["--issuing-ca", "on"], true, false ; "file signer, two-tier")]
+    #[test_case(&["--signer", URI], true, true ; "pkcs11, two-tier by default")]
+    #[test_case(&["--signer", URI, "--issuing-ca", "off"], false, true ; "pkcs11, direct")]
+    fn rotation_runs_with_every_signer_and_two_tier(extra: &[&str], two_tier: bool, token: bool) {
+        let args = ["meshca", "--rotation-next-dir", "/run/next"]
+            .into_iter()
+            .chain(extra.iter().copied());
+        let cli = Cli::try_parse_from(args).expect("clap accepts the syntax");
+        let c = Config::from_args(&cli.serve, "/tmp/ca".into(), false).unwrap();
+        assert!(c.rotation.is_some());
+        assert_eq!(c.custody.issuing_ttl.is_some(), two_tier);
+        assert_eq!(
+            matches!(c.custody.signer, crate::ca::custody::SignerSpec::Pkcs11(_)),
+            token
         );
     }
 }

@@ -16,6 +16,9 @@ use meshca::ca::generate::GeneratedCa;
 use meshca::testing::{client, csr_for, request, spawn_listening, validity_hours};
 use time::OffsetDateTime;
 
+#[path = "common/rotation_check.rs"]
+mod rotation_check;
+
 const PIN: &str = "4321";
 const BIN: &str = env!("CARGO_BIN_EXE_meshca");
 
@@ -108,6 +111,22 @@ impl Hsm {
         run(self
             .meshca()
             .args(["init", "--key-type", key_type, "--out"])
+            .arg(&ca)
+            .args(["--pkcs11", &self.uri(object), "--root-from"])
+            .arg(&root));
+        (root, ca)
+    }
+
+    /// A generation: a file root in `{name}-root/` (`meshca init`) and an
+    /// intermediate whose key `meshca init --pkcs11` makes in the token as
+    /// `object`, in `{name}/` (certificates and `ca-key.uri`).
+    fn generation(&self, name: &str, object: &str) -> (PathBuf, PathBuf) {
+        let root = self.dir.path().join(format!("{name}-root"));
+        let ca = self.dir.path().join(name);
+        run(self.meshca().args(["init", "--out"]).arg(&root));
+        run(self
+            .meshca()
+            .args(["init", "--out"])
             .arg(&ca)
             .args(["--pkcs11", &self.uri(object), "--root-from"])
             .arg(&root));
@@ -251,7 +270,20 @@ async fn issuance_with_the_ca_key_only_in_the_token(key_type: &str, issuing: &st
         .map(|e| e.unwrap().file_name().into_string().unwrap())
         .collect();
     names.sort();
-    assert_eq!(names, ["ca-cert.pem", "cert-chain.pem", "root-cert.pem"]);
+    assert_eq!(
+        names,
+        [
+            "ca-cert.pem",
+            "ca-key.uri",
+            "cert-chain.pem",
+            "root-cert.pem"
+        ]
+    );
+    assert_eq!(
+        std::fs::read_to_string(ca.join("ca-key.uri")).unwrap(),
+        "pkcs11:object=intermediate\n",
+        "the directory names its key in the token, nothing more"
+    );
     let objects = run(hsm
         .tool("pkcs11-tool")
         .args(["--module"])
@@ -646,5 +678,230 @@ async fn a_csr_for_an_offline_root_is_signed_elsewhere_and_served() {
         .expect("issued");
     let _ = child.kill().await;
     assert_eq!(chain.len(), 5, "two-tier is on by default with pkcs11");
+    openssl_verify(&chain, OffsetDateTime::now_utc().unix_timestamp());
+}
+
+/// Copies the CA files of `from` into `to` atomically (a new directory
+/// renamed into place, as a Secret volume swaps), leaving `ca-key.uri`
+/// out or replacing its text.
+fn stage(from: &Path, to: &Path, key_uri: Option<&str>) {
+    let tmp = to.with_extension("staging");
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp).unwrap();
+    for f in ["ca-cert.pem", "cert-chain.pem", "root-cert.pem"] {
+        std::fs::copy(from.join(f), tmp.join(f)).unwrap();
+    }
+    if let Some(text) = key_uri {
+        std::fs::write(tmp.join("ca-key.uri"), text).unwrap();
+    }
+    let _ = std::fs::remove_dir_all(to);
+    std::fs::rename(&tmp, to).unwrap();
+}
+
+async fn wait_metric(admin: std::net::SocketAddr, needle: &str, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (_, body) = meshca::testing::http_get(admin, "/metrics").await;
+        if body.contains(needle) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{what}: no {needle} in\n{body}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A root rotation with both generations' intermediate keys in one
+/// SoftHSM2 token. The staged generation names its key with `ca-key.uri`
+/// (what `meshca init --pkcs11` writes; module, token and PIN stay those
+/// of MESHCA_SIGNER). A staged generation naming no key, a key the token
+/// lacks, or a key that is not its certificate's is refused with its
+/// reason, and no rotation starts. Then trust -> switch -> retire under
+/// load: no renewal fails, each response verifies to its own roots
+/// (webpki, and openssl per signing certificate), issuing CAs chain to the
+/// right intermediate, and the gates wait for the leaves they must. The
+/// promoted directory (copied with its `ca-key.uri`) keeps signing with
+/// the new key, also after a restart with MESHCA_SIGNER unchanged.
+#[test_case::test_case("auto" ; "two tier")]
+#[test_case::test_case("off" ; "direct")]
+#[tokio::test(flavor = "multi_thread")]
+async fn root_rotation_with_both_keys_in_the_token(issuing: &str) {
+    use meshca::rotation::phase::Phase;
+    use rotation_check::{check, Gen, Ident, Workers};
+    let two_tier = issuing != "off";
+    let hsm = Hsm::new("meshca");
+    let (root1, gen1) = hsm.generation("gen1", "ica-1");
+    let (_, gen2) = hsm.generation("gen2", "ica-2");
+    let ca_dir = hsm.dir.path().join("cacerts");
+    let next_dir = hsm.dir.path().join("next");
+    stage(&gen1, &ca_dir, None);
+    let settings = meshca::rotation::RotationSettings {
+        next_dir: next_dir.clone(),
+        state_file: hsm.dir.path().join("rotation.json"),
+        mark_slack: Duration::from_secs(1),
+    };
+    let (next_s, state_s) = (
+        next_dir.to_str().unwrap().to_string(),
+        settings.state_file.to_str().unwrap().to_string(),
+    );
+    let env = [
+        ("MESHCA_ISSUING_CA", issuing),
+        ("MESHCA_ISSUING_CA_TTL", "8s"),
+        ("DEFAULT_WORKLOAD_CERT_TTL", "6s"),
+        ("MAX_WORKLOAD_CERT_TTL", "6s"),
+        ("MESHCA_LIFETIME_JITTER", "false"),
+        ("MESHCA_RELOAD_POLL", "200ms"),
+        ("MESHCA_ROTATION_NEXT_DIR", next_s.as_str()),
+        ("MESHCA_ROTATION_STATE", state_s.as_str()),
+        ("MESHCA_ROTATION_MARK_SLACK", "1s"),
+    ];
+    // MESHCA_SIGNER names generation 1's key for the whole test.
+    let uri = hsm.uri("ica-1");
+    let (mut child, addr, admin) = spawn_listening(hsm.serve(&ca_dir, &uri, &env)).await;
+    let status =
+        || meshca::rotation::status(&ca_dir, &settings, OffsetDateTime::now_utc()).unwrap();
+    let (chain, key, trust) = client_identity(&root1, ID);
+    let seeds = (0..3)
+        .map(|_| Ident {
+            id: ID.into(),
+            chain: chain.clone(),
+            key: key.clone(),
+            trust: trust.clone(),
+        })
+        .collect();
+    let load = Workers::start(addr, seeds);
+    load.seen_after(Instant::now(), "idle").await;
+
+    // Fail closed: a staged generation whose key cannot be the one in the
+    // token that matches its certificate starts nothing.
+    for (key_uri, reason) in [
+        (None, "signer_next_key_unnamed"),
+        (Some("pkcs11:object=nope\n"), "signer_key_not_found"),
+        (Some("pkcs11:object=ica-1\n"), "ca_key_mismatch"),
+    ] {
+        stage(&gen2, &next_dir, key_uri);
+        wait_metric(
+            admin,
+            &format!("meshca_rotation_blocked_total{{reason=\"{reason}\"}}"),
+            reason,
+        )
+        .await;
+        let st = status();
+        assert_eq!(st.phase, Phase::Idle, "{reason}: {st}");
+    }
+    assert!(
+        load.seen()
+            .iter()
+            .all(|s| !s.chain[s.chain.len() - 1].contains(
+                std::fs::read_to_string(gen2.join("root-cert.pem"))
+                    .unwrap()
+                    .trim()
+            )),
+        "a refused generation's root was handed out"
+    );
+
+    // The generation as `meshca init --pkcs11` wrote it.
+    let tmp = next_dir.with_extension("full");
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp).unwrap();
+    for f in [
+        "ca-cert.pem",
+        "cert-chain.pem",
+        "root-cert.pem",
+        "ca-key.uri",
+    ] {
+        std::fs::copy(gen2.join(f), tmp.join(f)).unwrap();
+    }
+    std::fs::remove_dir_all(&next_dir).unwrap();
+    std::fs::rename(&tmp, &next_dir).unwrap();
+    let wait = |p: Phase, within: u64| {
+        let status = &status;
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(within);
+            loop {
+                let st = status();
+                if st.phase == p {
+                    return Instant::now();
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "no {p:?} within {within}s:\n{st}"
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    };
+    let observed = vec![
+        (Phase::Trust, wait(Phase::Trust, 10).await),
+        (Phase::Switched, wait(Phase::Switched, 30).await),
+        (Phase::Retired, wait(Phase::Retired, 30).await),
+    ];
+    load.seen_after(Instant::now(), "retired").await;
+    let progress = status().progress;
+    let (seen, failures) = load.stop().await;
+    assert!(
+        failures.is_empty(),
+        "{} failed renewals, first: {:?}",
+        failures.len(),
+        failures.first()
+    );
+    let read = |d: &Path, f: &str| std::fs::read_to_string(d.join(f)).unwrap();
+    let old = Gen {
+        root: read(&gen1, "root-cert.pem"),
+        intermediate: read(&gen1, "ca-cert.pem"),
+    };
+    let new = Gen {
+        root: read(&gen2, "root-cert.pem"),
+        intermediate: read(&gen2, "ca-cert.pem"),
+    };
+    let sum = check(&seen, &old, &new, two_tier, &observed, &progress);
+    eprintln!(
+        "PKCS#11 root rotation ({issuing}): {} responses, 0 failed; per phase {:?}; signing certificates per phase {:?}; {} openssl verifications",
+        sum.responses, sum.per_phase, sum.signers_per_phase, sum.openssl_runs
+    );
+    if two_tier {
+        // Issuing CAs of generation 2 were signed in the token by ica-2.
+        let key2 = meshca::ca::bundle::BundleFiles::read_dir_without_key(&gen2)
+            .unwrap()
+            .identify()
+            .unwrap()
+            .0;
+        let audit = hsm.audit();
+        for (phase, cert) in sum.issuing.iter().filter(|(p, _)| *p >= Phase::Switched) {
+            let rec = audit
+                .iter()
+                .find(|r| r["certificate"] == cert.as_str())
+                .unwrap_or_else(|| panic!("{phase:?}: issuing CA without its audit record"));
+            assert_eq!(rec["signer"], "pkcs11");
+            assert_eq!(rec["issuer_key_id"], key2.as_str());
+        }
+    }
+
+    // Promote by copying the whole directory (ca-key.uri included): the
+    // rotation closes, and generation 2's key keeps signing.
+    std::fs::remove_dir_all(&ca_dir).unwrap();
+    std::fs::rename(&next_dir, &ca_dir).unwrap();
+    wait(Phase::Idle, 10).await;
+    let _ = child.kill().await;
+    let _ = child.wait().await;
+
+    // A restart on the promoted directory, MESHCA_SIGNER still naming ica-1:
+    // the directory's own ca-key.uri decides.
+    let (mut child, addr, _) = spawn_listening(hsm.serve(&ca_dir, &uri, &env)).await;
+    let (c2, k2, t2) = client_identity(&hsm.dir.path().join("gen2-root"), ID);
+    let ident = Ident {
+        id: ID.into(),
+        chain: c2,
+        key: k2,
+        trust: t2,
+    };
+    let (chain, _) = rotation_check::renew(addr, &ident)
+        .await
+        .expect("issued after restart");
+    let _ = child.kill().await;
+    assert_eq!(
+        chain[if two_tier { 2 } else { 1 }],
+        new.intermediate,
+        "generation 2 signs after the restart"
+    );
     openssl_verify(&chain, OffsetDateTime::now_utc().unix_timestamp());
 }

@@ -13,6 +13,8 @@
 #![allow(clippy::unwrap_used)]
 
 mod common;
+#[path = "common/rotation_check.rs"]
+mod rotation_check;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -1180,4 +1182,163 @@ async fn cluster_trust_bundle_publisher_runs_with_exactly_the_fixture_rules() {
         Err(kube::Error::Api(e)) => assert_eq!(e.code, 403, "another name: {e:?}"),
         other => panic!("read a bundle outside resourceNames: {other:?}"),
     }
+}
+
+/// A root rotation with two-tier issuing (MESHCA_ISSUING_CA=on, file
+/// signer) under load, against the real API server: the rotation swaps
+/// the custody material and every swap re-mints the issuing CA under it,
+/// including the trust phase, which only changes the roots. Not one
+/// renewal fails; each response verifies to its own roots (webpki, and
+/// openssl per issuing CA); each issuing CA is signed by the intermediate
+/// of its phase's generation and audited before use; the ConfigMap follows
+/// the phases; and the gates wait for the leaves the issuing CAs signed
+/// (the issuance mark is kept on the issuing store). Issuing CAs of 8 s
+/// also roll over at half-life while the rotation runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn root_rotation_with_two_tier_issuing_under_load() {
+    use rotation_check::{check, Gen, Ident, Workers};
+    let k = common::kte().await;
+    let tmp = tempfile::tempdir().unwrap();
+    let (ca_dir, next_dir) = (tmp.path().join("cacerts"), tmp.path().join("next"));
+    let now = OffsetDateTime::now_utc() - time::Duration::minutes(1);
+    let gen1 = generate::generate(&InitOptions::default(), now).unwrap();
+    let gen2 = generate::generate(&InitOptions::default(), now).unwrap();
+    generate::write_cacerts(&ca_dir, &gen1, false).unwrap();
+    let tag = common::unique("rot2t");
+    let ns = k.namespace("rotation-two-tier").await;
+    Api::<k8s_openapi::api::core::v1::Namespace>::all(k.admin.clone())
+        .patch(
+            &ns,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"labels": {"meshca-rotation": tag}}})),
+        )
+        .await
+        .unwrap();
+    let settings = RotationSettings {
+        next_dir: next_dir.clone(),
+        state_file: tmp.path().join("state/rotation.json"),
+        mark_slack: Duration::from_secs(1),
+    };
+    let mut cfg = testing::test_config(ca_dir.clone());
+    cfg.ttl = TtlPolicy {
+        default: TTL,
+        max: TTL,
+        jitter: None,
+    };
+    cfg.reload_poll = Duration::from_millis(200);
+    cfg.custody.issuing_ttl = Some(Duration::from_secs(8));
+    cfg.kube = Some(KubeSettings {
+        kubeconfig: Some(k.dir.join("admin.kubeconfig")),
+        token_cache_ttl: Duration::from_secs(60),
+        tokenreview_timeout: Duration::from_secs(3),
+        review_limits: Default::default(),
+        token_verification: Default::default(),
+    });
+    cfg.root_publisher = Some(meshca::rootpub::RootPublisherSettings {
+        configmap_name: CM.into(),
+        namespace_selector: Some(format!("meshca-rotation={tag}")),
+        resync: Duration::from_secs(600),
+    });
+    cfg.rotation = Some(settings.clone());
+    let (app, audit) = testing::start_server(&cfg, Default::default()).await;
+    assert_eq!(
+        app.ca.snapshot().signer().kind(),
+        "memory",
+        "two-tier is on"
+    );
+
+    let seeds: Vec<Ident> = (0..4)
+        .map(|i| {
+            let id = format!("spiffe://cluster.local/ns/load/sa/w{i}");
+            let b = meshca::ca::CaBundle::load_dir(&ca_dir, OffsetDateTime::now_utc()).unwrap();
+            let (chain, key) = testing::client_identity(&b, &id, &testing::validity_hours(0, 1));
+            Ident {
+                id,
+                chain,
+                key,
+                trust: gen1.root_cert.clone(),
+            }
+        })
+        .collect();
+    let load = Workers::start(app.addr, seeds);
+    wait_configmap(&k, &ns, &gen1.root_cert, "idle").await;
+    load.seen_after(std::time::Instant::now(), "idle").await;
+
+    stage(&next_dir, &gen2);
+    let mut observed = Vec::new();
+    let union = format!("{}{}", gen1.root_cert, gen2.root_cert);
+    wait_phase(&ca_dir, &settings, Phase::Trust, Duration::from_secs(10)).await;
+    observed.push((Phase::Trust, std::time::Instant::now()));
+    wait_configmap(&k, &ns, &union, "trust").await;
+    wait_phase(&ca_dir, &settings, Phase::Switched, Duration::from_secs(30)).await;
+    observed.push((Phase::Switched, std::time::Instant::now()));
+    wait_configmap(&k, &ns, &union, "switched").await;
+    wait_phase(&ca_dir, &settings, Phase::Retired, Duration::from_secs(30)).await;
+    observed.push((Phase::Retired, std::time::Instant::now()));
+    wait_configmap(&k, &ns, &gen2.root_cert, "retired").await;
+    load.seen_after(std::time::Instant::now(), "retired").await;
+    let progress = rotation_status(&ca_dir, &settings).progress;
+
+    // Promote: the rotation closes and the issuing CA stays under generation 2.
+    stage(&ca_dir, &gen2);
+    std::fs::remove_dir_all(&next_dir).unwrap();
+    wait_phase(&ca_dir, &settings, Phase::Idle, Duration::from_secs(10)).await;
+    load.seen_after(std::time::Instant::now(), "promoted").await;
+
+    let (seen, failures) = load.stop().await;
+    assert!(
+        failures.is_empty(),
+        "{} failed renewals, first: {:?}",
+        failures.len(),
+        failures.first()
+    );
+    let old = Gen {
+        root: gen1.root_cert.clone(),
+        intermediate: gen1.ca_cert.clone(),
+    };
+    let new = Gen {
+        root: gen2.root_cert.clone(),
+        intermediate: gen2.ca_cert.clone(),
+    };
+    let sum = check(&seen, &old, &new, true, &observed, &progress);
+    // Every issuing CA that signed was audited before use, by the custody
+    // key of its phase's generation.
+    let key_of = |g: &GeneratedCa| {
+        meshca::ca::CaBundle::from_files(
+            meshca::ca::bundle::BundleFiles {
+                signing_cert: g.ca_cert.clone(),
+                signing_key: g.ca_key.clone(),
+                cert_chain: g.cert_chain(),
+                root_bundle: g.root_cert.clone(),
+                source: "test".into(),
+            },
+            OffsetDateTime::now_utc(),
+        )
+        .unwrap()
+        .key_id()
+        .to_string()
+    };
+    let records = audit.records();
+    for (phase, cert) in &sum.issuing {
+        let rec = records
+            .iter()
+            .find(|r| r.certificate.as_deref() == Some(cert.as_str()))
+            .unwrap_or_else(|| panic!("{phase:?}: issuing CA used without its audit record"));
+        assert_eq!(rec.reason, "issuing_ca_issued");
+        let want = if *phase <= Phase::Trust {
+            key_of(&gen1)
+        } else {
+            key_of(&gen2)
+        };
+        assert_eq!(
+            rec.issuer_key_id.as_deref(),
+            Some(want.as_str()),
+            "{phase:?}"
+        );
+    }
+    eprintln!(
+        "two-tier root rotation under load: {} responses, 0 failed; per phase {:?}; issuing CAs per phase {:?}; {} openssl verifications",
+        sum.responses, sum.per_phase, sum.signers_per_phase, sum.openssl_runs
+    );
+    app.shutdown().await.unwrap();
 }

@@ -211,6 +211,24 @@ impl BundleFiles {
         })
     }
 
+    /// The signing certificate's key id (as [`CaBundle::key_id`]) and the
+    /// roots, parsed but not verified: what `meshca rotate status` needs
+    /// from a directory whose key it cannot reach (a token).
+    pub fn identify(&self) -> Result<(String, Vec<CertificateDer<'static>>), MaterialError> {
+        let signing = certs("signing certificate", &self.signing_cert)?
+            .into_iter()
+            .next()
+            .ok_or(MaterialError::NoCertificate {
+                file: "signing certificate".into(),
+            })?;
+        let (_, parsed) =
+            X509Certificate::from_der(&signing).map_err(|e| MaterialError::BadCertificate {
+                file: "signing certificate".into(),
+                detail: e.to_string(),
+            })?;
+        Ok((key_id_of(&parsed), certs("root bundle", &self.root_bundle)?))
+    }
+
     /// SHA-256 over all four texts: equal files give equal fingerprints.
     pub fn fingerprint(&self) -> [u8; 32] {
         let mut all = Vec::new();
@@ -273,6 +291,21 @@ pub struct IssuedLeaf {
     pub serial_hex: String,
     pub not_before: OffsetDateTime,
     pub not_after: OffsetDateTime,
+}
+
+/// A CA certificate's key id: its subject key identifier, else the first
+/// 20 bytes of the SHA-256 of its public key.
+fn key_id_of(cert: &X509Certificate<'_>) -> String {
+    match cert
+        .extensions()
+        .iter()
+        .find_map(|e| match e.parsed_extension() {
+            x509_parser::extensions::ParsedExtension::SubjectKeyIdentifier(ski) => Some(ski.0),
+            _ => None,
+        }) {
+        Some(ski) => hex::encode(ski),
+        None => hex::encode(&sha256(cert.public_key().raw)[..20]),
+    }
 }
 
 impl CaBundle {
@@ -357,16 +390,7 @@ impl CaBundle {
         {
             return Err(MaterialError::KeyMismatch);
         }
-        let key_id = match parsed
-            .extensions()
-            .iter()
-            .find_map(|e| match e.parsed_extension() {
-                x509_parser::extensions::ParsedExtension::SubjectKeyIdentifier(ski) => Some(ski.0),
-                _ => None,
-            }) {
-            Some(ski) => hex::encode(ski),
-            None => hex::encode(&sha256(spki.raw)[..20]),
-        };
+        let key_id = key_id_of(&parsed);
         let issuer = Issuer::from_ca_cert_der(&signing_cert, key).map_err(|e| {
             MaterialError::BadCertificate {
                 file: "signing certificate".into(),

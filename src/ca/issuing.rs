@@ -11,7 +11,7 @@
 //! snapshot they started with. Every issuing-CA certificate is an audit
 //! record, written before the certificate is used.
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use time::OffsetDateTime;
@@ -153,6 +153,19 @@ pub async fn audit_acked(audit: &dyn AuditSink, record: &AuditRecord) -> Result<
     }
 }
 
+/// [`audit_acked`] for a blocking thread (a rollover the rotation drives).
+pub fn audit_acked_blocking(audit: &dyn AuditSink, record: &AuditRecord) -> Result<(), String> {
+    match audit.submit(record) {
+        Ok(crate::audit::Ack::Written) => Ok(()),
+        Ok(crate::audit::Ack::Pending(rx)) => match rx.blocking_recv() {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(_) => Err("audit writer stopped".into()),
+        },
+        Err(e) => Err(e.to_string()),
+    }
+}
+
 /// The running two-tier issuer: follows the custody store, and keeps the
 /// store leaves are signed from (the issuing CA) current.
 pub struct TwoTier {
@@ -162,6 +175,14 @@ pub struct TwoTier {
     audit: Arc<dyn AuditSink>,
     /// When the current issuing CA reaches half-life.
     due: Mutex<Instant>,
+    /// Fingerprint of the custody bundle the current issuing CA was minted
+    /// under. Held for a whole rollover (mint, audit, swap), so two never
+    /// interleave: the issuing CA swapped in is always minted under the
+    /// custody bundle current at the swap.
+    minted_under: Mutex<[u8; 32]>,
+    /// Issuing snapshots replaced so far that requests may still hold (a
+    /// rotation waits for their leaves before reading its mark).
+    replaced: Mutex<Vec<Weak<CaBundle>>>,
     metrics: Option<Arc<crate::metrics::Metrics>>,
 }
 
@@ -178,6 +199,10 @@ fn half_life(b: &CaBundle, now: OffsetDateTime) -> Instant {
     Instant::now() + Duration::try_from(left / 2).unwrap_or_default()
 }
 
+fn poisoned() -> IssuingError {
+    IssuingError::Generation("issuing CA lock poisoned".into())
+}
+
 impl TwoTier {
     /// Makes and audits the first issuing CA; fails startup if it cannot.
     pub async fn start(
@@ -188,6 +213,7 @@ impl TwoTier {
     ) -> Result<Arc<Self>, IssuingError> {
         let now = OffsetDateTime::now_utc();
         let snapshot = custody.snapshot();
+        let under = snapshot.fingerprint();
         let minted = tokio::task::spawn_blocking(move || mint(&snapshot, ttl, now))
             .await
             .map_err(|e| IssuingError::Generation(e.to_string()))??;
@@ -203,6 +229,8 @@ impl TwoTier {
             ttl,
             audit,
             due: Mutex::new(due),
+            minted_under: Mutex::new(under),
+            replaced: Mutex::new(Vec::new()),
             metrics,
         }))
     }
@@ -212,23 +240,71 @@ impl TwoTier {
         self.issuing.clone()
     }
 
-    /// Makes the next issuing CA now; it replaces the current one only once
-    /// its audit record is written.
-    pub async fn rollover(&self) -> Result<(), IssuingError> {
-        let now = OffsetDateTime::now_utc();
-        let custody = self.custody.snapshot();
-        let ttl = self.ttl;
-        let minted = tokio::task::spawn_blocking(move || mint(&custody, ttl, now))
-            .await
-            .map_err(|e| IssuingError::Generation(e.to_string()))??;
-        audit_acked(self.audit.as_ref(), &minted.record)
-            .await
-            .map_err(IssuingError::Audit)?;
+    /// The store of the custody material the issuing CAs are minted under.
+    pub fn custody(&self) -> &Arc<CaStore> {
+        &self.custody
+    }
+
+    /// Mints under `custody` and writes the audit record, waiting for it
+    /// (blocking): the certificate is used only once it is recorded.
+    fn mint_audited(
+        &self,
+        custody: &CaBundle,
+        now: OffsetDateTime,
+    ) -> Result<CaBundle, IssuingError> {
+        let minted = mint(custody, self.ttl, now)?;
+        audit_acked_blocking(self.audit.as_ref(), &minted.record).map_err(IssuingError::Audit)?;
+        Ok(minted.bundle)
+    }
+
+    fn swap_issuing(&self, minted: CaBundle, now: OffsetDateTime) {
         if let Ok(mut due) = self.due.lock() {
-            *due = half_life(&minted.bundle, now);
+            *due = half_life(&minted, now);
         }
-        self.issuing.swap(minted.bundle);
-        Ok(())
+        let old = self.issuing.snapshot();
+        self.issuing.swap(minted);
+        if let Ok(mut r) = self.replaced.lock() {
+            r.retain(|w| w.strong_count() > 0);
+            r.push(Arc::downgrade(&old));
+        }
+    }
+
+    /// A new issuing CA under the current custody bundle (blocking). With
+    /// `only_if_stale`, nothing when the current one already is under it
+    /// (the rotation re-minted it together with its custody swap).
+    fn roll(&self, only_if_stale: bool) -> Result<bool, IssuingError> {
+        let mut under = self.minted_under.lock().map_err(|_| poisoned())?;
+        let custody = self.custody.snapshot();
+        if only_if_stale && *under == custody.fingerprint() {
+            return Ok(false);
+        }
+        let now = OffsetDateTime::now_utc();
+        let minted = self.mint_audited(&custody, now)?;
+        *under = custody.fingerprint();
+        self.swap_issuing(minted, now);
+        Ok(true)
+    }
+
+    /// Installs a new custody bundle (a rotation phase, including one that
+    /// only changes the roots) together with an issuing CA minted under it:
+    /// once this returns no leaf is signed by an issuing CA of the previous
+    /// custody bundle, and responses carry the new bundle's chain and roots.
+    /// Blocking (mint, audit acknowledgement); nothing changes when the
+    /// issuing CA cannot be made. Returns the replaced issuing snapshots
+    /// requests may still hold.
+    pub fn install_custody(&self, bundle: CaBundle) -> Result<Vec<Arc<CaBundle>>, IssuingError> {
+        let mut under = self.minted_under.lock().map_err(|_| poisoned())?;
+        let now = OffsetDateTime::now_utc();
+        let minted = self.mint_audited(&bundle, now)?;
+        *under = bundle.fingerprint();
+        self.custody.swap(bundle);
+        self.swap_issuing(minted, now);
+        self.count("rolled");
+        Ok(self
+            .replaced
+            .lock()
+            .map(|r| r.iter().filter_map(Weak::upgrade).collect())
+            .unwrap_or_default())
     }
 
     fn count(&self, result: &str) {
@@ -241,8 +317,9 @@ impl TwoTier {
         }
     }
 
-    /// Rolls over at half-life and on every custody reload, retrying with
-    /// backoff while the custody key cannot sign. Runs until dropped.
+    /// Rolls over at half-life and on every custody reload (unless the
+    /// rotation already did), retrying with backoff while the custody key
+    /// cannot sign. Runs until dropped.
     pub async fn run(self: Arc<Self>) {
         let mut custody_changes = self.custody.subscribe();
         let mut retry = RETRY_MIN;
@@ -252,14 +329,20 @@ impl TwoTier {
                 .lock()
                 .map(|d| *d)
                 .unwrap_or_else(|_| Instant::now());
-            tokio::select! {
-                changed = custody_changes.changed() => if changed.is_err() { return },
-                _ = tokio::time::sleep_until(due) => {}
-            }
-            match self.rollover().await {
-                Ok(()) => {
+            let only_if_stale = tokio::select! {
+                changed = custody_changes.changed() => if changed.is_err() { return } else { true },
+                _ = tokio::time::sleep_until(due) => false,
+            };
+            let me = self.clone();
+            let result = tokio::task::spawn_blocking(move || me.roll(only_if_stale))
+                .await
+                .unwrap_or_else(|e| Err(IssuingError::Generation(e.to_string())));
+            match result {
+                Ok(rolled) => {
                     retry = RETRY_MIN;
-                    self.count("rolled");
+                    if rolled {
+                        self.count("rolled");
+                    }
                 }
                 Err(e) => {
                     let left =

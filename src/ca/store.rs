@@ -109,14 +109,15 @@ impl CaStore {
         let Some(dir) = &self.dir else {
             return Ok(ReloadOutcome::Unchanged);
         };
-        let files = self.key_source.read(dir)?;
+        let m = self.key_source.read(dir)?;
         let old = self.snapshot();
-        // Unchanged files are not verified again (polling runs every few seconds).
-        if files.fingerprint() == old.fingerprint() {
+        // Unchanged files are not verified again (polling runs every few
+        // seconds). A token key need not be in the fingerprint: it must
+        // match the certificate, which is.
+        if m.files.fingerprint() == old.fingerprint() {
             return Ok(ReloadOutcome::Unchanged);
         }
-        let new =
-            CaBundle::from_files_with(files, self.key_source.signer(), OffsetDateTime::now_utc())?;
+        let new = CaBundle::from_files_with(m.files, m.signer, OffsetDateTime::now_utc())?;
         check_root_change(&old, &new, self.allow_root_change)?;
         self.swap(new);
         Ok(ReloadOutcome::Swapped)

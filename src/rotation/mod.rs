@@ -27,6 +27,8 @@ use time::OffsetDateTime;
 
 use crate::audit::{AuditRecord, AuditSink, Decision as AuditDecision};
 use crate::ca::bundle::{BundleFiles, MaterialError};
+use crate::ca::custody::{DirRole, KeySource};
+use crate::ca::issuing::{IssuingError, TwoTier};
 use crate::ca::{CaBundle, CaStore};
 use phase::{Generation, Inputs, Phase, Signer, Step, Transition, Trust, Wait};
 use state::{ForceRequest, StateError, StateStore};
@@ -95,6 +97,10 @@ pub enum RotationError {
     State(#[from] StateError),
     #[error("rotation blocked ({0}): the material on disk does not match the rotation in progress; still serving the previous snapshot")]
     Blocked(&'static str),
+    /// Two-tier issuing could not mint the issuing CA under the new
+    /// custody bundle; nothing was swapped.
+    #[error("issuing CA for the rotation phase: {0}; still serving the previous snapshot")]
+    Issuing(IssuingError),
 }
 
 impl RotationError {
@@ -104,6 +110,7 @@ impl RotationError {
             Self::Effective { source, .. } => source.reason(),
             Self::State(e) => e.reason(),
             Self::Blocked(r) => r,
+            Self::Issuing(e) => e.reason(),
         }
     }
 }
@@ -174,6 +181,8 @@ pub struct Report {
     pub issued_max_not_after: i64,
     /// The staged directory holds material that does not load (reason).
     pub next_error: Option<String>,
+    /// Its reason code (also counted as `meshca_rotation_blocked`).
+    pub next_error_reason: Option<&'static str>,
     pub force_ignored: Option<Step>,
     pub progress: phase::Progress,
     /// This evaluation installed a new CA snapshot.
@@ -247,46 +256,138 @@ fn eta(until: i64) -> String {
 
 /// SHA-256 (hex) of each root's DER.
 fn generation(b: &CaBundle) -> Generation {
+    generation_of(b.key_id(), b.roots())
+}
+
+fn generation_of(key_id: &str, roots: &[rustls_pki_types::CertificateDer<'_>]) -> Generation {
     Generation {
-        key_id: b.key_id().to_string(),
-        roots: b
-            .roots()
+        key_id: key_id.to_string(),
+        roots: roots
             .iter()
             .map(|r| hex::encode(crate::ca::csr::sha256(r)))
             .collect(),
     }
 }
 
+/// One directory's generation: its files, what the decision needs, and
+/// the key that signs with it (`None`: the key text in the files).
+struct Gen {
+    files: BundleFiles,
+    generation: Generation,
+    signer: Option<Arc<dyn crate::ca::signer::Signer>>,
+}
+
+/// How the directories are read.
+#[derive(Clone, Copy)]
+enum Reading<'a> {
+    /// Fully verified with the key that would sign (the server).
+    Verify(&'a KeySource),
+    /// For `rotate status|plan`, which may not reach a token: verified with
+    /// a key file when the directory has one, else certificates only.
+    Status,
+}
+
+fn read_gen(
+    dir: &Path,
+    role: DirRole,
+    reading: Reading<'_>,
+    now: OffsetDateTime,
+) -> Result<Gen, MaterialError> {
+    let (files, signer) = match reading {
+        Reading::Verify(keys) => {
+            let m = keys.read_as(dir, role)?;
+            (m.files, m.signer)
+        }
+        Reading::Status => match BundleFiles::read_dir(dir) {
+            Err(MaterialError::Incomplete { missing, .. })
+                if missing.iter().all(|f| f == "ca-key.pem" || f == "tls.key") =>
+            {
+                let files = BundleFiles::read_dir_without_key(dir)?;
+                let (key_id, roots) = files.identify()?;
+                return Ok(Gen {
+                    generation: generation_of(&key_id, &roots),
+                    files,
+                    signer: None,
+                });
+            }
+            r => (r?, None),
+        },
+    };
+    let bundle = CaBundle::from_files_with(files.clone(), signer.clone(), now)?;
+    Ok(Gen {
+        files,
+        generation: generation(&bundle),
+        signer,
+    })
+}
+
 /// The two directories, read and verified.
 struct Material {
-    current_files: BundleFiles,
-    current: CaBundle,
-    next: Option<(BundleFiles, CaBundle)>,
-    next_error: Option<String>,
+    current: Gen,
+    next: Option<Gen>,
+    /// Why the staged directory is not usable: message and reason code.
+    next_error: Option<(String, &'static str)>,
 }
 
 fn read_material(
     ca_dir: &Path,
     next_dir: &Path,
+    reading: Reading<'_>,
     now: OffsetDateTime,
 ) -> Result<Material, RotationError> {
-    let current_files = BundleFiles::read_dir(ca_dir).map_err(RotationError::Current)?;
     let current =
-        CaBundle::from_files(current_files.clone(), now).map_err(RotationError::Current)?;
-    let (next, next_error) = match BundleFiles::read_dir(next_dir) {
+        read_gen(ca_dir, DirRole::Current, reading, now).map_err(RotationError::Current)?;
+    let (next, next_error) = match read_gen(next_dir, DirRole::Staged, reading, now) {
         Err(MaterialError::NotFound(_)) => (None, None),
-        Err(e) => (None, Some(format!("{} ({})", e, e.reason()))),
-        Ok(files) => match CaBundle::from_files(files.clone(), now) {
-            Ok(b) => (Some((files, b)), None),
-            Err(e) => (None, Some(format!("{} ({})", e, e.reason()))),
-        },
+        Err(e) => (None, Some((format!("{} ({})", e, e.reason()), e.reason()))),
+        Ok(g) => (Some(g), None),
     };
     Ok(Material {
-        current_files,
         current,
         next,
         next_error,
     })
+}
+
+/// Where a generation is installed.
+#[derive(Debug, Clone)]
+pub enum Install {
+    /// Leaves are signed with the custody key itself.
+    Direct(Arc<CaStore>),
+    /// Leaves are signed by an in-memory issuing CA, re-minted under every
+    /// custody swap (a phase that only changes the roots included).
+    TwoTier(Arc<TwoTier>),
+}
+
+impl Install {
+    fn custody(&self) -> Arc<CaBundle> {
+        match self {
+            Self::Direct(s) => s.snapshot(),
+            Self::TwoTier(t) => t.custody().snapshot(),
+        }
+    }
+
+    /// The store leaves are signed from (where the issuance mark goes).
+    fn leaves(&self) -> Arc<CaStore> {
+        match self {
+            Self::Direct(s) => s.clone(),
+            Self::TwoTier(t) => t.store(),
+        }
+    }
+
+    /// Swaps `bundle` in; returns the replaced leaf-signing snapshots that
+    /// requests may still hold. With two-tier issuing the issuing CA is
+    /// minted and audited first, and nothing changes if that fails.
+    fn install(&self, bundle: CaBundle) -> Result<Vec<Arc<CaBundle>>, RotationError> {
+        match self {
+            Self::Direct(s) => {
+                let old = s.snapshot();
+                s.swap(bundle);
+                Ok(vec![old])
+            }
+            Self::TwoTier(t) => t.install_custody(bundle).map_err(RotationError::Issuing),
+        }
+    }
 }
 
 /// The controller of one server.
@@ -294,12 +395,15 @@ fn read_material(
 pub struct Rotation {
     settings: RotationSettings,
     ca_dir: PathBuf,
-    store: Arc<CaStore>,
+    keys: KeySource,
+    target: Install,
     state: Arc<StateStore>,
     audit: Option<Arc<dyn AuditSink>>,
     metrics: Option<Arc<crate::metrics::Metrics>>,
     allow_root_change: bool,
     max_ttl: Duration,
+    /// The last staged-material error logged (logged again only when it changes).
+    last_next_error: std::sync::Mutex<Option<String>>,
 }
 
 /// Longest wait for requests still signing with a replaced snapshot.
@@ -315,35 +419,48 @@ impl crate::ca::store::IssuanceLog for Mark {
 }
 
 impl Rotation {
-    /// Opens the state and installs the issuance mark on `store`; call
-    /// [`Self::evaluate`] next to bring the store to the phase on disk.
-    /// `max_ttl` bounds an unknown mark.
+    /// Opens the state and installs the issuance mark on the store leaves
+    /// are signed from; call [`Self::evaluate`] next to bring the target
+    /// to the phase on disk. `keys` finds each generation's key (a file in
+    /// its directory, or a token key). `max_ttl` bounds an unknown mark.
+    ///
+    /// With two-tier issuing the mark records the leaves the issuing CAs
+    /// sign, never an issuing CA's own not_after: the gates wait for
+    /// workload credentials (leaves whose holders may lack the new roots;
+    /// leaves that chain to the old roots). An issuing CA is no one's
+    /// credential; it signs nothing once the next custody swap returns, and
+    /// every leaf it signed is in the mark.
     pub fn new(
         settings: RotationSettings,
         ca_dir: &Path,
-        store: Arc<CaStore>,
+        keys: KeySource,
+        target: Install,
         max_ttl: Duration,
         allow_root_change: bool,
     ) -> Result<Self, RotationError> {
         let now = OffsetDateTime::now_utc();
         let bound = (now + max_ttl)
-            .min(store.snapshot().leaf_not_after_limit())
+            .min(target.custody().leaf_not_after_limit())
             .unix_timestamp();
         let state = Arc::new(StateStore::open(
             &settings.state_file,
             settings.mark_slack.as_secs() as i64,
             bound,
         )?);
-        store.set_issuance_log(Arc::new(Mark(state.clone())));
+        target
+            .leaves()
+            .set_issuance_log(Arc::new(Mark(state.clone())));
         Ok(Self {
             settings,
             ca_dir: ca_dir.to_path_buf(),
-            store,
+            keys,
+            target,
             state,
             audit: None,
             metrics: None,
             allow_root_change,
             max_ttl,
+            last_next_error: std::sync::Mutex::new(None),
         })
     }
 
@@ -364,10 +481,16 @@ impl Rotation {
     /// One pass: read material and state, decide, swap, persist, report.
     pub fn evaluate(&self, force: Option<ForceRequest>) -> Result<Report, RotationError> {
         let now = OffsetDateTime::now_utc();
-        let m = read_material(&self.ca_dir, &self.settings.next_dir, now)?;
+        let m = read_material(
+            &self.ca_dir,
+            &self.settings.next_dir,
+            Reading::Verify(&self.keys),
+            now,
+        )?;
+        self.note_next_error(m.next_error.as_ref());
         let file = self.state.snapshot();
-        let current = generation(&m.current);
-        let next = m.next.as_ref().map(|(_, b)| generation(b));
+        let current = m.current.generation.clone();
+        let next = m.next.as_ref().map(|g| g.generation.clone());
         let inputs = Inputs {
             now: now.unix_timestamp(),
             current: &current,
@@ -381,10 +504,11 @@ impl Rotation {
             waiting: d.waiting.clone(),
             transitions: transitions.clone(),
             blocked: d.blocked,
-            signer_key_id: self.store.snapshot().key_id().to_string(),
-            trusted_roots: self.store.snapshot().roots().len(),
+            signer_key_id: self.target.custody().key_id().to_string(),
+            trusted_roots: self.target.custody().roots().len(),
             issued_max_not_after: inputs.issued_max_not_after,
-            next_error: m.next_error.clone(),
+            next_error: m.next_error.as_ref().map(|(e, _)| e.clone()),
+            next_error_reason: m.next_error.as_ref().map(|(_, r)| *r),
             force_ignored: force.as_ref().filter(|_| d.force_ignored).map(|f| f.step),
             progress: d.progress.clone(),
             swapped: false,
@@ -402,27 +526,28 @@ impl Rotation {
             let next_roots = m
                 .next
                 .as_ref()
-                .map(|(f, _)| f.root_bundle.clone())
+                .map(|g| g.files.root_bundle.clone())
                 .unwrap_or_default();
-            (m.current_files.root_bundle.clone(), next_roots)
+            (m.current.files.root_bundle.clone(), next_roots)
         } else {
             (file.old_roots_pem.clone(), file.new_roots_pem.clone())
         };
         let new_key = d.progress.new_key_id.clone();
-        let signer_files = match d.signer {
-            Signer::Old => m.current_files.clone(),
+        let signing = match d.signer {
+            Signer::Old => &m.current,
             Signer::New => {
                 match m
                     .next
                     .as_ref()
-                    .filter(|(_, b)| Some(b.key_id()) == new_key.as_deref())
+                    .filter(|g| Some(g.generation.key_id.as_str()) == new_key.as_deref())
                 {
-                    Some((f, _)) => f.clone(),
+                    Some(g) => g,
                     // decide checked one of the two holds new.
-                    None => m.current_files.clone(),
+                    None => &m.current,
                 }
             }
         };
+        let signer_files = signing.files.clone();
         let root_bundle = match (d.trust, d.progress.phase) {
             (_, Phase::Idle) | (Trust::Old, _) => signer_files.root_bundle.clone(),
             (Trust::OldAndNew, _) => trust::union_pem(&old_pem, &new_pem),
@@ -437,14 +562,13 @@ impl Rotation {
             effective.source = format!("{} [rotation: {phase_name}]", effective.source);
         }
         let mut progress = d.progress.clone();
-        let served = self.store.snapshot();
+        let served = self.target.custody();
         if effective.fingerprint() != served.fingerprint() {
-            let bundle = CaBundle::from_files(effective, now).map_err(|source| {
-                RotationError::Effective {
+            let bundle = CaBundle::from_files_with(effective, signing.signer.clone(), now)
+                .map_err(|source| RotationError::Effective {
                     phase: phase_name,
                     source,
-                }
-            })?;
+                })?;
             // Outside a rotation, a root change in the CA directory keeps
             // istiod's rule (ISTIO_MULTIROOT_MESH).
             if d.progress.phase == Phase::Idle && transitions.is_empty() {
@@ -454,7 +578,8 @@ impl Rotation {
                         source,
                     })?;
             }
-            self.store.swap(bundle);
+            drop(served);
+            let replaced = self.target.install(bundle)?;
             report.swapped = true;
             // A request that took the replaced snapshot just before the
             // swap records its leaf after the mark was read: wait for those
@@ -463,7 +588,7 @@ impl Rotation {
                 .iter()
                 .any(|t| matches!(t.to, Phase::Trust | Phase::Switched));
             if gates {
-                let mark = self.drained_mark(served, now);
+                let mark = self.drained_mark(replaced, now);
                 if began {
                     progress.pre_trust_max_not_after =
                         progress.pre_trust_max_not_after.map(|m| m.max(mark));
@@ -484,7 +609,7 @@ impl Rotation {
                 f.new_roots_pem = new_pem;
             }
         })?;
-        let served = self.store.snapshot();
+        let served = self.target.custody();
         report.signer_key_id = served.key_id().to_string();
         report.trusted_roots = served.roots().len();
         for t in &transitions {
@@ -498,11 +623,27 @@ impl Rotation {
         Ok(report)
     }
 
-    /// The issuance mark once no request holds `replaced` any more (or,
-    /// after [`DRAIN_WAIT`], the bound every leaf signed until now obeys).
-    fn drained_mark(&self, replaced: Arc<CaBundle>, now: OffsetDateTime) -> i64 {
+    /// Logs a staged generation that cannot be used (once per distinct
+    /// error; the metric counts every evaluation, as a blocked one).
+    fn note_next_error(&self, e: Option<&(String, &'static str)>) {
+        let Ok(mut last) = self.last_next_error.lock() else {
+            return;
+        };
+        let now = e.map(|(msg, _)| msg.clone());
+        if *last != now {
+            if let Some((msg, reason)) = e {
+                tracing::warn!(reason, error = %msg, dir = %self.settings.next_dir.display(), "staged CA generation is not usable; no rotation starts or proceeds with it");
+            }
+            *last = now;
+        }
+    }
+
+    /// The issuance mark once no request holds a `replaced` snapshot any
+    /// more (or, after [`DRAIN_WAIT`], the bound every leaf signed until
+    /// now obeys).
+    fn drained_mark(&self, replaced: Vec<Arc<CaBundle>>, now: OffsetDateTime) -> i64 {
         let start = std::time::Instant::now();
-        while Arc::strong_count(&replaced) > 1 {
+        while replaced.iter().any(|r| Arc::strong_count(r) > 1) {
             if start.elapsed() >= DRAIN_WAIT {
                 tracing::warn!(
                     "requests still hold the replaced CA snapshot; gating on now + the longest TTL"
@@ -539,6 +680,13 @@ impl Rotation {
                 .inc();
         }
         if let Some(b) = r.blocked {
+            rm.blocked
+                .get_or_create(&crate::metrics::ReasonLabels { reason: b.into() })
+                .inc();
+        }
+        // A staged generation that does not load (e.g. its token key is
+        // missing or does not match): the rotation cannot take it.
+        if let Some(b) = r.next_error_reason {
             rm.blocked
                 .get_or_create(&crate::metrics::ReasonLabels { reason: b.into() })
                 .inc();
@@ -644,10 +792,10 @@ pub fn status(
     settings: &RotationSettings,
     now: OffsetDateTime,
 ) -> Result<Report, RotationError> {
-    let m = read_material(ca_dir, &settings.next_dir, now)?;
+    let m = read_material(ca_dir, &settings.next_dir, Reading::Status, now)?;
     let file = state::read_json::<state::StateFile>(&settings.state_file)?.unwrap_or_default();
-    let current = generation(&m.current);
-    let next = m.next.as_ref().map(|(_, b)| generation(b));
+    let current = m.current.generation.clone();
+    let next = m.next.as_ref().map(|g| g.generation.clone());
     let inputs = Inputs {
         now: now.unix_timestamp(),
         current: &current,
@@ -657,7 +805,7 @@ pub fn status(
     };
     let d = phase::decide(&file.progress, &inputs);
     let signer = match d.signer {
-        Signer::Old => m.current.key_id().to_string(),
+        Signer::Old => current.key_id.clone(),
         Signer::New => file.progress.new_key_id.clone().unwrap_or_default(),
     };
     Ok(Report {
@@ -677,7 +825,7 @@ pub fn status(
         blocked: d.blocked,
         signer_key_id: signer,
         trusted_roots: match d.trust {
-            Trust::Old => m.current.roots().len(),
+            Trust::Old => current.roots.len(),
             Trust::OldAndNew => {
                 let mut all: Vec<String> = file.progress.old_roots.clone();
                 all.extend(
@@ -692,7 +840,8 @@ pub fn status(
             Trust::New => file.progress.new_roots.len(),
         },
         issued_max_not_after: file.issued_max_not_after,
-        next_error: m.next_error,
+        next_error_reason: m.next_error.as_ref().map(|(_, r)| *r),
+        next_error: m.next_error.map(|(e, _)| e),
         force_ignored: None,
         progress: file.progress,
         swapped: false,
@@ -709,7 +858,7 @@ pub fn plan(
     now: OffsetDateTime,
 ) -> Result<Vec<String>, RotationError> {
     let st = status(ca_dir, settings, now)?;
-    let m = read_material(ca_dir, &settings.next_dir, now)?;
+    let m = read_material(ca_dir, &settings.next_dir, Reading::Status, now)?;
     let at = unix_rfc3339;
     let ttl = max_ttl.as_secs() as i64;
     let n = now.unix_timestamp();
@@ -722,14 +871,14 @@ pub fn plan(
     }
     match st.phase {
         Phase::Idle => {
-            let Some((_, next)) = &m.next else {
+            let Some(next) = &m.next else {
                 out.push(
                     "nothing staged: put the next generation in the rotation directory".into(),
                 );
                 return Ok(out);
             };
-            let (cur, nxt) = (generation(&m.current), generation(next));
-            if cur.key_id == next.key_id() {
+            let (cur, nxt) = (&m.current.generation, &next.generation);
+            if cur.key_id == nxt.key_id {
                 out.push("the staged material is the current material: nothing to do".into());
                 return Ok(out);
             }
@@ -803,4 +952,160 @@ pub fn request_force(
             requested_at: OffsetDateTime::now_utc().unix_timestamp(),
         },
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::audit::MemorySink;
+    use crate::ca::generate::{self, GeneratedCa, InitOptions};
+    use crate::rotation::state::ForceRequest;
+
+    fn force(step: Step) -> Option<ForceRequest> {
+        Some(ForceRequest {
+            step,
+            reason: "test".into(),
+            by: "test".into(),
+            requested_at: 0,
+        })
+    }
+
+    /// A new intermediate under `ca`'s root with the given path length.
+    fn intermediate(ca: &GeneratedCa, path_len: u8) -> GeneratedCa {
+        let now = OffsetDateTime::now_utc() - time::Duration::minutes(1);
+        let root_key = rcgen::KeyPair::from_pem(&ca.root_key).unwrap();
+        let root = rcgen::Issuer::from_ca_cert_pem(&ca.root_cert, root_key).unwrap();
+        let key = rcgen::KeyPair::generate().unwrap();
+        let mut p = generate::ca_params(
+            "next",
+            "cluster.local",
+            now,
+            now + time::Duration::days(1),
+            Some(path_len),
+        )
+        .unwrap();
+        p.use_authority_key_identifier_extension = true;
+        GeneratedCa {
+            ca_cert: p.signed_by(&key, &root).unwrap().pem(),
+            ca_key: key.serialize_pem(),
+            ..ca.clone()
+        }
+    }
+
+    /// SHA-256 (hex) of a certificate, for readable failures.
+    fn der(pem: &str) -> String {
+        use rustls_pki_types::pem::PemObject;
+        let c = rustls_pki_types::CertificateDer::from_pem_slice(pem.as_bytes()).unwrap();
+        hex::encode(crate::ca::csr::sha256(&c))
+    }
+
+    struct Setup {
+        _tmp: tempfile::TempDir,
+        next_dir: PathBuf,
+        two_tier: Arc<TwoTier>,
+        rotation: Rotation,
+        audit: Arc<MemorySink>,
+    }
+
+    async fn setup(gen1: &GeneratedCa) -> Setup {
+        let tmp = tempfile::tempdir().unwrap();
+        let (ca_dir, next_dir) = (tmp.path().join("ca"), tmp.path().join("next"));
+        generate::write_cacerts(&ca_dir, gen1, false).unwrap();
+        let keys = KeySource::default();
+        let now = OffsetDateTime::now_utc();
+        let custody = Arc::new(CaStore::new(keys.load(&ca_dir, now).unwrap(), None, true));
+        let audit = Arc::new(MemorySink::default());
+        let two_tier = TwoTier::start(custody, Duration::from_secs(3600), audit.clone(), None)
+            .await
+            .unwrap();
+        let settings = RotationSettings {
+            next_dir: next_dir.clone(),
+            state_file: tmp.path().join("state.json"),
+            mark_slack: Duration::from_secs(1),
+        };
+        let rotation = Rotation::new(
+            settings,
+            &ca_dir,
+            keys,
+            Install::TwoTier(two_tier.clone()),
+            Duration::from_secs(3600),
+            false,
+        )
+        .unwrap();
+        Setup {
+            _tmp: tmp,
+            next_dir,
+            two_tier,
+            rotation,
+            audit,
+        }
+    }
+
+    /// The issuing CA serving leaves: the intermediate it chains to, and
+    /// how many roots it hands out.
+    fn served(t: &TwoTier) -> (String, usize) {
+        let b = t.store().snapshot();
+        (
+            hex::encode(crate::ca::csr::sha256(&b.intermediates()[1])),
+            b.roots().len(),
+        )
+    }
+
+    /// When an evaluation returns, the phase it persisted is already what
+    /// leaves are signed with: the issuing CA was re-minted under the new
+    /// custody material in the same step (no background task runs here),
+    /// also when only the roots changed; and the mark records the leaves
+    /// the issuing store signs.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn two_tier_serves_each_phase_as_soon_as_it_is_persisted() {
+        let now = OffsetDateTime::now_utc() - time::Duration::minutes(1);
+        let gen1 = generate::generate(&InitOptions::default(), now).unwrap();
+        let gen2 = generate::generate(&InitOptions::default(), now).unwrap();
+        let s = setup(&gen1).await;
+        assert_eq!(served(&s.two_tier), (der(&gen1.ca_cert), 1));
+        generate::write_cacerts(&s.next_dir, &gen2, false).unwrap();
+        let rot = &s.rotation;
+        let r = tokio::task::block_in_place(|| rot.evaluate(None)).unwrap();
+        assert_eq!(r.phase, Phase::Trust);
+        assert_eq!(served(&s.two_tier), (der(&gen1.ca_cert), 2), "trust");
+        // A leaf the issuing store signs moves the mark the switch records.
+        let leaf_end = OffsetDateTime::now_utc() + time::Duration::hours(30);
+        s.two_tier.store().record_issued(leaf_end).unwrap();
+        let r = tokio::task::block_in_place(|| rot.evaluate(force(Step::Switch))).unwrap();
+        assert_eq!(r.phase, Phase::Switched);
+        assert_eq!(served(&s.two_tier), (der(&gen2.ca_cert), 2), "switched");
+        assert!(r.progress.old_max_not_after.unwrap() >= leaf_end.unix_timestamp());
+        let r = tokio::task::block_in_place(|| rot.evaluate(force(Step::Retire))).unwrap();
+        assert_eq!(r.phase, Phase::Retired);
+        assert_eq!(served(&s.two_tier), (der(&gen2.ca_cert), 1), "retired");
+        let minted = s
+            .audit
+            .records()
+            .iter()
+            .filter(|r| r.reason == "issuing_ca_issued")
+            .count();
+        assert_eq!(minted, 4, "one issuing CA at start, one per phase");
+    }
+
+    /// A next generation the issuing CA cannot be minted under (path
+    /// length 0) stops the switch with the reason; nothing is swapped and
+    /// the phase on disk stays.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_switch_whose_issuing_ca_cannot_be_made_changes_nothing() {
+        let now = OffsetDateTime::now_utc() - time::Duration::minutes(1);
+        let gen1 = generate::generate(&InitOptions::default(), now).unwrap();
+        let gen2 = intermediate(&gen1, 0);
+        let s = setup(&gen1).await;
+        generate::write_cacerts(&s.next_dir, &gen2, false).unwrap();
+        let rot = &s.rotation;
+        // Same root: trust, then the switch in the same evaluation, which fails.
+        let err = tokio::task::block_in_place(|| rot.evaluate(None)).unwrap_err();
+        assert_eq!(err.reason(), "issuing_ca_path_length", "{err}");
+        assert_eq!(rot.state().snapshot().progress.phase, Phase::Idle);
+        assert_eq!(served(&s.two_tier), (der(&gen1.ca_cert), 1));
+        assert_eq!(
+            s.two_tier.custody().snapshot().key_id(),
+            rot.target.custody().key_id()
+        );
+    }
 }

@@ -91,6 +91,12 @@ pub enum SignerError {
     Device(String),
     #[error("signing failed: {0}")]
     Crypto(String),
+    /// A directory names a token key (`ca-key.uri`) while the key is a file.
+    #[error("{0} names a key in a token, but MESHCA_SIGNER is file; remove it, or set MESHCA_SIGNER to the token's pkcs11: URI")]
+    KeyUriWithoutToken(String),
+    /// A staged generation for a token-held key does not say which key.
+    #[error("the staged generation in {0} names no key in the token: add ca-key.uri (e.g. pkcs11:object=<label>; `meshca init --pkcs11` writes it), since the key MESHCA_SIGNER names signs the current generation")]
+    NextKeyUnnamed(String),
 }
 
 impl SignerError {
@@ -112,6 +118,8 @@ impl SignerError {
             Self::Busy(_) => "signer_busy",
             Self::Device(_) => "signer_device",
             Self::Crypto(_) => "signer_crypto",
+            Self::KeyUriWithoutToken(_) => "signer_key_uri_without_token",
+            Self::NextKeyUnnamed(_) => "signer_next_key_unnamed",
         }
     }
 }

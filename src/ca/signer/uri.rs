@@ -189,7 +189,89 @@ pub fn redact(uri: &str) -> String {
     format!("{path}?{}", query.join("&"))
 }
 
+/// Which key in the token signs one CA generation: the `object=`/`id=` of a
+/// URI. A generation directory names its key with a `ca-key.uri` file
+/// holding only these (`pkcs11:object=ica-2`); the module, token and PIN
+/// always come from `MESHCA_SIGNER`, so one login serves every generation.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
+pub struct KeyName {
+    pub object: Option<String>,
+    pub id: Option<Vec<u8>>,
+}
+
+impl std::fmt::Display for KeyName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut path = Vec::new();
+        if let Some(o) = &self.object {
+            path.push(format!("object={}", encode(o.as_bytes())));
+        }
+        if let Some(id) = &self.id {
+            let hex: String = id.iter().map(|b| format!("%{b:02x}")).collect();
+            path.push(format!("id={hex}"));
+        }
+        write!(f, "pkcs11:{}", path.join(";"))
+    }
+}
+
+impl std::str::FromStr for KeyName {
+    type Err = SignerError;
+
+    /// Parses a `ca-key.uri` text: one `pkcs11:` URI naming a private key by
+    /// `object=` and/or `id=`. Anything else is refused rather than ignored,
+    /// so a key file cannot quietly point at another token or module.
+    fn from_str(s: &str) -> Result<Self, SignerError> {
+        let s = s.trim();
+        let rest = s
+            .strip_prefix("pkcs11:")
+            .ok_or_else(|| SignerError::Uri("ca-key.uri must hold a pkcs11: URI".into()))?;
+        if rest.contains('?') {
+            return Err(SignerError::Uri(
+                "ca-key.uri names the key only (object=, id=); module-path and pin-source come from MESHCA_SIGNER".into(),
+            ));
+        }
+        let mut name = KeyName::default();
+        for attr in rest.split(';').filter(|a| !a.is_empty()) {
+            let (k, v) = attr
+                .split_once('=')
+                .ok_or_else(|| SignerError::Uri(format!("path attribute {attr:?} has no value")))?;
+            match k {
+                "object" => name.object = Some(text(k, v)?),
+                "id" => name.id = Some(decode(v)?),
+                "type" if v == "private" => {}
+                other => {
+                    return Err(SignerError::Uri(format!(
+                        "ca-key.uri attribute {other:?} is not allowed: it names the key with object= or id= only (the token comes from MESHCA_SIGNER)"
+                    )))
+                }
+            }
+        }
+        if name.object.is_none() && name.id.is_none() {
+            return Err(SignerError::Uri(
+                "ca-key.uri names no key: give object=<label> or id=<hex bytes>".into(),
+            ));
+        }
+        Ok(name)
+    }
+}
+
 impl Pkcs11Uri {
+    /// The key this URI names.
+    pub fn key_name(&self) -> KeyName {
+        KeyName {
+            object: self.object.clone(),
+            id: self.id.clone(),
+        }
+    }
+
+    /// The same module, token and PIN, naming another key.
+    pub fn with_key(&self, key: &KeyName) -> Self {
+        Self {
+            object: key.object.clone(),
+            id: key.id.clone(),
+            ..self.clone()
+        }
+    }
+
     /// The PIN: the pin-source file's first line, else [`PIN_ENV`].
     pub fn read_pin(&self) -> Result<zeroize::Zeroizing<String>, SignerError> {
         let pin = match &self.pin_source {
@@ -280,5 +362,41 @@ mod tests {
         assert_eq!(u.read_pin().unwrap().as_str(), "1234");
         std::fs::write(u.pin_source.as_ref().unwrap(), "\n").unwrap();
         assert_eq!(u.read_pin().unwrap_err().reason(), "signer_pin_source");
+    }
+
+    #[test_case("pkcs11:object=ica-2", Some("ica-2"), None ; "label")]
+    #[test_case(" pkcs11:id=%02%ff;type=private\n", None, Some(&[2u8, 255][..]) ; "id, type and whitespace")]
+    #[test_case("pkcs11:object=a%20b;id=%01", Some("a b"), Some(&[1u8][..]) ; "both")]
+    fn key_names_parse_and_print_back(s: &str, object: Option<&str>, id: Option<&[u8]>) {
+        let k: KeyName = s.parse().unwrap();
+        assert_eq!(k.object.as_deref(), object);
+        assert_eq!(k.id.as_deref(), id);
+        assert_eq!(k.to_string().parse::<KeyName>().unwrap(), k);
+    }
+
+    #[test_case("object=k", "pkcs11: URI" ; "no scheme")]
+    #[test_case("pkcs11:token=t;object=k", "not allowed" ; "token")]
+    #[test_case("pkcs11:object=k?module-path=/m.so", "names the key only" ; "query")]
+    #[test_case("pkcs11:", "names no key" ; "empty")]
+    #[test_case("pkcs11:type=private", "names no key" ; "type only")]
+    #[test_case("pkcs11:id=%z1", "percent" ; "bad escape")]
+    fn bad_key_names_say_what_is_wrong(s: &str, needle: &str) {
+        let err = s.parse::<KeyName>().unwrap_err();
+        assert_eq!(err.reason(), "signer_uri");
+        assert!(err.to_string().contains(needle), "{err}");
+    }
+
+    #[test]
+    fn with_key_keeps_module_token_and_pin() {
+        let u: Pkcs11Uri = "pkcs11:token=t;object=a?module-path=/m.so&pin-source=/p"
+            .parse()
+            .unwrap();
+        let k: KeyName = "pkcs11:object=b".parse().unwrap();
+        let v = u.with_key(&k);
+        assert_eq!(v.key_name(), k);
+        assert_eq!(
+            (v.token, v.module_path, v.pin_source),
+            (u.token, u.module_path, u.pin_source)
+        );
     }
 }
