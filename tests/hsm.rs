@@ -378,6 +378,9 @@ async fn issuance_with_the_ca_key_only_in_the_token(key_type: &str, issuing: &st
 async fn wrong_token_pin_key_or_module_fail_startup_with_a_clear_error() {
     let hsm = Hsm::new("meshca");
     let (_, ca) = hsm.init("intermediate", "ecdsa-p256");
+    // MESHCA_SIGNER's object= names the key of a directory that names none
+    // (a ca-key.uri in the directory would name it instead; last case).
+    std::fs::remove_file(ca.join("ca-key.uri")).unwrap();
     let good = hsm.uri("intermediate");
     let wrong_pin = hsm.dir.path().join("wrong-pin");
     std::fs::write(&wrong_pin, "0000\n").unwrap();
@@ -421,7 +424,19 @@ async fn wrong_token_pin_key_or_module_fail_startup_with_a_clear_error() {
             "PIN in the URI",
         ),
     ];
-    for (uri, want, what) in cases {
+    for (uri, want, what, key_uri) in cases
+        .into_iter()
+        .map(|(u, w, what)| (u, w, what, None))
+        .chain([(
+            good.clone(),
+            "no private key with label \"nope\"",
+            "the directory names a missing key",
+            Some("pkcs11:object=nope\n"),
+        )])
+    {
+        if let Some(text) = key_uri {
+            std::fs::write(ca.join("ca-key.uri"), text).unwrap();
+        }
         let mut cmd = hsm.serve(&ca, &uri, &[]);
         cmd.stderr(std::process::Stdio::piped());
         let out = tokio::time::timeout(Duration::from_secs(30), cmd.output())

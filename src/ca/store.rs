@@ -125,7 +125,7 @@ impl CaStore {
 
     /// Installs a new bundle (also used by tests).
     pub fn swap(&self, bundle: CaBundle) {
-        tracing::info!(source = bundle.source(), key_id = bundle.key_id(), not_after = %bundle.signing_not_after(), "CA material loaded");
+        tracing::info!(source = bundle.source(), key_id = bundle.key_id(), signer = %bundle.signer().describe(), not_after = %bundle.signing_not_after(), "CA material loaded");
         self.current.store(Arc::new(bundle));
         self.generation.send_modify(|g| *g += 1);
     }
