@@ -1,6 +1,7 @@
-//! Revocation: a store of revoked serials, a CRL signed by the issuing
-//! intermediate, and the request-path check that refuses a revoked client
-//! certificate.
+//! Revocation: a store of revoked serials, a CRL signed by each CA whose
+//! leaves may still be valid (the signing CA, and with two-tier issuing
+//! every unexpired issuing CA it replaced), and the request-path check that
+//! refuses a revoked client certificate.
 //!
 //! **Where revoked serials persist.** One JSON object per line in the
 //! revocation file (`MESHCA_REVOCATION_FILE`, default
@@ -198,6 +199,49 @@ pub fn sign_crl(
     now: OffsetDateTime,
     validity: Duration,
 ) -> Result<String, RevocationError> {
+    sign_crl_with(
+        bundle.issuer(),
+        bundle.signing_not_after(),
+        entries,
+        now,
+        validity,
+    )
+}
+
+/// One CRL per CA whose leaves may still be valid, concatenated (the
+/// `ca-crl.pem` layout istiod also reads: one CRL per signing
+/// certificate): the store's current signer, then each replaced one kept
+/// for it (two-tier issuing CAs until they expire). X.509 relying parties
+/// pick the CRL whose issuer is the leaf's. Every CRL lists every entry:
+/// serials are random, so another issuer's serial matches nothing.
+pub fn sign_crls(
+    ca: &CaStore,
+    entries: &[Revocation],
+    now: OffsetDateTime,
+    validity: Duration,
+) -> Result<String, RevocationError> {
+    let (current, retired) = ca.crl_issuers();
+    let mut pem = sign_crl(&current, entries, now, validity)?;
+    for r in retired {
+        pem.push_str(&sign_crl_with(
+            &r.issuer,
+            r.not_after,
+            entries,
+            now,
+            validity,
+        )?);
+    }
+    Ok(pem)
+}
+
+/// Signs a CRL over `entries` with `issuer`, whose certificate ends at `not_after`.
+pub fn sign_crl_with(
+    issuer: &rcgen::Issuer<'_, crate::ca::signer::SignerKey>,
+    not_after: OffsetDateTime,
+    entries: &[Revocation],
+    now: OffsetDateTime,
+    validity: Duration,
+) -> Result<String, RevocationError> {
     let revoked_certs = entries
         .iter()
         .map(|r| {
@@ -222,18 +266,14 @@ pub fn sign_crl(
         .to_be_bytes();
     let params = CertificateRevocationListParams {
         this_update: now - time::Duration::minutes(2),
-        next_update: next.min(
-            bundle
-                .signing_not_after()
-                .max(now + time::Duration::minutes(1)),
-        ),
+        next_update: next.min(not_after.max(now + time::Duration::minutes(1))),
         crl_number: number.to_vec().into(),
         issuing_distribution_point: None,
         revoked_certs,
         key_identifier_method: KeyIdMethod::Sha256,
     };
     let crl = params
-        .signed_by(bundle.issuer())
+        .signed_by(issuer)
         .map_err(|e| RevocationError::Sign(e.to_string()))?;
     crl.pem().map_err(|e| RevocationError::Sign(e.to_string()))
 }
@@ -436,7 +476,7 @@ pub async fn follow(
                     let entries = crl_entries(&store, now);
                     live.serials
                         .store(Arc::new(store.iter().map(|r| r.serial.clone()).collect()));
-                    match sign_crl(&ca.snapshot(), &entries, now, settings.crl_validity) {
+                    match sign_crls(&ca, &entries, now, settings.crl_validity) {
                         Ok(pem) => {
                             live.crl.store(Arc::new(pem.clone()));
                             crl_tx.send_replace(pem);
@@ -659,5 +699,115 @@ mod tests {
             .map(|r| crate::ca::serial_hex(r.raw_serial()))
             .collect();
         assert_eq!(serials, ["123ab"]);
+    }
+
+    /// A leaf signed by the leaf-signing CA of `store` now: its PEM and serial.
+    fn leaf(store: &CaStore) -> (String, String) {
+        let now = OffsetDateTime::now_utc();
+        let key = rcgen::KeyPair::generate().unwrap();
+        let id: crate::identity::SpiffeId = "spiffe://cluster.local/ns/a/sa/b".parse().unwrap();
+        let v = crate::ca::Validity {
+            not_before: now - time::Duration::minutes(2),
+            not_after: now + time::Duration::minutes(30),
+            clamped: false,
+        };
+        let l = store
+            .snapshot()
+            .sign_leaf(
+                &rcgen::PublicKeyData::subject_public_key_info(&key),
+                &id,
+                false,
+                &v,
+            )
+            .unwrap();
+        (l.pem, l.serial_hex)
+    }
+
+    /// `openssl verify -crl_check` of `leaf` (checks the CRL of the leaf's
+    /// own issuer, which must be present).
+    fn openssl_crl_check(
+        dir: &Path,
+        leaf: &str,
+        chain: &[String],
+        root: &str,
+        crl: &str,
+    ) -> String {
+        std::fs::write(dir.join("leaf.pem"), leaf).unwrap();
+        std::fs::write(dir.join("inter.pem"), chain.concat()).unwrap();
+        std::fs::write(dir.join("root.pem"), root).unwrap();
+        std::fs::write(dir.join("crl.pem"), crl).unwrap();
+        let out = std::process::Command::new("openssl")
+            .current_dir(dir)
+            .args(["verify", "-crl_check", "-CAfile", "root.pem"])
+            .args(["-untrusted", "inter.pem", "-CRLfile", "crl.pem", "leaf.pem"])
+            .output()
+            .expect("openssl is installed");
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    }
+
+    /// Two-tier issuing rolls over; leaves of the previous issuing CA stay
+    /// valid, so the published CRLs cover them too: one CRL per live
+    /// issuing CA. openssl accepts the unrevoked leaf of each and rejects
+    /// the revoked one of each (with a CRL signed only by the current
+    /// issuing CA it finds no CRL for the previous one's leaves).
+    #[tokio::test(flavor = "multi_thread")]
+    async fn crls_cover_every_live_issuing_ca() {
+        let pki = crate::testing::TestPki::new(crate::ca::generate::KeyType::EcdsaP256);
+        let now = OffsetDateTime::now_utc();
+        let custody = Arc::new(CaStore::new(
+            CaBundle::load_dir(pki.path(), now).unwrap(),
+            None,
+            false,
+        ));
+        let audit = Arc::new(crate::audit::MemorySink::default());
+        let tt =
+            crate::ca::issuing::TwoTier::start(custody, Duration::from_secs(3600), audit, None)
+                .await
+                .unwrap();
+        let store = tt.store();
+        // The CA certificates between leaf and root: issuing CA, intermediate, root.
+        let chain_of = |s: &CaStore| -> Vec<String> {
+            s.snapshot()
+                .intermediates()
+                .iter()
+                .map(|c| crate::ca::generate::pem_encode("CERTIFICATE", c))
+                .collect()
+        };
+        let (old_revoked, old_serial) = leaf(&store);
+        let (old_ok, _) = leaf(&store);
+        let old_chain = chain_of(&store);
+        assert!(tt.roll(false).unwrap());
+        let (new_revoked, new_serial) = leaf(&store);
+        let (new_ok, _) = leaf(&store);
+        let new_chain = chain_of(&store);
+        assert_ne!(old_chain[0], new_chain[0], "a new issuing CA");
+        let entries = [rev(&old_serial, now, None), rev(&new_serial, now, None)];
+        let crls = sign_crls(&store, &entries, now, Duration::from_secs(3600)).unwrap();
+        assert_eq!(crls.matches("BEGIN X509 CRL").count(), 2);
+        let dir = tempfile::tempdir().unwrap();
+        let root = &pki.ca.root_cert;
+        for (leaf, chain, revoked) in [
+            (&old_ok, &old_chain, false),
+            (&old_revoked, &old_chain, true),
+            (&new_ok, &new_chain, false),
+            (&new_revoked, &new_chain, true),
+        ] {
+            let out = openssl_crl_check(dir.path(), leaf, chain, root, &crls);
+            if revoked {
+                assert!(out.contains("certificate revoked"), "{out}");
+            } else {
+                assert!(out.contains("leaf.pem: OK"), "{out}");
+            }
+        }
+        // Only the current issuing CA's CRL: the previous one's leaves
+        // cannot be checked at all.
+        let only_current =
+            sign_crl(&store.snapshot(), &entries, now, Duration::from_secs(3600)).unwrap();
+        let out = openssl_crl_check(dir.path(), &old_ok, &old_chain, root, &only_current);
+        assert!(out.contains("unable to get certificate CRL"), "{out}");
     }
 }

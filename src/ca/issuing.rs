@@ -223,6 +223,9 @@ impl TwoTier {
         let due = half_life(&minted.bundle, now);
         tracing::info!(key_id = minted.bundle.key_id(), not_after = %minted.bundle.signing_not_after(), "issuing CA made");
         let issuing = Arc::new(CaStore::new(minted.bundle, None, true));
+        // A replaced issuing CA's leaves stay valid until it expires: it
+        // keeps signing their CRL (revocation::sign_crls).
+        issuing.retain_retired_issuers();
         Ok(Arc::new(Self {
             custody,
             issuing,
@@ -272,7 +275,7 @@ impl TwoTier {
     /// A new issuing CA under the current custody bundle (blocking). With
     /// `only_if_stale`, nothing when the current one already is under it
     /// (the rotation re-minted it together with its custody swap).
-    fn roll(&self, only_if_stale: bool) -> Result<bool, IssuingError> {
+    pub(crate) fn roll(&self, only_if_stale: bool) -> Result<bool, IssuingError> {
         let mut under = self.minted_under.lock().map_err(|_| poisoned())?;
         let custody = self.custody.snapshot();
         if only_if_stale && *under == custody.fingerprint() {

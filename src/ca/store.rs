@@ -30,6 +30,16 @@ pub trait IssuanceLog: Send + Sync + std::fmt::Debug {
     fn reserve(&self, not_after: i64) -> Result<(), String>;
 }
 
+/// A signing CA replaced in a store whose leaves may still be valid: it
+/// keeps signing the CRL for them (relying parties match a CRL to a leaf
+/// by issuer). Only its issuer (certificate and key) is kept, not the
+/// snapshot, so requests draining a replaced snapshot are still countable.
+pub struct RetiredIssuer {
+    pub issuer: rcgen::Issuer<'static, super::signer::SignerKey>,
+    pub signing_cert: rustls_pki_types::CertificateDer<'static>,
+    pub not_after: OffsetDateTime,
+}
+
 /// Holds the current CA snapshot and swaps it on reload.
 pub struct CaStore {
     current: ArcSwap<CaBundle>,
@@ -39,6 +49,10 @@ pub struct CaStore {
     issuance: std::sync::OnceLock<Arc<dyn IssuanceLog>>,
     /// How the directory's signing key is held (file or token).
     key_source: super::custody::KeySource,
+    /// Keep replaced signers until they expire, for their CRLs (set on the
+    /// two-tier issuing store, whose replaced issuing CAs live on a day).
+    retain_retired: std::sync::atomic::AtomicBool,
+    retired: std::sync::Mutex<Vec<Arc<RetiredIssuer>>>,
 }
 
 impl std::fmt::Debug for CaStore {
@@ -75,7 +89,34 @@ impl CaStore {
             generation: watch::channel(0).0,
             key_source: Default::default(),
             issuance: std::sync::OnceLock::new(),
+            retain_retired: std::sync::atomic::AtomicBool::new(false),
+            retired: std::sync::Mutex::new(Vec::new()),
         }
+    }
+
+    /// From now on, keeps each replaced signer until its certificate
+    /// expires, for [`Self::crl_issuers`].
+    pub fn retain_retired_issuers(&self) {
+        self.retain_retired
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Every CA whose leaves may still be valid: the current snapshot, and
+    /// the replaced signers kept for their CRLs (newest first, unexpired).
+    pub fn crl_issuers(&self) -> (Arc<CaBundle>, Vec<Arc<RetiredIssuer>>) {
+        let now = OffsetDateTime::now_utc();
+        let current = self.snapshot();
+        let retired = self
+            .retired
+            .lock()
+            .map(|r| {
+                r.iter()
+                    .filter(|i| i.not_after > now && i.signing_cert != *current.signing_cert())
+                    .cloned()
+                    .collect()
+            })
+            .unwrap_or_default();
+        (current, retired)
     }
 
     /// Installs the issuance log (once; later calls are ignored).
@@ -126,8 +167,36 @@ impl CaStore {
     /// Installs a new bundle (also used by tests).
     pub fn swap(&self, bundle: CaBundle) {
         tracing::info!(source = bundle.source(), key_id = bundle.key_id(), signer = %bundle.signer().describe(), not_after = %bundle.signing_not_after(), "CA material loaded");
-        self.current.store(Arc::new(bundle));
+        let old = self.current.swap(Arc::new(bundle));
+        if self
+            .retain_retired
+            .load(std::sync::atomic::Ordering::Relaxed)
+        {
+            self.retire(&old);
+        }
         self.generation.send_modify(|g| *g += 1);
+    }
+
+    fn retire(&self, old: &CaBundle) {
+        let now = OffsetDateTime::now_utc();
+        let Ok(issuer) = rcgen::Issuer::from_ca_cert_der(
+            old.signing_cert(),
+            super::signer::SignerKey(old.signer().clone()),
+        ) else {
+            // It parsed when it was loaded; nothing to keep otherwise.
+            return;
+        };
+        if let Ok(mut r) = self.retired.lock() {
+            r.retain(|i| i.not_after > now && i.signing_cert != *old.signing_cert());
+            r.insert(
+                0,
+                Arc::new(RetiredIssuer {
+                    issuer,
+                    signing_cert: old.signing_cert().clone(),
+                    not_after: old.signing_not_after(),
+                }),
+            );
+        }
     }
 
     /// Follows the directory: file events (debounced) plus a periodic poll
