@@ -144,6 +144,12 @@ pub struct StormResult {
     pub storm_seconds: f64,
     /// 1-minute load average at the end of the storm phase.
     pub loadavg_1m: Option<f64>,
+    /// Server CPU-seconds during the peak phase.
+    pub peak_server_cpu_s: Option<f64>,
+    /// Certificates per server CPU-second, storm over peak: how much of the
+    /// server's CPU the storm's overhead (sheds, retries) costs, whatever CPU
+    /// the generator and other processes left it (target near 1).
+    pub goodput_per_cpu_ratio: Option<f64>,
     pub nproc: usize,
     pub date: String,
 }
@@ -514,7 +520,7 @@ pub async fn run(args: &BenchArgs) -> anyhow::Result<()> {
         r.server_rss_hwm_mib,
     );
     eprintln!(
-        "storm [{:?} clients]: renewals {:.0}/s, requests {:.0}/s with retries, gave up {}; CPU-s in {:.1} s: server {:.1}, generator {:.1} (of {} cores); load average {:?}",
+        "storm [{:?} clients]: renewals {:.0}/s, requests {:.0}/s with retries, gave up {}; CPU-s in {:.1} s: server {:.1}, generator {:.1} (of {} cores); load average {:?}; certificates per server CPU-second, storm / peak: {:?}",
         r.client_model,
         r.renewals_per_s,
         r.attempts_per_s,
@@ -524,6 +530,7 @@ pub async fn run(args: &BenchArgs) -> anyhow::Result<()> {
         r.generator_cpu_s.unwrap_or(f64::NAN),
         r.nproc,
         r.loadavg_1m,
+        r.goodput_per_cpu_ratio,
     );
     let line = serde_json::to_string(&r)?;
     println!("{line}");
@@ -564,7 +571,15 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<StormResult> {
     // that admission sheds.
     let k = args.storm_peak_proxies.min(n);
     eprintln!("storm: peak phase, {k} proxies x 2 in flight, {secs}s");
+    let peak_cpu0 = args.server_pid.and_then(super::proc_cpu_seconds);
+    let peak_t = Instant::now();
     let peak_per_s = peak(&proxies, k, 2, secs, deadline).await;
+    let peak_elapsed = peak_t.elapsed().as_secs_f64();
+    let peak_server_cpu_s = args
+        .server_pid
+        .and_then(super::proc_cpu_seconds)
+        .zip(peak_cpu0)
+        .map(|(a, b)| a - b);
     let offered = peak_per_s * args.storm_overload;
     let rate_each = offered / (n - 1 + args.storm_greedy) as f64;
     eprintln!(
@@ -650,6 +665,13 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<StormResult> {
         generator_cpu_s,
         storm_seconds: elapsed,
         loadavg_1m,
+        peak_server_cpu_s,
+        goodput_per_cpu_ratio: match (peak_server_cpu_s, server_cpu_s) {
+            (Some(pc), Some(sc)) if pc > 0.0 && sc > 0.0 => {
+                Some((ok as f64 / sc) / (peak_per_s * peak_elapsed / pc))
+            }
+            _ => None,
+        },
         nproc: std::thread::available_parallelism().map_or(1, |n| n.get()),
         date: OffsetDateTime::now_utc()
             .format(&time::format_description::well_known::Rfc3339)
