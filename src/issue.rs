@@ -279,10 +279,17 @@ impl CertificateIssuer {
                 Err(AuditRefusal::Shed(r)) => Err(IssueError::AuditShed(r)),
                 Ok(()) => Ok(chain),
             },
-            // A refusal's record is handed to the writer without waiting for
-            // its acknowledgement (nothing leaves that it would vouch for).
-            Err(e) => {
+            // A shed's record is handed to the writer without waiting for
+            // its acknowledgement (nothing leaves that it would vouch for,
+            // and a storm of sheds must not wait on the writer).
+            Err(e @ IssueError::Shed(_)) => {
                 let _ = audit.finish();
+                Err(e)
+            }
+            // Other refusals are answered once their record is written, as
+            // before (callers and tests may read the log right after).
+            Err(e) => {
+                let _ = audit.finish_acked().await;
                 Err(e)
             }
         };
