@@ -1,12 +1,13 @@
 //! The CreateCertificate use case: authenticate, authorize, check the CSR,
 //! sign, and audit. Knows nothing about gRPC.
 
+use std::sync::atomic::{AtomicU8, Ordering as AtomicOrdering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use time::OffsetDateTime;
 
-use crate::admission::{Admission, Shed};
+use crate::admission::{Admission, Shed, ShedReason};
 use crate::audit::{AuditError, AuditGuard, AuditRefusal, AuditSink};
 use crate::authn::{self, AuthnError, Credentials, TokenAuthenticator};
 use crate::authz::{ImpersonationError, NodeAuthorizer};
@@ -257,6 +258,11 @@ impl CertificateIssuer {
         });
         match &result {
             Ok(_) => audit.allow(),
+            // A shed is counted by reason in metrics and audited below; a
+            // log line each would cost more than the shed itself in a storm.
+            Err(IssueError::Shed(shed)) => {
+                audit.deny(shed.reason.reason(), None, shed.to_string());
+            }
             Err(e) => {
                 let detail = e.to_string();
                 // The message may echo caller input: the log line is bounded like the record.
@@ -266,11 +272,26 @@ impl CertificateIssuer {
                 audit.deny(e.reason(), e.class(), detail);
             }
         }
-        // The certificate leaves only once its record is acknowledged.
-        let result = match (audit.finish_acked().await, result) {
-            (Err(AuditRefusal::Write(e)), Ok(_)) => Err(IssueError::Audit(e)),
-            (Err(AuditRefusal::Shed(r)), Ok(_)) => Err(IssueError::AuditShed(r)),
-            (_, result) => result,
+        let result = match result {
+            // The certificate leaves only once its record is acknowledged.
+            Ok(chain) => match audit.finish_acked().await {
+                Err(AuditRefusal::Write(e)) => Err(IssueError::Audit(e)),
+                Err(AuditRefusal::Shed(r)) => Err(IssueError::AuditShed(r)),
+                Ok(()) => Ok(chain),
+            },
+            // A shed's record is handed to the writer without waiting for
+            // its acknowledgement (nothing leaves that it would vouch for,
+            // and a storm of sheds must not wait on the writer).
+            Err(e @ IssueError::Shed(_)) => {
+                let _ = audit.finish();
+                Err(e)
+            }
+            // Other refusals are answered once their record is written, as
+            // before (callers and tests may read the log right after).
+            Err(e) => {
+                let _ = audit.finish_acked().await;
+                Err(e)
+            }
         };
         if let Some((m, cluster)) = cluster {
             let decision = match &result {
@@ -384,7 +405,7 @@ impl CertificateIssuer {
         // work; the slot is held until the certificate is signed.
         let (ticket, _permit) = match admission {
             Some(a) => {
-                let ticket = a.take_identity(&identity.to_string())?;
+                let ticket = a.take_identity(&identity)?;
                 let start_by = a.start_by(timing.arrived, timing.timeout);
                 let permit = a
                     .acquire(&crate::admission::decide::caller_key(&caller), start_by)
@@ -396,6 +417,12 @@ impl CertificateIssuer {
 
         // One snapshot for the whole signing step: a reload cannot mix material.
         let bundle = self.ca.snapshot();
+        let gate = SignGate {
+            deadline: admission
+                .and(timing.timeout)
+                .and_then(|t| timing.arrived.checked_add(t)),
+            state: Arc::new(AtomicU8::new(SIGN_PENDING)),
+        };
         let job = SignJob {
             csr_pem: req.csr,
             validity_secs,
@@ -403,22 +430,40 @@ impl CertificateIssuer {
             csr_policy: self.csr_policy,
             ttl: self.ttl,
             bundle: bundle.clone(),
+            gate: gate.clone(),
         };
         // Under admission the CPU-heavy step runs off the async workers, so
         // they keep reading requests (and cancellations) into the fair
         // queue instead of leaving them unread in socket buffers.
-        let out = match admission {
-            Some(_) => tokio::task::spawn_blocking(move || job.run())
-                .await
-                .unwrap_or_else(|e| SignOutcome {
-                    csr_sha256: None,
-                    csr_sans: None,
-                    result: Err(IssueError::Sign(crate::ca::SignError::Generation(format!(
-                        "signing task failed: {e}"
-                    )))),
-                }),
+        let mut out = match admission {
+            Some(a) => {
+                // If this request is dropped (the caller cancelled) while
+                // the CSR is verified, the job signs nothing and the audit
+                // record says so.
+                let mut watch = SignWatch {
+                    state: gate.state,
+                    audit: &mut *audit,
+                    admission: a,
+                    armed: true,
+                };
+                let out = tokio::task::spawn_blocking(move || job.run())
+                    .await
+                    .unwrap_or_else(|e| SignOutcome {
+                        csr_sha256: None,
+                        csr_sans: None,
+                        result: Err(IssueError::Sign(crate::ca::SignError::Generation(format!(
+                            "signing task failed: {e}"
+                        )))),
+                    });
+                watch.armed = false;
+                out
+            }
             None => job.run(),
         };
+        if let (Some(a), Err(IssueError::Shed(s))) = (admission, &out.result) {
+            // Withheld right before signing: counted with its pushback.
+            out.result = Err(a.shed_now(s.reason).into());
+        }
         {
             // What was asked for, before the policy judges it (bounded when
             // the record is finalized).
@@ -457,6 +502,71 @@ impl CertificateIssuer {
     }
 }
 
+const SIGN_PENDING: u8 = 0;
+const SIGN_STARTED: u8 = 1;
+const SIGN_CALLER_GONE: u8 = 2;
+
+/// The last check before a signature: the caller must still be there and
+/// within its deadline. Whichever of the signer and the cancelled request
+/// moves `state` first wins, so "cancelled before signing" in the audit
+/// record is exact.
+#[derive(Debug, Clone)]
+struct SignGate {
+    /// Arrival + `grpc-timeout` (admission only).
+    deadline: Option<Instant>,
+    state: Arc<AtomicU8>,
+}
+
+impl SignGate {
+    fn check(&self, now: Instant) -> Result<(), ShedReason> {
+        if self.deadline.is_some_and(|d| now >= d) {
+            return Err(ShedReason::DeadlineBeforeSign);
+        }
+        self.state
+            .compare_exchange(
+                SIGN_PENDING,
+                SIGN_STARTED,
+                AtomicOrdering::AcqRel,
+                AtomicOrdering::Acquire,
+            )
+            .map(|_| ())
+            .map_err(|_| ShedReason::CallerCancelled)
+    }
+}
+
+/// Armed while a request waits for its signing job; dropped armed means the
+/// request was cancelled.
+struct SignWatch<'a> {
+    state: Arc<AtomicU8>,
+    audit: &'a mut AuditGuard,
+    admission: &'a Admission,
+    armed: bool,
+}
+
+impl Drop for SignWatch<'_> {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let won = self
+            .state
+            .compare_exchange(
+                SIGN_PENDING,
+                SIGN_CALLER_GONE,
+                AtomicOrdering::AcqRel,
+                AtomicOrdering::Acquire,
+            )
+            .is_ok();
+        // Too late to stop a signature already started: the record stays
+        // `request_abandoned` (with the serial unknown to it).
+        if won {
+            let shed = self.admission.shed_now(ShedReason::CallerCancelled);
+            self.audit
+                .deny(shed.reason.reason(), None, shed.to_string());
+        }
+    }
+}
+
 /// The CPU-heavy step: CSR parse and verify, policy, lifetime, signature.
 struct SignJob {
     csr_pem: String,
@@ -465,6 +575,7 @@ struct SignJob {
     csr_policy: CsrPolicy,
     ttl: TtlPolicy,
     bundle: Arc<crate::ca::CaBundle>,
+    gate: SignGate,
 }
 
 /// What the signing step learned for the audit record, and its result.
@@ -513,6 +624,10 @@ impl SignJob {
 
     fn sign(&self, csr: &csr::VerifiedCsr) -> Result<Signed, IssueError> {
         csr::check_policy(csr, &self.identity, self.csr_policy)?;
+        self.gate.check(Instant::now()).map_err(|reason| Shed {
+            reason,
+            retry_after: Duration::ZERO,
+        })?;
         let ttl::Grant { validity, choice } = ttl::grant(
             OffsetDateTime::now_utc(),
             self.validity_secs,
@@ -724,5 +839,95 @@ mod tests {
         let err = issuer.issue(&creds, Ok(req)).await.unwrap_err();
         assert_eq!(err.reason(), "audit_write_failed");
         assert_eq!(tonic::Status::from(err).code(), tonic::Code::Internal);
+    }
+
+    /// The last check before a signature, on a real CSR and CA: a caller
+    /// past its deadline or gone gets nothing signed, each with its reason.
+    #[test]
+    fn nothing_is_signed_past_the_deadline_or_for_a_cancelled_caller() {
+        let pki = TestPki::new(KeyType::EcdsaP256);
+        let ca = crate::ca::CaStore::from_dir(pki.path(), false).unwrap();
+        let id = "spiffe://cluster.local/ns/app/sa/app";
+        let csr = csr_for(&rcgen::KeyPair::generate().unwrap(), id);
+        let now = Instant::now();
+        let job = |deadline: Option<Instant>, state: u8| SignJob {
+            csr_pem: csr.clone(),
+            validity_secs: 0,
+            identity: id.parse().unwrap(),
+            csr_policy: CsrPolicy::Strict,
+            ttl: TtlPolicy::default(),
+            bundle: ca.snapshot(),
+            gate: SignGate {
+                deadline,
+                state: Arc::new(AtomicU8::new(state)),
+            },
+        };
+        let later = now.checked_add(Duration::from_secs(60));
+        let cases: [(Option<Instant>, u8, Option<ShedReason>); 5] = [
+            (None, SIGN_PENDING, None),
+            (later, SIGN_PENDING, None),
+            (
+                Some(now),
+                SIGN_PENDING,
+                Some(ShedReason::DeadlineBeforeSign),
+            ),
+            (later, SIGN_CALLER_GONE, Some(ShedReason::CallerCancelled)),
+            // Started elsewhere already (cannot happen twice): not signed again.
+            (None, SIGN_STARTED, Some(ShedReason::CallerCancelled)),
+        ];
+        for (deadline, state, want) in cases {
+            let j = job(deadline, state);
+            let gate = j.gate.clone();
+            let out = j.run();
+            // The CSR was verified in every case (the check comes after).
+            assert!(out.csr_sha256.is_some());
+            match (out.result, want) {
+                (Ok(signed), None) => {
+                    assert!(signed.chain.len() >= 2, "leaf and roots");
+                    assert_eq!(gate.state.load(AtomicOrdering::Acquire), SIGN_STARTED);
+                }
+                (Err(IssueError::Shed(s)), Some(reason)) => assert_eq!(s.reason, reason),
+                (other, want) => panic!("{deadline:?} {state}: {:?}, want {want:?}", other.err()),
+            }
+        }
+    }
+
+    /// A request dropped while its job is pending wins the race: the audit
+    /// record says `admission_caller_cancelled` and the job signs nothing.
+    /// Dropped after the job passed its check: the record stays abandoned
+    /// (a signature may exist), never claiming otherwise.
+    #[test]
+    fn a_cancel_before_signing_is_audited_with_its_own_reason() {
+        let admission = Admission::new(Default::default(), None);
+        for (job_first, want) in [
+            (false, "admission_caller_cancelled"),
+            (true, "request_abandoned"),
+        ] {
+            let sink = Arc::new(MemorySink::default());
+            let gate = SignGate {
+                deadline: None,
+                state: Arc::new(AtomicU8::new(SIGN_PENDING)),
+            };
+            {
+                let mut audit = AuditGuard::new(sink.clone(), None, None);
+                if job_first {
+                    gate.check(Instant::now()).unwrap();
+                }
+                let _watch = SignWatch {
+                    state: gate.state.clone(),
+                    audit: &mut audit,
+                    admission: &admission,
+                    armed: true,
+                };
+                // The request future is dropped here, watch first.
+            }
+            if !job_first {
+                assert_eq!(gate.check(Instant::now()), Err(ShedReason::CallerCancelled));
+            }
+            let records = sink.records();
+            assert_eq!(records.len(), 1);
+            assert_eq!(records[0].reason, want);
+            assert_eq!(records[0].decision, Decision::Deny);
+        }
     }
 }

@@ -14,10 +14,11 @@ pub struct QueueState {
     /// Requests waiting, all callers together.
     pub queued: usize,
     pub max_queued: usize,
-    /// Requests of this caller already waiting.
-    pub own_queued: usize,
-    /// The longest single caller's queue.
-    pub longest_queued: usize,
+    /// The start tag this request would get ([`super::fair`]): how far its
+    /// caller is ahead of the others in recent service.
+    pub tag: u64,
+    /// The largest start tag waiting, if anyone waits.
+    pub last_tag: Option<u64>,
 }
 
 /// The verdict for one request.
@@ -25,17 +26,18 @@ pub struct QueueState {
 pub enum Admit {
     /// A slot is free and nobody waits: start now.
     Run,
-    /// Wait for a slot in this caller's sub-queue.
+    /// Wait for a slot, in tag order.
     Enqueue,
-    /// The queue is full, but another caller holds more of it than this one
-    /// would: drop that caller's newest waiter and take its place.
+    /// The queue is full, but a waiter's caller is further ahead in recent
+    /// service than this one: shed that waiter and take its place.
     EnqueueEvicting,
     Shed(ShedReason),
 }
 
-/// Run, wait, displace a greedier caller, or shed. A request never jumps
-/// ahead of waiters (they would starve), and a full queue sheds the caller
-/// that holds most of it, so one greedy caller cannot crowd others out.
+/// Run, wait, displace a waiter of a caller further ahead, or shed. A
+/// request never jumps ahead of waiters (they would starve), and a full
+/// queue sheds the request of the caller furthest ahead, so a caller
+/// arriving ten times as often cannot take ten times the slots.
 pub fn admit(s: &QueueState) -> Admit {
     if s.running < s.max_running && s.queued == 0 {
         return Admit::Run;
@@ -43,11 +45,10 @@ pub fn admit(s: &QueueState) -> Admit {
     if s.queued < s.max_queued {
         return Admit::Enqueue;
     }
-    // Evict only from a queue that stays at least as long as ours becomes.
-    if s.longest_queued > s.own_queued + 1 {
-        return Admit::EnqueueEvicting;
+    match s.last_tag {
+        Some(last) if last > s.tag => Admit::EnqueueEvicting,
+        _ => Admit::Shed(ShedReason::QueueFull),
     }
-    Admit::Shed(ShedReason::QueueFull)
 }
 
 /// How loaded the server is, for the pre-authentication decision.
@@ -175,27 +176,25 @@ mod tests {
     use super::*;
     use test_case::test_case;
 
-    fn q(running: usize, queued: usize, own: usize, longest: usize) -> QueueState {
+    fn q(running: usize, queued: usize, tag: u64, last: Option<u64>) -> QueueState {
         QueueState {
             running,
             max_running: 2,
             queued,
             max_queued: 4,
-            own_queued: own,
-            longest_queued: longest,
+            tag,
+            last_tag: last,
         }
     }
 
-    #[test_case(q(0, 0, 0, 0), Admit::Run ; "idle")]
-    #[test_case(q(1, 0, 0, 0), Admit::Run ; "one slot left")]
-    #[test_case(q(2, 0, 0, 0), Admit::Enqueue ; "slots busy")]
-    #[test_case(q(1, 1, 0, 1), Admit::Enqueue ; "free slot but waiters go first")]
-    #[test_case(q(2, 3, 3, 3), Admit::Enqueue ; "last queue place")]
-    #[test_case(q(2, 4, 0, 4), Admit::EnqueueEvicting ; "full, one greedy caller holds it all")]
-    #[test_case(q(2, 4, 1, 3), Admit::EnqueueEvicting ; "full, greedier caller has 3 to our 1")]
-    #[test_case(q(2, 4, 1, 2), Admit::Shed(ShedReason::QueueFull) ; "full, the other would end no longer than us")]
-    #[test_case(q(2, 4, 4, 4), Admit::Shed(ShedReason::QueueFull) ; "full, we are the greedy one")]
-    #[test_case(q(2, 4, 2, 2), Admit::Shed(ShedReason::QueueFull) ; "full, evenly shared")]
+    #[test_case(q(0, 0, 0, None), Admit::Run ; "idle")]
+    #[test_case(q(1, 0, 9, None), Admit::Run ; "one slot left, whatever the caller's past")]
+    #[test_case(q(2, 0, 0, None), Admit::Enqueue ; "slots busy")]
+    #[test_case(q(1, 1, 0, Some(0)), Admit::Enqueue ; "free slot but waiters go first")]
+    #[test_case(q(2, 3, 50, Some(3)), Admit::Enqueue ; "last queue place, even far ahead")]
+    #[test_case(q(2, 4, 3, Some(10)), Admit::EnqueueEvicting ; "full, a waiter's caller is further ahead")]
+    #[test_case(q(2, 4, 10, Some(10)), Admit::Shed(ShedReason::QueueFull) ; "full, tie keeps the waiter")]
+    #[test_case(q(2, 4, 11, Some(10)), Admit::Shed(ShedReason::QueueFull) ; "full, we are furthest ahead")]
     fn admission_table(s: QueueState, want: Admit) {
         assert_eq!(admit(&s), want);
     }

@@ -15,6 +15,7 @@
 //! hint. Decisions are plain functions in [`decide`].
 
 pub mod decide;
+pub mod fair;
 pub mod queue;
 
 use std::collections::HashMap;
@@ -44,10 +45,17 @@ pub enum ShedReason {
     IdentityCap,
     #[error("too many identities are being counted by the issuance cap")]
     IdentityCapTableFull,
+    /// Checked after the CSR was verified, right before signing.
+    #[error("the caller's deadline passed before its certificate was signed")]
+    DeadlineBeforeSign,
+    /// The caller cancelled (stream reset, connection closed) while its CSR
+    /// was being verified: nothing was signed.
+    #[error("the caller cancelled before its certificate was signed")]
+    CallerCancelled,
 }
 
 impl ShedReason {
-    pub const ALL: [ShedReason; 7] = [
+    pub const ALL: [ShedReason; 9] = [
         Self::QueueFull,
         Self::QueueDisplaced,
         Self::DeadlineExceeded,
@@ -55,6 +63,8 @@ impl ShedReason {
         Self::SourceBudget,
         Self::IdentityCap,
         Self::IdentityCapTableFull,
+        Self::DeadlineBeforeSign,
+        Self::CallerCancelled,
     ];
 
     pub fn reason(&self) -> &'static str {
@@ -66,6 +76,8 @@ impl ShedReason {
             Self::SourceBudget => "admission_source_budget",
             Self::IdentityCap => "admission_identity_cap",
             Self::IdentityCapTableFull => "admission_identity_cap_table_full",
+            Self::DeadlineBeforeSign => "admission_deadline_before_sign",
+            Self::CallerCancelled => "admission_caller_cancelled",
         }
     }
 }
@@ -335,13 +347,19 @@ impl Admission {
     }
 
     /// Counts one issuance for `identity` under the cap (if any).
-    pub fn take_identity(&self, identity: &str) -> Result<CapTicket<'_>, Shed> {
+    pub fn take_identity(
+        &self,
+        identity: &(impl std::fmt::Display + ?Sized),
+    ) -> Result<CapTicket<'_>, Shed> {
         let Some(cap) = self.cfg.identity_cap else {
             return Ok(CapTicket {
                 admission: self,
                 identity: None,
             });
         };
+        // Formatted only when a cap is set: the common path allocates nothing.
+        let identity = identity.to_string();
+        let identity = identity.as_str();
         let now = Instant::now();
         let verdict = {
             let mut caps = lock(&self.caps);

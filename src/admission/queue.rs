@@ -1,15 +1,16 @@
 //! The slots for CPU-heavy work and the fair, deadline-aware queue in front
-//! of them. Each caller key has its own FIFO sub-queue; a freed slot goes to
-//! the next key in round-robin order, so a caller with many requests waiting
-//! gets the same turn as one with a single request.
+//! of them. Waiters are ordered by start-time fair queueing over caller keys
+//! ([`super::fair`]): a freed slot goes to the waiter whose caller has had
+//! the least recent service, and a full queue sheds the waiter of the
+//! caller that has had the most.
 
-use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
 
 use tokio::sync::oneshot;
 
 use super::decide::{admit, Admit, QueueState};
+use super::fair::{FairTable, Place};
 use super::ShedReason;
 
 /// What a waiter is told.
@@ -21,7 +22,6 @@ enum Grant {
 
 #[derive(Debug)]
 struct Waiter {
-    id: u64,
     start_by: Instant,
     tx: oneshot::Sender<Grant>,
 }
@@ -29,57 +29,7 @@ struct Waiter {
 #[derive(Debug, Default)]
 struct State {
     running: usize,
-    queued: usize,
-    next_id: u64,
-    subs: HashMap<Arc<str>, VecDeque<Waiter>>,
-    /// Keys with waiters, in turn order.
-    order: VecDeque<Arc<str>>,
-}
-
-impl State {
-    /// The next live waiter in round-robin order; waiters whose start-by
-    /// time passed are dropped on the way (their receiver sees the sender
-    /// gone and reports the deadline).
-    fn pop_next(&mut self, now: Instant) -> Option<Waiter> {
-        while let Some(key) = self.order.pop_front() {
-            let Some(sub) = self.subs.get_mut(&key) else {
-                continue;
-            };
-            let mut found = None;
-            while let Some(w) = sub.pop_front() {
-                self.queued -= 1;
-                if w.start_by > now {
-                    found = Some(w);
-                    break;
-                }
-            }
-            if sub.is_empty() {
-                self.subs.remove(&key);
-            } else {
-                self.order.push_back(key);
-            }
-            if found.is_some() {
-                return found;
-            }
-        }
-        None
-    }
-
-    fn remove(&mut self, key: &Arc<str>, id: u64) -> bool {
-        let Some(sub) = self.subs.get_mut(key) else {
-            return false;
-        };
-        let Some(pos) = sub.iter().position(|w| w.id == id) else {
-            return false;
-        };
-        sub.remove(pos);
-        self.queued -= 1;
-        if sub.is_empty() {
-            self.subs.remove(key);
-            self.order.retain(|k| k != key);
-        }
-        true
-    }
+    table: FairTable<Waiter>,
 }
 
 #[derive(Debug)]
@@ -113,8 +63,7 @@ impl Drop for Permit {
 /// Removes a waiter that gave up (timeout, or its request was dropped).
 struct WaitGuard<'a> {
     queue: &'a FairQueue,
-    key: Arc<str>,
-    id: u64,
+    place: Place,
     /// Still in the queue (false once granted or shed).
     waiting: bool,
 }
@@ -125,7 +74,7 @@ impl Drop for WaitGuard<'_> {
             return;
         }
         let mut s = self.queue.lock();
-        s.remove(&self.key, self.id);
+        s.table.remove(self.place);
         self.queue.gauges(&s);
     }
 }
@@ -151,14 +100,14 @@ impl FairQueue {
     fn gauges(&self, s: &State) {
         if let Some(m) = &self.0.metrics {
             m.admission_running.set(s.running as i64);
-            m.admission_queued.set(s.queued as i64);
+            m.admission_queued.set(s.table.len() as i64);
         }
     }
 
     /// (running, queued) now.
     pub fn stats(&self) -> (usize, usize) {
         let s = self.lock();
-        (s.running, s.queued)
+        (s.running, s.table.len())
     }
 
     pub fn max_queued(&self) -> usize {
@@ -177,7 +126,10 @@ impl FairQueue {
         loop {
             let next = {
                 let mut s = self.lock();
-                let next = s.pop_next(Instant::now());
+                let now = Instant::now();
+                // Waiters whose start-by time passed are dropped on the way
+                // (their receiver sees the sender gone: deadline).
+                let next = s.table.pop_next(|w| w.start_by > now);
                 if next.is_none() {
                     s.running -= 1;
                 }
@@ -194,81 +146,45 @@ impl FairQueue {
         }
     }
 
-    /// Waits for a slot in `key`'s sub-queue until `start_by`. Dropping the
+    /// Waits for a slot under caller `key` until `start_by`. Dropping the
     /// returned future (the caller cancelled) leaves the queue at once.
     pub async fn acquire(&self, key: &str, start_by: Instant) -> Result<Permit, ShedReason> {
         let now = Instant::now();
         if now >= start_by {
             return Err(ShedReason::DeadlineExceeded);
         }
-        let key: Arc<str> = Arc::from(key);
-        let (id, mut rx, evicted) = {
+        let (place, mut rx, evicted) = {
             let mut s = self.lock();
-            let own = s.subs.get(&key).map_or(0, VecDeque::len);
-            let full = s.queued >= self.0.max_queued;
-            // The scan over callers is only needed when the queue is full.
-            let longest = if full {
-                s.subs.values().map(VecDeque::len).max().unwrap_or(0)
-            } else {
-                0
-            };
             let verdict = admit(&QueueState {
                 running: s.running,
                 max_running: self.0.max_running,
-                queued: s.queued,
+                queued: s.table.len(),
                 max_queued: self.0.max_queued,
-                own_queued: own,
-                longest_queued: longest,
+                tag: s.table.tag(key),
+                last_tag: s.table.last_tag(),
             });
-            let mut evicted = None;
-            match verdict {
+            let evicted = match verdict {
                 Admit::Run => {
+                    s.table.start_now(&Arc::from(key));
                     s.running += 1;
                     self.gauges(&s);
                     return Ok(self.permit());
                 }
                 Admit::Shed(r) => return Err(r),
-                Admit::Enqueue => {}
-                Admit::EnqueueEvicting => {
-                    let victim = s
-                        .subs
-                        .iter()
-                        .max_by_key(|(_, q)| q.len())
-                        .map(|(k, _)| k.clone());
-                    if let Some(victim) = victim {
-                        if let Some(sub) = s.subs.get_mut(&victim) {
-                            // Its newest waiter: the oldest keep their turn.
-                            evicted = sub.pop_back();
-                        }
-                        if s.subs.get(&victim).is_some_and(VecDeque::is_empty) {
-                            s.subs.remove(&victim);
-                            s.order.retain(|k| *k != victim);
-                        }
-                        if evicted.is_some() {
-                            s.queued -= 1;
-                        }
-                    }
-                }
-            }
+                Admit::Enqueue => None,
+                Admit::EnqueueEvicting => s.table.pop_last().map(|(_, w)| w),
+            };
             let (tx, rx) = oneshot::channel();
-            s.next_id += 1;
-            let id = s.next_id;
-            let sub = s.subs.entry(key.clone()).or_default();
-            sub.push_back(Waiter { id, start_by, tx });
-            if sub.len() == 1 {
-                s.order.push_back(key.clone());
-            }
-            s.queued += 1;
+            let place = s.table.push(Arc::from(key), Waiter { start_by, tx });
             self.gauges(&s);
-            (id, rx, evicted)
+            (place, rx, evicted)
         };
         if let Some(w) = evicted {
             let _ = w.tx.send(Grant::Shed(ShedReason::QueueDisplaced));
         }
         let mut guard = WaitGuard {
             queue: self,
-            key,
-            id,
+            place,
             waiting: true,
         };
         let granted = tokio::select! {

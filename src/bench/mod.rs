@@ -145,6 +145,10 @@ pub struct BenchArgs {
     /// Storm: the server's admin port (to count issued and shed requests).
     #[arg(long, default_value = "127.0.0.1:15014")]
     pub admin_target: SocketAddr,
+    /// Storm: how the proxies retry (ztunnel and agent as the real clients,
+    /// open as the worst case).
+    #[arg(long, value_enum, default_value_t = storm::ClientModel::Ztunnel)]
+    pub storm_client: storm::ClientModel,
 }
 
 /// Crypto ceiling: what this machine's cores can do with meshca's own
@@ -1067,6 +1071,7 @@ mod tests {
             storm_seconds: 0.5,
             storm_peak_proxies: 4,
             admin_target: "127.0.0.1:1".parse().unwrap(),
+            storm_client: storm::ClientModel::Open,
         }
     }
 

@@ -38,6 +38,56 @@ pub enum StormAuth {
     Token,
 }
 
+/// How a storm proxy behaves when a request fails.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ClientModel {
+    /// Worst case: requests start on a fixed schedule whatever the answers
+    /// (a failed renewal is not retried, but the next one comes on time);
+    /// requests over the in-flight cap are skipped.
+    Open,
+    /// ztunnel: each renewal (one identity) retries until it succeeds, with
+    /// its own backoff (0.5-1 s, doubling, +-20 %, capped at 150 s) that
+    /// ignores status codes and pushback; at most `--streams` fetches in
+    /// flight per proxy, the others wait for a fetch slot.
+    Ztunnel,
+    /// istio-agent: up to 5 quick retries (100 ms doubling to 1.6 s, +-10 %)
+    /// on Canceled, DeadlineExceeded, ResourceExhausted, Aborted, Internal
+    /// and Unavailable, then the renewal is given up (counted `GaveUp`).
+    Agent,
+}
+
+/// ztunnel's wait before retry number `attempt + 1` of one identity:
+/// 0.5-1 s at first, doubling, +-20 %, at most 150 s. `draw` is random.
+pub fn ztunnel_backoff(attempt: u32, draw: u64) -> Duration {
+    let first_ms = 500 + (draw & 0xffff) % 501;
+    let jitter_permille = 800 + ((draw >> 16) & 0xffff) % 401;
+    let ms = (first_ms << attempt.min(20)) * jitter_permille / 1000;
+    Duration::from_millis(ms.min(150_000))
+}
+
+/// istio-agent's wait before retry `attempt + 1` (0-based), or `None` once
+/// its 5 retries are spent or the code is not one it retries.
+pub fn agent_backoff(attempt: u32, outcome: &str, draw: u64) -> Option<Duration> {
+    const RETRIED: [&str; 7] = [
+        "Cancelled",
+        "DeadlineExceeded",
+        "ResourceExhausted",
+        "Aborted",
+        "Internal",
+        "Unavailable",
+        // The client's own timer is a DeadlineExceeded to the agent.
+        "ClientTimeout",
+    ];
+    if attempt >= 5 || !RETRIED.contains(&outcome) {
+        return None;
+    }
+    let jitter_permille = 900 + draw % 201;
+    Some(Duration::from_millis(
+        (100 << attempt) * jitter_permille / 1000,
+    ))
+}
+
 /// One proxy: its connection, identity and request.
 struct Proxy {
     client: CaClient,
@@ -49,6 +99,7 @@ struct Proxy {
 #[derive(Debug, Clone, Serialize)]
 pub struct StormResult {
     pub auth: StormAuth,
+    pub client_model: ClientModel,
     pub proxies: usize,
     pub streams: usize,
     pub deadline_ms: u64,
@@ -80,6 +131,25 @@ pub struct StormResult {
     pub server_rss_mib_before: Option<f64>,
     pub server_rss_mib_after: Option<f64>,
     pub server_rss_hwm_mib: Option<f64>,
+    /// Renewals started per second (first attempts; retries not counted).
+    pub renewals_per_s: f64,
+    /// Requests sent per second, retries included.
+    pub attempts_per_s: f64,
+    /// Renewals given up (agent model) or still unfinished at the end.
+    pub gave_up: usize,
+    /// CPU-seconds of the server and of this generator during the storm
+    /// phase (from /proc): they share the machine's cores.
+    pub server_cpu_s: Option<f64>,
+    pub generator_cpu_s: Option<f64>,
+    pub storm_seconds: f64,
+    /// 1-minute load average at the end of the storm phase.
+    pub loadavg_1m: Option<f64>,
+    /// Server CPU-seconds during the peak phase.
+    pub peak_server_cpu_s: Option<f64>,
+    /// Certificates per server CPU-second, storm over peak: how much of the
+    /// server's CPU the storm's overhead (sheds, retries) costs, whatever CPU
+    /// the generator and other processes left it (target near 1).
+    pub goodput_per_cpu_ratio: Option<f64>,
     pub nproc: usize,
     pub date: String,
 }
@@ -266,12 +336,79 @@ struct StormSamples {
     outcomes: BTreeMap<String, usize>,
     per_proxy_ok: Vec<usize>,
     skipped: usize,
+    renewals: usize,
+    attempts: usize,
+    gave_up: usize,
+}
+
+impl StormSamples {
+    fn record(&mut self, i: usize, r: &Result<u64, String>) {
+        self.attempts += 1;
+        match r {
+            Ok(ns) => {
+                self.latencies.push(*ns);
+                self.per_proxy_ok[i] += 1;
+                *self.outcomes.entry("Ok".into()).or_default() += 1;
+            }
+            Err(e) => *self.outcomes.entry(e.clone()).or_default() += 1,
+        }
+    }
+}
+
+/// One renewal under a retrying client model: attempts (each holding one
+/// of the proxy's fetch slots) until one succeeds, the model gives up, or
+/// the storm ends.
+async fn renewal(
+    model: ClientModel,
+    proxies: Arc<Vec<Proxy>>,
+    i: usize,
+    slots: Arc<tokio::sync::Semaphore>,
+    samples: Arc<Mutex<StormSamples>>,
+    stop: Instant,
+    deadline: Duration,
+) {
+    let mut attempt = 0u32;
+    loop {
+        if Instant::now() >= stop {
+            samples.lock().map(|mut s| s.gave_up += 1).ok();
+            return;
+        }
+        let r = {
+            let Ok(_slot) = slots.acquire().await else {
+                return;
+            };
+            if Instant::now() >= stop {
+                samples.lock().map(|mut s| s.gave_up += 1).ok();
+                return;
+            }
+            one(&proxies[i], deadline).await
+        };
+        if let Ok(mut s) = samples.lock() {
+            s.record(i, &r);
+        }
+        let Err(outcome) = r else { return };
+        let draw = crate::ca::ttl::random_draw();
+        let wait = match model {
+            ClientModel::Ztunnel => ztunnel_backoff(attempt, draw),
+            ClientModel::Agent => match agent_backoff(attempt, &outcome, draw) {
+                Some(w) => w,
+                None => {
+                    samples.lock().map(|mut s| s.gave_up += 1).ok();
+                    return;
+                }
+            },
+            ClientModel::Open => return,
+        };
+        attempt += 1;
+        tokio::time::sleep(wait).await;
+    }
 }
 
 /// Open loop: proxy `i` starts a request every `1/rate_i` s (random phase)
 /// unless it already has its cap in flight.
 async fn storm(
     proxies: &Arc<Vec<Proxy>>,
+    model: ClientModel,
     rate_each: f64,
     streams: usize,
     greedy: usize,
@@ -290,6 +427,36 @@ async fn storm(
         let period = Duration::from_secs_f64(1.0 / (rate_each * factor));
         let phase = period.mul_f64((crate::ca::ttl::random_draw() % 1000) as f64 / 1000.0);
         let (proxies, samples) = (proxies.clone(), samples.clone());
+        if model != ClientModel::Open {
+            // Renewals come due on the schedule; each retries on its own.
+            tickers.push(tokio::spawn(async move {
+                let slots = Arc::new(tokio::sync::Semaphore::new(cap));
+                let mut tick = tokio::time::interval_at((Instant::now() + phase).into(), period);
+                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+                let mut running = Vec::new();
+                loop {
+                    tick.tick().await;
+                    if Instant::now() >= stop {
+                        break;
+                    }
+                    samples.lock().map(|mut s| s.renewals += 1).ok();
+                    running.push(tokio::spawn(renewal(
+                        model,
+                        proxies.clone(),
+                        i,
+                        slots.clone(),
+                        samples.clone(),
+                        stop,
+                        deadline,
+                    )));
+                    running.retain(|t: &tokio::task::JoinHandle<()>| !t.is_finished());
+                }
+                for t in running {
+                    let _ = t.await;
+                }
+            }));
+            continue;
+        }
         tickers.push(tokio::spawn(async move {
             let inflight = Arc::new(AtomicUsize::new(0));
             let mut tick = tokio::time::interval_at((Instant::now() + phase).into(), period);
@@ -300,6 +467,7 @@ async fn storm(
                 if Instant::now() >= stop {
                     break;
                 }
+                samples.lock().map(|mut s| s.renewals += 1).ok();
                 if inflight.load(Ordering::Relaxed) >= cap {
                     samples.lock().map(|mut s| s.skipped += 1).ok();
                     continue;
@@ -311,14 +479,7 @@ async fn storm(
                     let r = one(&proxies[i], deadline).await;
                     inflight.fetch_sub(1, Ordering::Relaxed);
                     if let Ok(mut s) = samples.lock() {
-                        match r {
-                            Ok(ns) => {
-                                s.latencies.push(ns);
-                                s.per_proxy_ok[i] += 1;
-                                *s.outcomes.entry("Ok".into()).or_default() += 1;
-                            }
-                            Err(e) => *s.outcomes.entry(e).or_default() += 1,
-                        }
+                        s.record(i, &r);
                     }
                 }));
                 running.retain(|t: &tokio::task::JoinHandle<()>| !t.is_finished());
@@ -343,18 +504,33 @@ async fn storm(
 pub async fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let r = execute(args).await?;
     eprintln!(
-        "storm: goodput {:.0}/s = {:.2} of peak {:.0}/s; p99 {:.1} ms; well-behaved share mean {:.2} p10 {:.2}; greedy {:.2}x; issued-not-received {:?}; RSS {:?} -> {:?} MiB (HWM {:?})",
+        "storm [{:?} clients]: goodput {:.0}/s = {:.2} of peak {:.0}/s (target >= 0.90); p99 of successes {:.1} ms (target < 100); well-behaved share mean {:.2} p10 {:.2} min {:.2} (target >= 0.90); greedy {:.2}x its share; issued-not-received {:?}; RSS {:?} -> {:?} MiB (HWM {:?})",
+        r.client_model,
         r.storm_ok_per_s,
         r.goodput_ratio,
         r.peak_per_s,
         r.storm_p99_ms,
         r.fair_share_mean,
         r.fair_share_p10,
+        r.fair_share_min,
         r.greedy_ratio,
         r.issued_not_received,
         r.server_rss_mib_before,
         r.server_rss_mib_after,
         r.server_rss_hwm_mib,
+    );
+    eprintln!(
+        "storm [{:?} clients]: renewals {:.0}/s, requests {:.0}/s with retries, gave up {}; CPU-s in {:.1} s: server {:.1}, generator {:.1} (of {} cores); load average {:?}; certificates per server CPU-second, storm / peak: {:?}",
+        r.client_model,
+        r.renewals_per_s,
+        r.attempts_per_s,
+        r.gave_up,
+        r.storm_seconds,
+        r.server_cpu_s.unwrap_or(f64::NAN),
+        r.generator_cpu_s.unwrap_or(f64::NAN),
+        r.nproc,
+        r.loadavg_1m,
+        r.goodput_per_cpu_ratio,
     );
     let line = serde_json::to_string(&r)?;
     println!("{line}");
@@ -395,7 +571,15 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<StormResult> {
     // that admission sheds.
     let k = args.storm_peak_proxies.min(n);
     eprintln!("storm: peak phase, {k} proxies x 2 in flight, {secs}s");
+    let peak_cpu0 = args.server_pid.and_then(super::proc_cpu_seconds);
+    let peak_t = Instant::now();
     let peak_per_s = peak(&proxies, k, 2, secs, deadline).await;
+    let peak_elapsed = peak_t.elapsed().as_secs_f64();
+    let peak_server_cpu_s = args
+        .server_pid
+        .and_then(super::proc_cpu_seconds)
+        .zip(peak_cpu0)
+        .map(|(a, b)| a - b);
     let offered = peak_per_s * args.storm_overload;
     let rate_each = offered / (n - 1 + args.storm_greedy) as f64;
     eprintln!(
@@ -404,9 +588,12 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<StormResult> {
     tokio::time::sleep(Duration::from_secs(2)).await;
     let before = scrape(args.admin_target).await;
     let rss_before = args.server_pid.and_then(|p| rss_mib(p, "VmRSS:"));
+    let server_cpu0 = args.server_pid.and_then(super::proc_cpu_seconds);
+    let own_cpu0 = super::proc_cpu_seconds(std::process::id());
     let t = Instant::now();
     let s = storm(
         &proxies,
+        args.storm_client,
         rate_each,
         streams,
         args.storm_greedy,
@@ -415,6 +602,14 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<StormResult> {
     )
     .await;
     let elapsed = t.elapsed().as_secs_f64();
+    let cpu = |before: Option<f64>, pid: Option<u32>| {
+        Some(pid.and_then(super::proc_cpu_seconds)? - before?)
+    };
+    let server_cpu_s = cpu(server_cpu0, args.server_pid);
+    let generator_cpu_s = cpu(own_cpu0, Some(std::process::id()));
+    let loadavg_1m = std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|l| l.split_whitespace().next()?.parse().ok());
     // Let the server finish what it admitted before counting.
     tokio::time::sleep(Duration::from_secs(1)).await;
     let after = scrape(args.admin_target).await;
@@ -440,6 +635,7 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<StormResult> {
     };
     let r = StormResult {
         auth: args.storm_auth,
+        client_model: args.storm_client,
         proxies: n,
         streams,
         deadline_ms: args.storm_deadline_ms,
@@ -462,10 +658,67 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<StormResult> {
         server_rss_mib_before: rss_before,
         server_rss_mib_after: args.server_pid.and_then(|p| rss_mib(p, "VmRSS:")),
         server_rss_hwm_mib: args.server_pid.and_then(|p| rss_mib(p, "VmHWM:")),
+        renewals_per_s: s.renewals as f64 / secs,
+        attempts_per_s: s.attempts as f64 / elapsed,
+        gave_up: s.gave_up,
+        server_cpu_s,
+        generator_cpu_s,
+        storm_seconds: elapsed,
+        loadavg_1m,
+        peak_server_cpu_s,
+        goodput_per_cpu_ratio: match (peak_server_cpu_s, server_cpu_s) {
+            (Some(pc), Some(sc)) if pc > 0.0 && sc > 0.0 => {
+                Some((ok as f64 / sc) / (peak_per_s * peak_elapsed / pc))
+            }
+            _ => None,
+        },
         nproc: std::thread::available_parallelism().map_or(1, |n| n.get()),
         date: OffsetDateTime::now_utc()
             .format(&time::format_description::well_known::Rfc3339)
             .unwrap_or_default(),
     };
     Ok(r)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ztunnel_backoff_table() {
+        let ms = Duration::from_millis;
+        // (attempt, draw, want): draw's low bits pick 0.5-1 s, bits 16+ the jitter.
+        let mid = 200 << 16; // jitter 1.0
+        let cases = [
+            (0, mid, ms(500)),
+            (0, mid + 500, ms(1000)),
+            (1, mid, ms(1000)),
+            (3, mid, ms(4000)),
+            (0, 0, ms(400)),         // -20 %
+            (0, 400 << 16, ms(600)), // +20 %
+            (8, mid, ms(128_000)),
+            (9, mid, ms(150_000)), // capped
+            (40, mid + 500, ms(150_000)),
+        ];
+        for (attempt, draw, want) in cases {
+            assert_eq!(ztunnel_backoff(attempt, draw), want, "{attempt} {draw}");
+        }
+    }
+
+    #[test]
+    fn agent_backoff_table() {
+        let ms = |v| Some(Duration::from_millis(v));
+        let cases = [
+            (0, "ResourceExhausted", 100, ms(100)),
+            (4, "ResourceExhausted", 100, ms(1600)),
+            (5, "ResourceExhausted", 100, None),
+            (0, "Unavailable", 0, ms(90)),
+            (0, "ClientTimeout", 200, ms(110)),
+            (0, "Unauthenticated", 100, None),
+            (0, "InvalidArgument", 100, None),
+        ];
+        for (attempt, code, draw, want) in cases {
+            assert_eq!(agent_backoff(attempt, code, draw), want, "{attempt} {code}");
+        }
+    }
 }
