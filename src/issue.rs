@@ -195,11 +195,21 @@ impl IssueGuards {
         let Some(leaf) = creds.peer_chain.as_deref().and_then(|c| c.first()) else {
             return Ok(());
         };
-        let serial = crate::authn::mtls::leaf_of(leaf, None)
-            .map_err(AuthnError::from)?
-            .serial_hex;
-        if r.is_revoked(&serial) {
-            return Err(IssueError::Revoked(serial));
+        let parsed;
+        let serial = match creds.peer_leaf.as_deref() {
+            Some(cached) => {
+                &cached
+                    .as_ref()
+                    .map_err(|e| AuthnError::from(e.clone()))?
+                    .serial_hex
+            }
+            None => {
+                parsed = crate::authn::mtls::leaf_of(leaf, None).map_err(AuthnError::from)?;
+                &parsed.serial_hex
+            }
+        };
+        if r.is_revoked(serial) {
+            return Err(IssueError::Revoked(serial.clone()));
         }
         Ok(())
     }
@@ -404,21 +414,10 @@ impl CertificateIssuer {
             ttl: self.ttl,
             bundle: bundle.clone(),
         };
-        // Under admission the CPU-heavy step runs off the async workers, so
-        // they keep reading requests (and cancellations) into the fair
-        // queue instead of leaving them unread in socket buffers.
-        let out = match admission {
-            Some(_) => tokio::task::spawn_blocking(move || job.run())
-                .await
-                .unwrap_or_else(|e| SignOutcome {
-                    csr_sha256: None,
-                    csr_sans: None,
-                    result: Err(IssueError::Sign(crate::ca::SignError::Generation(format!(
-                        "signing task failed: {e}"
-                    )))),
-                }),
-            None => job.run(),
-        };
+        // Runs on this worker: admission already bounds signing to one per
+        // core, and handing each ~80 µs job to the blocking pool and back
+        // cost two thread wake-ups per request (docs/BENCHMARKS.md, issue 20).
+        let out = job.run();
         {
             // What was asked for, before the policy judges it (bounded when
             // the record is finalized).
