@@ -396,7 +396,14 @@ async fn handle(
         } => {
             audit.record().requested_identity = Some(identity.to_string());
             let bundle = signer.ca.snapshot();
-            match sign(&bundle, &spki_der, &identity, lifetime, &signer.settings) {
+            match sign_recorded(
+                &signer.ca,
+                &bundle,
+                &spki_der,
+                &identity,
+                lifetime,
+                &signer.settings,
+            ) {
                 Ok((leaf, chain, times)) => {
                     let r = audit.record();
                     r.serial = Some(leaf.serial_hex.clone());
@@ -532,6 +539,25 @@ fn sign(
     Ok((leaf, chain, times))
 }
 
+/// [`sign`], then the leaf's end made durable in the store's issuance log
+/// before the certificate can leave: a rotation's retire gate must wait for
+/// pod certificates too. A failed record withholds the certificate, as for
+/// CreateCertificate.
+fn sign_recorded(
+    store: &crate::ca::CaStore,
+    bundle: &CaBundle,
+    spki_der: &[u8],
+    identity: &crate::identity::SpiffeId,
+    lifetime: Duration,
+    settings: &PodCertSettings,
+) -> Result<(crate::ca::IssuedLeaf, String, decide::Times), FailReason> {
+    let (leaf, chain, times) = sign(bundle, spki_der, identity, lifetime, settings)?;
+    store
+        .record_issued(times.not_after)
+        .map_err(|e| FailReason::IssuanceRecord(e.to_string()))?;
+    Ok((leaf, chain, times))
+}
+
 /// CreateCertificate's response chain without the root bundle, and without
 /// any root a `cert-chain.pem` may repeat.
 pub fn leaf_and_intermediates(bundle: &CaBundle, leaf_pem: &str) -> String {
@@ -625,6 +651,61 @@ mod tests {
         assert!(!is_terminal(&obj));
         obj.data["status"] = serde_json::json!({"conditions": [{"type": "Denied"}]});
         assert!(is_terminal(&obj));
+    }
+
+    /// Pod certificates count for a rotation's gates: each one's end is
+    /// recorded before it leaves, and a failed record withholds it.
+    #[test]
+    fn pod_certificates_are_recorded_in_the_issuance_log() {
+        #[derive(Debug, Default)]
+        struct Log(std::sync::Mutex<Vec<i64>>, bool);
+        impl crate::ca::store::IssuanceLog for Log {
+            fn reserve(&self, not_after: i64) -> Result<(), String> {
+                if self.1 {
+                    return Err("disk full".into());
+                }
+                self.0.lock().unwrap().push(not_after);
+                Ok(())
+            }
+        }
+        let pki = crate::testing::TestPki::new(crate::ca::generate::KeyType::EcdsaP256);
+        let settings = PodCertSettings {
+            signer_name: "meshca.io/spiffe".into(),
+            lifetime: Duration::from_secs(3600),
+            refresh_band: crate::ca::ttl::JitterBand::new(50, 75).unwrap(),
+            pod_wait: Duration::from_secs(1),
+            workers: 1,
+            trust_bundle: false,
+            trust_bundle_resync: Duration::from_secs(60),
+        };
+        let id = "spiffe://cluster.local/ns/a/sa/b".parse().unwrap();
+        let key = rcgen::KeyPair::generate().unwrap();
+        let spki = rcgen::PublicKeyData::subject_public_key_info(&key);
+        for failing in [false, true] {
+            let bundle = CaBundle::load_dir(pki.path(), OffsetDateTime::now_utc()).unwrap();
+            let store = crate::ca::CaStore::new(bundle, None, false);
+            let log = std::sync::Arc::new(Log(Default::default(), failing));
+            store.set_issuance_log(log.clone());
+            let r = sign_recorded(
+                &store,
+                &store.snapshot(),
+                &spki,
+                &id,
+                Duration::from_secs(3600),
+                &settings,
+            );
+            match r {
+                Ok((_, _, times)) => {
+                    assert!(!failing);
+                    let marks = log.0.lock().unwrap().clone();
+                    assert_eq!(marks, vec![times.not_after.unix_timestamp()]);
+                }
+                Err(e) => {
+                    assert!(failing, "{e}");
+                    assert_eq!(e.reason(), "podcert_issuance_record_failed");
+                }
+            }
+        }
     }
 
     #[test]

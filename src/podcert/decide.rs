@@ -186,6 +186,10 @@ pub enum FailReason {
     SignerExpiring(OffsetDateTime),
     #[error("signing failed: {0}")]
     Signing(String),
+    /// The rotation's write-ahead issuance mark could not be made durable:
+    /// the certificate is withheld, as for CreateCertificate.
+    #[error("recording the issued certificate's expiry failed: {0}")]
+    IssuanceRecord(String),
 }
 
 impl FailReason {
@@ -194,6 +198,7 @@ impl FailReason {
             Self::MalformedKey(_) => "podcert_malformed_key",
             Self::SignerExpiring(_) => "podcert_signer_expiring",
             Self::Signing(_) => "podcert_sign_failed",
+            Self::IssuanceRecord(_) => "podcert_issuance_record_failed",
         }
     }
 
@@ -202,6 +207,7 @@ impl FailReason {
             Self::MalformedKey(_) => "MeshcaMalformedPublicKey",
             Self::SignerExpiring(_) => "MeshcaSignerExpiring",
             Self::Signing(_) => "MeshcaSigningFailed",
+            Self::IssuanceRecord(_) => "MeshcaIssuanceRecordFailed",
         }
     }
 }
@@ -465,6 +471,7 @@ mod tests {
             DenyReason::Denylisted(DenyHit::Node(String::new())).condition_reason(),
             DenyReason::PodNotFound(String::new()).condition_reason(),
             FailReason::Signing(String::new()).condition_reason(),
+            FailReason::IssuanceRecord(String::new()).condition_reason(),
             FailReason::MalformedKey(String::new()).condition_reason(),
             FailReason::SignerExpiring(OffsetDateTime::UNIX_EPOCH).condition_reason(),
         ];
