@@ -56,6 +56,7 @@ pub fn audit_sink(
         AuditSinkKind::Stdout => {
             ChainedSink::stdout_linked(key, a.checkpoint_every, a.max_line_bytes, run, head)?
         }
+        AuditSinkKind::Null => anyhow::bail!("the null audit sink has no chain"),
         AuditSinkKind::File => ChainedSink::file_run(
             &a.file,
             a.max_bytes,
@@ -132,6 +133,10 @@ impl App {
         let mut audit_anchor = None;
         let audit: Arc<dyn AuditSink> = match deps.audit.take() {
             Some(a) => a,
+            None if cfg.audit.sink == AuditSinkKind::Null => {
+                tracing::error!("--audit-sink null: audit records are DROPPED (benchmarks only)");
+                Arc::new(crate::audit::NullSink)
+            }
             None => {
                 let run = RunInfo::from_env();
                 let (mut head, mut anchor_to) = (None, None);

@@ -153,6 +153,11 @@ pub struct ServeArgs {
     /// Audit sink: `stdout` (JSON lines, nothing else is written there) or `file`.
     #[arg(long, env = "MESHCA_AUDIT_SINK", value_enum, default_value_t = AuditSinkKind::Stdout)]
     pub audit_sink: AuditSinkKind,
+    /// Allows the hidden `--audit-sink null`, which drops every record: it
+    /// exists only to measure what the audit log costs (docs/BENCHMARKS.md).
+    /// A flag with no env var, so no deployment can switch auditing off.
+    #[arg(long, hide = true)]
+    pub audit_null_for_benchmarks: bool,
     /// Audit file for `--audit-sink file`.
     #[arg(
         long,
@@ -1092,6 +1097,9 @@ impl LimitArgs {
 pub enum AuditSinkKind {
     Stdout,
     File,
+    /// Drops records: benchmarks only, behind `--audit-null-for-benchmarks`.
+    #[value(hide = true)]
+    Null,
 }
 
 /// Audit log settings.
@@ -1330,6 +1338,13 @@ impl Config {
             1,
             1 << 20,
         )?;
+        if a.audit_sink == AuditSinkKind::Null && !a.audit_null_for_benchmarks {
+            return Err(err(
+                "MESHCA_AUDIT_SINK",
+                "null",
+                "drops every audit record; it is for measuring the audit log's cost and needs --audit-null-for-benchmarks",
+            ));
+        }
         let audit = AuditSettings {
             sink: a.audit_sink,
             file: a.audit_file.clone(),
@@ -1519,6 +1534,17 @@ mod tests {
         assert_eq!(c.listen.to_string(), "0.0.0.0:15012");
         assert_eq!(c.admin_listen.to_string(), "0.0.0.0:15014");
         assert!(c.kube.is_none() && !c.mtls_impersonation);
+    }
+
+    /// Auditing cannot be switched off by env or chart: the null sink takes
+    /// a flag that has no env var.
+    #[test]
+    fn null_audit_sink_needs_the_benchmark_flag() {
+        let e = parse(&["--audit-sink", "null"]).unwrap_err();
+        assert!(e.to_string().contains("--audit-null-for-benchmarks"), "{e}");
+        let c = parse(&["--audit-sink", "null", "--audit-null-for-benchmarks"]).unwrap();
+        assert_eq!(c.audit.sink, AuditSinkKind::Null);
+        assert_eq!(parse(&[]).unwrap().audit.sink, AuditSinkKind::Stdout);
     }
 
     #[test]

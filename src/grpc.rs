@@ -224,6 +224,7 @@ pub fn credentials<T>(req: &Request<T>, limits: &InputLimits) -> Credentials {
     Credentials {
         peer_addr: conn.map(|c| c.remote_addr),
         peer_chain: conn.and_then(|c| c.peer_chain.clone()),
+        peer_leaf: conn.and_then(|c| c.peer_leaf.clone()),
         bearer,
         cluster_id,
         refused,

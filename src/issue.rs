@@ -1,7 +1,6 @@
 //! The CreateCertificate use case: authenticate, authorize, check the CSR,
 //! sign, and audit. Knows nothing about gRPC.
 
-use std::sync::atomic::{AtomicU8, Ordering as AtomicOrdering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -196,11 +195,21 @@ impl IssueGuards {
         let Some(leaf) = creds.peer_chain.as_deref().and_then(|c| c.first()) else {
             return Ok(());
         };
-        let serial = crate::authn::mtls::leaf_of(leaf, None)
-            .map_err(AuthnError::from)?
-            .serial_hex;
-        if r.is_revoked(&serial) {
-            return Err(IssueError::Revoked(serial));
+        let parsed;
+        let serial = match creds.peer_leaf.as_deref() {
+            Some(cached) => {
+                &cached
+                    .as_ref()
+                    .map_err(|e| AuthnError::from(e.clone()))?
+                    .serial_hex
+            }
+            None => {
+                parsed = crate::authn::mtls::leaf_of(leaf, None).map_err(AuthnError::from)?;
+                &parsed.serial_hex
+            }
+        };
+        if r.is_revoked(serial) {
+            return Err(IssueError::Revoked(serial.clone()));
         }
         Ok(())
     }
@@ -421,7 +430,6 @@ impl CertificateIssuer {
             deadline: admission
                 .and(timing.timeout)
                 .and_then(|t| timing.arrived.checked_add(t)),
-            state: Arc::new(AtomicU8::new(SIGN_PENDING)),
         };
         let job = SignJob {
             csr_pem: req.csr,
@@ -430,36 +438,15 @@ impl CertificateIssuer {
             csr_policy: self.csr_policy,
             ttl: self.ttl,
             bundle: bundle.clone(),
-            gate: gate.clone(),
+            gate,
         };
-        // Under admission the CPU-heavy step runs off the async workers, so
-        // they keep reading requests (and cancellations) into the fair
-        // queue instead of leaving them unread in socket buffers.
-        let mut out = match admission {
-            Some(a) => {
-                // If this request is dropped (the caller cancelled) while
-                // the CSR is verified, the job signs nothing and the audit
-                // record says so.
-                let mut watch = SignWatch {
-                    state: gate.state,
-                    audit: &mut *audit,
-                    admission: a,
-                    armed: true,
-                };
-                let out = tokio::task::spawn_blocking(move || job.run())
-                    .await
-                    .unwrap_or_else(|e| SignOutcome {
-                        csr_sha256: None,
-                        csr_sans: None,
-                        result: Err(IssueError::Sign(crate::ca::SignError::Generation(format!(
-                            "signing task failed: {e}"
-                        )))),
-                    });
-                watch.armed = false;
-                out
-            }
-            None => job.run(),
-        };
+        // Runs on this worker: admission already bounds signing to one per
+        // core, and handing each ~80 µs job to the blocking pool and back
+        // cost two thread wake-ups per request (docs/BENCHMARKS.md, issue 20).
+        // A caller that cancels is seen at the queue (its future is dropped
+        // before a slot); once the job runs it finishes, and a certificate
+        // its caller no longer waits for is audited `request_abandoned`.
+        let mut out = job.run();
         if let (Some(a), Err(IssueError::Shed(s))) = (admission, &out.result) {
             // Withheld right before signing: counted with its pushback.
             out.result = Err(a.shed_now(s.reason).into());
@@ -502,67 +489,19 @@ impl CertificateIssuer {
     }
 }
 
-const SIGN_PENDING: u8 = 0;
-const SIGN_STARTED: u8 = 1;
-const SIGN_CALLER_GONE: u8 = 2;
-
-/// The last check before a signature: the caller must still be there and
-/// within its deadline. Whichever of the signer and the cancelled request
-/// moves `state` first wins, so "cancelled before signing" in the audit
-/// record is exact.
+/// The last check before a signature: a caller past its deadline (it gave
+/// up while its CSR was verified) gets nothing signed.
 #[derive(Debug, Clone)]
 struct SignGate {
     /// Arrival + `grpc-timeout` (admission only).
     deadline: Option<Instant>,
-    state: Arc<AtomicU8>,
 }
 
 impl SignGate {
     fn check(&self, now: Instant) -> Result<(), ShedReason> {
-        if self.deadline.is_some_and(|d| now >= d) {
-            return Err(ShedReason::DeadlineBeforeSign);
-        }
-        self.state
-            .compare_exchange(
-                SIGN_PENDING,
-                SIGN_STARTED,
-                AtomicOrdering::AcqRel,
-                AtomicOrdering::Acquire,
-            )
-            .map(|_| ())
-            .map_err(|_| ShedReason::CallerCancelled)
-    }
-}
-
-/// Armed while a request waits for its signing job; dropped armed means the
-/// request was cancelled.
-struct SignWatch<'a> {
-    state: Arc<AtomicU8>,
-    audit: &'a mut AuditGuard,
-    admission: &'a Admission,
-    armed: bool,
-}
-
-impl Drop for SignWatch<'_> {
-    fn drop(&mut self) {
-        if !self.armed {
-            return;
-        }
-        let won = self
-            .state
-            .compare_exchange(
-                SIGN_PENDING,
-                SIGN_CALLER_GONE,
-                AtomicOrdering::AcqRel,
-                AtomicOrdering::Acquire,
-            )
-            .is_ok();
-        // Too late to stop a signature already started: the record stays
-        // `request_abandoned` (with the serial unknown to it).
-        if won {
-            let shed = self.admission.shed_now(ShedReason::CallerCancelled);
-            self.audit
-                .deny(shed.reason.reason(), None, shed.to_string());
+        match self.deadline.is_some_and(|d| now >= d) {
+            true => Err(ShedReason::DeadlineBeforeSign),
+            false => Ok(()),
         }
     }
 }
@@ -842,92 +781,39 @@ mod tests {
     }
 
     /// The last check before a signature, on a real CSR and CA: a caller
-    /// past its deadline or gone gets nothing signed, each with its reason.
+    /// past its deadline gets nothing signed, with its reason.
     #[test]
-    fn nothing_is_signed_past_the_deadline_or_for_a_cancelled_caller() {
+    fn nothing_is_signed_past_the_deadline() {
         let pki = TestPki::new(KeyType::EcdsaP256);
         let ca = crate::ca::CaStore::from_dir(pki.path(), false).unwrap();
         let id = "spiffe://cluster.local/ns/app/sa/app";
         let csr = csr_for(&rcgen::KeyPair::generate().unwrap(), id);
         let now = Instant::now();
-        let job = |deadline: Option<Instant>, state: u8| SignJob {
-            csr_pem: csr.clone(),
-            validity_secs: 0,
-            identity: id.parse().unwrap(),
-            csr_policy: CsrPolicy::Strict,
-            ttl: TtlPolicy::default(),
-            bundle: ca.snapshot(),
-            gate: SignGate {
-                deadline,
-                state: Arc::new(AtomicU8::new(state)),
-            },
-        };
         let later = now.checked_add(Duration::from_secs(60));
-        let cases: [(Option<Instant>, u8, Option<ShedReason>); 5] = [
-            (None, SIGN_PENDING, None),
-            (later, SIGN_PENDING, None),
-            (
-                Some(now),
-                SIGN_PENDING,
-                Some(ShedReason::DeadlineBeforeSign),
-            ),
-            (later, SIGN_CALLER_GONE, Some(ShedReason::CallerCancelled)),
-            // Started elsewhere already (cannot happen twice): not signed again.
-            (None, SIGN_STARTED, Some(ShedReason::CallerCancelled)),
+        let cases: [(Option<Instant>, Option<ShedReason>); 3] = [
+            (None, None),
+            (later, None),
+            (Some(now), Some(ShedReason::DeadlineBeforeSign)),
         ];
-        for (deadline, state, want) in cases {
-            let j = job(deadline, state);
-            let gate = j.gate.clone();
-            let out = j.run();
+        for (deadline, want) in cases {
+            let out = SignJob {
+                csr_pem: csr.clone(),
+                validity_secs: 0,
+                identity: id.parse().unwrap(),
+                csr_policy: CsrPolicy::Strict,
+                ttl: TtlPolicy::default(),
+                bundle: ca.snapshot(),
+                gate: SignGate { deadline },
+            }
+            .run();
             // The CSR was verified in every case (the check comes after).
             assert!(out.csr_sha256.is_some());
             match (out.result, want) {
-                (Ok(signed), None) => {
-                    assert!(signed.chain.len() >= 2, "leaf and roots");
-                    assert_eq!(gate.state.load(AtomicOrdering::Acquire), SIGN_STARTED);
-                }
+                (Ok(signed), None) => assert!(signed.chain.len() >= 2, "leaf and roots"),
                 (Err(IssueError::Shed(s)), Some(reason)) => assert_eq!(s.reason, reason),
-                (other, want) => panic!("{deadline:?} {state}: {:?}, want {want:?}", other.err()),
+                (other, want) => panic!("{deadline:?}: {:?}, want {want:?}", other.err()),
             }
         }
     }
 
-    /// A request dropped while its job is pending wins the race: the audit
-    /// record says `admission_caller_cancelled` and the job signs nothing.
-    /// Dropped after the job passed its check: the record stays abandoned
-    /// (a signature may exist), never claiming otherwise.
-    #[test]
-    fn a_cancel_before_signing_is_audited_with_its_own_reason() {
-        let admission = Admission::new(Default::default(), None);
-        for (job_first, want) in [
-            (false, "admission_caller_cancelled"),
-            (true, "request_abandoned"),
-        ] {
-            let sink = Arc::new(MemorySink::default());
-            let gate = SignGate {
-                deadline: None,
-                state: Arc::new(AtomicU8::new(SIGN_PENDING)),
-            };
-            {
-                let mut audit = AuditGuard::new(sink.clone(), None, None);
-                if job_first {
-                    gate.check(Instant::now()).unwrap();
-                }
-                let _watch = SignWatch {
-                    state: gate.state.clone(),
-                    audit: &mut audit,
-                    admission: &admission,
-                    armed: true,
-                };
-                // The request future is dropped here, watch first.
-            }
-            if !job_first {
-                assert_eq!(gate.check(Instant::now()), Err(ShedReason::CallerCancelled));
-            }
-            let records = sink.records();
-            assert_eq!(records.len(), 1);
-            assert_eq!(records[0].reason, want);
-            assert_eq!(records[0].decision, Decision::Deny);
-        }
-    }
 }

@@ -241,6 +241,12 @@ fn init_tracing(format: &str) {
     }
 }
 
+/// mimalloc rather than glibc malloc: under load glibc's malloc/free (with
+/// its consolidation) was about a tenth of the server's CPU samples
+/// (docs/BENCHMARKS.md, issue 20).
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();

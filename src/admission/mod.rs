@@ -48,14 +48,10 @@ pub enum ShedReason {
     /// Checked after the CSR was verified, right before signing.
     #[error("the caller's deadline passed before its certificate was signed")]
     DeadlineBeforeSign,
-    /// The caller cancelled (stream reset, connection closed) while its CSR
-    /// was being verified: nothing was signed.
-    #[error("the caller cancelled before its certificate was signed")]
-    CallerCancelled,
 }
 
 impl ShedReason {
-    pub const ALL: [ShedReason; 9] = [
+    pub const ALL: [ShedReason; 8] = [
         Self::QueueFull,
         Self::QueueDisplaced,
         Self::DeadlineExceeded,
@@ -64,7 +60,6 @@ impl ShedReason {
         Self::IdentityCap,
         Self::IdentityCapTableFull,
         Self::DeadlineBeforeSign,
-        Self::CallerCancelled,
     ];
 
     pub fn reason(&self) -> &'static str {
@@ -77,7 +72,6 @@ impl ShedReason {
             Self::IdentityCap => "admission_identity_cap",
             Self::IdentityCapTableFull => "admission_identity_cap_table_full",
             Self::DeadlineBeforeSign => "admission_deadline_before_sign",
-            Self::CallerCancelled => "admission_caller_cancelled",
         }
     }
 }

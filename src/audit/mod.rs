@@ -273,6 +273,17 @@ pub trait AuditSink: Send + Sync + std::fmt::Debug {
     }
 }
 
+/// Drops every record: the reference for measuring the audit log's cost
+/// (`--audit-sink null`, refused without `--audit-null-for-benchmarks`).
+#[derive(Debug, Default)]
+pub struct NullSink;
+
+impl AuditSink for NullSink {
+    fn emit(&self, _: &AuditRecord) -> Result<(), AuditError> {
+        Ok(())
+    }
+}
+
 /// Keeps records in memory (tests).
 #[derive(Debug, Default)]
 pub struct MemorySink(pub std::sync::Mutex<Vec<AuditRecord>>);

@@ -231,6 +231,8 @@ struct Worker {
 /// Most messages written before one fsync (bounds the acknowledgement delay
 /// of the first record in a long burst).
 const MAX_BATCH: usize = 4096;
+/// Longest sleep while a batch collects (the queue holds what arrives meanwhile).
+const BATCH_SLICE: Duration = Duration::from_millis(1);
 
 impl Worker {
     fn new(
@@ -272,21 +274,27 @@ impl Worker {
             };
             let mut batch = vec![first];
             let deadline = Instant::now() + self.settings.batch_interval;
-            while batch.len() < MAX_BATCH {
-                match rx.try_recv() {
-                    Ok(m) => batch.push(m),
-                    Err(_) if self.settings.fsync == FsyncPolicy::Batch => {
-                        let left = deadline.saturating_duration_since(Instant::now());
-                        if left.is_zero() {
-                            break;
-                        }
-                        match rx.recv_timeout(left) {
-                            Ok(m) => batch.push(m),
-                            Err(_) => break,
-                        }
+            loop {
+                while batch.len() < MAX_BATCH {
+                    match rx.try_recv() {
+                        Ok(m) => batch.push(m),
+                        Err(_) => break,
                     }
-                    Err(_) => break,
                 }
+                let left = deadline.saturating_duration_since(Instant::now());
+                if self.settings.fsync != FsyncPolicy::Batch
+                    || batch.len() >= MAX_BATCH
+                    || left.is_zero()
+                {
+                    break;
+                }
+                // Sleep in slices through the batch window and take what
+                // arrived. Waiting in recv_timeout made every record wake
+                // this thread (a futex wake and two context switches per
+                // request, issue 20's profile); a sleeping thread is not
+                // woken by senders, and the slice bounds how much the
+                // queue must hold meanwhile.
+                std::thread::sleep(left.min(BATCH_SLICE));
             }
             let stop = self.write_batch(batch);
             if stop {

@@ -82,6 +82,10 @@ pub struct Credentials {
     pub peer_addr: Option<SocketAddr>,
     /// The client certificate chain, already verified during the handshake.
     pub peer_chain: Option<Arc<[CertificateDer<'static>]>>,
+    /// `peer_chain[0]` parsed once per connection by the transport: a
+    /// connection carries many requests, and parsing the certificate again
+    /// for each was measurable. Absent, it is parsed from `peer_chain`.
+    pub peer_leaf: Option<Arc<Result<mtls::Leaf, mtls::MtlsError>>>,
     /// `authorization: Bearer <token>`; never logged.
     pub bearer: Option<String>,
     /// The single `clusterid` header value, if exactly one was sent.
@@ -209,13 +213,20 @@ pub async fn authenticate(
         return Err(e.clone());
     }
     if let Some(chain) = creds.peer_chain.as_deref().filter(|c| !c.is_empty()) {
-        let leaf = mtls::leaf_of(&chain[0], None)?;
+        let parsed;
+        let leaf = match creds.peer_leaf.as_deref() {
+            Some(cached) => cached.as_ref().map_err(|e| e.clone())?,
+            None => {
+                parsed = mtls::leaf_of(&chain[0], None)?;
+                &parsed
+            }
+        };
         // The handshake checked validity once; a long-lived connection (or a
         // resumed session) must not carry an expired certificate further.
         if time::OffsetDateTime::now_utc().unix_timestamp() > leaf.not_after {
             return Err(mtls::MtlsError::Expired(leaf.not_after).into());
         }
-        let identity = leaf.identity;
+        let identity = leaf.identity.clone();
         return Ok(Caller {
             method: AuthnMethod::Mtls,
             identity,
@@ -265,5 +276,33 @@ mod tests {
         assert_eq!(ok.method, AuthnMethod::Mtls);
         let e = authenticate(&creds_for(-2), None).await.unwrap_err();
         assert_eq!(e.reason(), "mtls_cert_expired");
+    }
+
+    /// The connection's parsed leaf is what a request is judged by (the
+    /// transport parses it once), and its expiry is still checked per request.
+    #[tokio::test]
+    async fn the_connections_parsed_leaf_decides_and_expires() {
+        let cached = |secs_left: i64| {
+            let mut c = creds_for(60);
+            let leaf = mtls::leaf_of(&c.peer_chain.as_ref().unwrap()[0], None).unwrap();
+            let now = time::OffsetDateTime::now_utc().unix_timestamp();
+            c.peer_leaf = Some(Arc::new(Ok(mtls::Leaf {
+                identity: "spiffe://cluster.local/ns/cached/sa/leaf".parse().unwrap(),
+                not_after: now + secs_left,
+                ..leaf
+            })));
+            c
+        };
+        let ok = authenticate(&cached(60), None).await.unwrap();
+        assert_eq!(
+            ok.identity.to_string(),
+            "spiffe://cluster.local/ns/cached/sa/leaf"
+        );
+        let e = authenticate(&cached(-2), None).await.unwrap_err();
+        assert_eq!(e.reason(), "mtls_cert_expired");
+        let mut bad = creds_for(60);
+        bad.peer_leaf = Some(Arc::new(Err(mtls::MtlsError::UriSanCount(2))));
+        let e = authenticate(&bad, None).await.unwrap_err();
+        assert_eq!(e.reason(), "mtls_uri_san_count");
     }
 }

@@ -70,12 +70,6 @@ pub fn leaf_of(
     })
 }
 
-/// The certificate's `notAfter` (unix seconds), if it parses.
-pub fn not_after_of(cert: &CertificateDer<'_>) -> Option<i64> {
-    let (_, parsed) = X509Certificate::from_der(cert).ok()?;
-    Some(parsed.validity().not_after.timestamp())
-}
-
 /// The SPIFFE identity of a client certificate: exactly one URI SAN, a
 /// workload id, and (if `trust_domains` is given) in one of those domains.
 pub fn identity_of(

@@ -25,6 +25,7 @@ use serde_json::json;
 use time::OffsetDateTime;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
 
+pub mod idle;
 pub mod storm;
 
 use crate::ca::generate::KeyType;
@@ -49,6 +50,8 @@ pub enum Mode {
     /// A renewal storm of many node proxies at a multiple of the measured
     /// peak (see [`storm`]).
     Storm,
+    /// Many idle mTLS connections: the server's memory per connection (see [`idle`]).
+    IdleConnections,
 }
 
 /// `meshca bench` arguments.
@@ -211,9 +214,16 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     if args.mode == Mode::Storm {
         return storm::run(&args).await;
     }
+    if args.mode == Mode::IdleConnections {
+        return idle::run(&args).await;
+    }
     let result = execute(&args).await?;
     print_human(&result);
-    let line = serde_json::to_string(&result)?;
+    emit_json(&args, &serde_json::to_string(&result)?)
+}
+
+/// Prints a result's JSON line and appends it to `--json-out`.
+fn emit_json(args: &BenchArgs, line: &str) -> anyhow::Result<()> {
     println!("{line}");
     if let Some(path) = &args.json_out {
         use std::io::Write;
@@ -369,7 +379,7 @@ impl Plan {
             mode: args.mode,
         };
         match args.mode {
-            Mode::CeilingOnly | Mode::Storm => {}
+            Mode::CeilingOnly | Mode::Storm | Mode::IdleConnections => {}
             Mode::MtlsRenewal => {
                 let id = SpiffeId::new(td.clone(), "meshca-bench", "bench")?;
                 plan.client_identity = Some(client_identity(bundle, &id)?);
@@ -531,7 +541,7 @@ async fn kube_callers(
                 });
             }
         }
-        Mode::MtlsRenewal | Mode::CeilingOnly | Mode::Storm => {}
+        Mode::MtlsRenewal | Mode::CeilingOnly | Mode::Storm | Mode::IdleConnections => {}
     }
     Ok(callers)
 }
@@ -1098,6 +1108,26 @@ mod tests {
             .filter(|x| x.decision == crate::audit::Decision::Allow)
             .count();
         assert!(allows >= ok);
+    }
+
+    /// Idle connections: one request on each connection, and the server's
+    /// memory read (here the test process's own).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn idle_connections_smoke_run() {
+        let pki = crate::testing::TestPki::new(KeyType::EcdsaP256);
+        let cfg = crate::testing::test_config(pki.path_buf());
+        let (app, audit) = crate::testing::start_server(&cfg, Default::default()).await;
+        let mut a = args(pki.path_buf(), app.addr, Mode::IdleConnections);
+        a.connections = 4;
+        a.max_seconds = 0.1;
+        a.server_pid = Some(std::process::id());
+        let r = idle::measure(&a).await.expect("idle run");
+        assert_eq!((r.connections, r.ok), (4, 4), "{r:?}");
+        assert!(r.rss_one_kib > 0 && r.rss_idle_kib > 0, "{r:?}");
+        // One request per connection, each on its own connection.
+        assert_eq!(audit.requests().len(), 4);
+        a.server_pid = None;
+        assert!(idle::measure(&a).await.is_err(), "needs the server's pid");
     }
 
     /// A small closed-loop run and a paced run against an in-process server:

@@ -28,6 +28,8 @@ use crate::tls::ServingTls;
 pub struct ConnInfo {
     pub remote_addr: SocketAddr,
     pub peer_chain: Option<Arc<[CertificateDer<'static>]>>,
+    /// `peer_chain[0]` parsed once for all the connection's requests.
+    pub peer_leaf: Option<Arc<Result<crate::authn::mtls::Leaf, crate::authn::mtls::MtlsError>>>,
     /// Lets request handling close the connection it arrived on.
     pub control: Arc<ConnControl>,
 }
@@ -295,11 +297,10 @@ impl AsyncWrite for TlsConn {
     }
 }
 
-/// Time left until `leaf`'s notAfter (zero if past, or if it does not parse:
-/// the handshake verified it, so that cannot happen).
-pub fn until_expiry(leaf: &CertificateDer<'_>, now: time::OffsetDateTime) -> Duration {
-    crate::authn::mtls::not_after_of(leaf)
-        .and_then(|t| time::OffsetDateTime::from_unix_timestamp(t).ok())
+/// Time left until `not_after` (unix seconds); zero if past or unreadable.
+pub fn until_unix(not_after: i64, now: time::OffsetDateTime) -> Duration {
+    time::OffsetDateTime::from_unix_timestamp(not_after)
+        .ok()
         .and_then(|t| Duration::try_from(t - now).ok())
         .unwrap_or(Duration::ZERO)
 }
@@ -400,16 +401,21 @@ pub fn tls_incoming(
                 });
                 // A connection never outlives its client certificate: it is
                 // closed at notAfter (requests are also checked one by one).
-                let cert_left = peer_chain
+                let peer_leaf = peer_chain
                     .as_deref()
                     .and_then(|c: &[CertificateDer<'static>]| c.first())
-                    .map(|leaf| until_expiry(leaf, time::OffsetDateTime::now_utc()));
+                    .map(|leaf| Arc::new(crate::authn::mtls::leaf_of(leaf, None)));
+                let cert_left = peer_leaf.as_deref().map(|leaf| match leaf {
+                    Ok(l) => until_unix(l.not_after, time::OffsetDateTime::now_utc()),
+                    Err(_) => Duration::ZERO,
+                });
                 let deadline = limits::earliest(deadline, cert_left);
                 let conn = TlsConn {
                     inner: stream,
                     info: ConnInfo {
                         remote_addr,
                         peer_chain,
+                        peer_leaf,
                         control: ConnControl::new(max_cancels),
                     },
                     deadline: deadline.map(|d| Box::pin(tokio::time::sleep(d))),
