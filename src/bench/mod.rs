@@ -25,6 +25,7 @@ use serde_json::json;
 use time::OffsetDateTime;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
 
+pub mod cold;
 pub mod storm;
 
 use crate::ca::generate::KeyType;
@@ -49,6 +50,9 @@ pub enum Mode {
     /// A renewal storm of many node proxies at a multiple of the measured
     /// peak (see [`storm`]).
     Storm,
+    /// A cold restart: a fresh server process and every existing pod needing
+    /// a certificate at once (see [`cold`]).
+    ColdRestart,
 }
 
 /// `meshca bench` arguments.
@@ -145,6 +149,9 @@ pub struct BenchArgs {
     /// Storm: the server's admin port (to count issued and shed requests).
     #[arg(long, default_value = "127.0.0.1:15014")]
     pub admin_target: SocketAddr,
+    /// Cold restart (`--mode cold-restart`); `--ca-dir` is then the server's `--data-dir`.
+    #[command(flatten)]
+    pub cold: cold::ColdArgs,
 }
 
 /// Crypto ceiling: what this machine's cores can do with meshca's own
@@ -206,6 +213,9 @@ pub struct BenchResult {
 pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     if args.mode == Mode::Storm {
         return storm::run(&args).await;
+    }
+    if args.mode == Mode::ColdRestart {
+        return cold::run(&args).await;
     }
     let result = execute(&args).await?;
     print_human(&result);
@@ -365,7 +375,7 @@ impl Plan {
             mode: args.mode,
         };
         match args.mode {
-            Mode::CeilingOnly | Mode::Storm => {}
+            Mode::CeilingOnly | Mode::Storm | Mode::ColdRestart => {}
             Mode::MtlsRenewal => {
                 let id = SpiffeId::new(td.clone(), "meshca-bench", "bench")?;
                 plan.client_identity = Some(client_identity(bundle, &id)?);
@@ -527,7 +537,7 @@ async fn kube_callers(
                 });
             }
         }
-        Mode::MtlsRenewal | Mode::CeilingOnly | Mode::Storm => {}
+        Mode::MtlsRenewal | Mode::CeilingOnly | Mode::Storm | Mode::ColdRestart => {}
     }
     Ok(callers)
 }
@@ -1067,6 +1077,7 @@ mod tests {
             storm_seconds: 0.5,
             storm_peak_proxies: 4,
             admin_target: "127.0.0.1:1".parse().unwrap(),
+            cold: Default::default(),
         }
     }
 
