@@ -129,8 +129,9 @@ pub struct ServeArgs {
     pub tokenreview_timeout: String,
     /// Longest a request that needs the pod index (local token verification,
     /// impersonation) waits for its first full list after a start, instead
-    /// of being refused retryably; 0s refuses at once.
-    #[arg(long, env = "MESHCA_POD_INDEX_SYNC_WAIT", default_value = "5s")]
+    /// of being refused retryably; 0s refuses at once. Well below
+    /// MESHCA_ADMISSION_MAX_WAIT, so the review and signing still fit after it.
+    #[arg(long, env = "MESHCA_POD_INDEX_SYNC_WAIT", default_value = "3s")]
     pub pod_index_sync_wait: String,
     /// Sustained TokenReviews per second meshca may send to the API server.
     #[arg(long, env = "MESHCA_TOKENREVIEW_QPS", default_value_t = ReviewLimits::default().qps)]

@@ -102,7 +102,7 @@ impl ClusterFactory {
                 tokenreview_timeout: std::time::Duration::from_secs(5),
                 review_limits: Default::default(),
                 token_verification: Default::default(),
-                pod_index_sync_wait: std::time::Duration::from_secs(5),
+                pod_index_sync_wait: std::time::Duration::from_secs(3),
             });
         let verification = kube.token_verification;
         let mut tasks = Vec::new();
