@@ -391,6 +391,7 @@ fn bench_guards(c: &mut Criterion) {
             policy: RenewalPolicy::default(),
             index: Some(index),
             remote: None,
+            sync_wait: std::time::Duration::ZERO,
         })),
         denylist: Some(Arc::new(denylist)),
         revocations: Some(Arc::new(LiveRevocations::with_serials(

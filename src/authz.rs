@@ -92,6 +92,13 @@ pub trait NodeAuthorizer: Send + Sync + std::fmt::Debug {
         requested: &str,
         creds: &Credentials,
     ) -> Result<(SpiffeId, Evidence), ImpersonationError>;
+
+    /// The pod index `authorize` would read for `creds`, and how long to
+    /// wait for it, while it has not finished its first list (a cold start).
+    /// The caller awaits [`PodIndex::wait_synced`] before `authorize`.
+    fn unsynced_index(&self, _creds: &Credentials) -> Option<(Arc<PodIndex>, std::time::Duration)> {
+        None
+    }
 }
 
 /// The static part of node authorization.
@@ -233,6 +240,8 @@ pub struct KubeNodeAuthorizer {
     /// Source-IP (mTLS) impersonation is refused while the watch has been
     /// disconnected longer than this.
     pub max_index_staleness: std::time::Duration,
+    /// `MESHCA_POD_INDEX_SYNC_WAIT`.
+    pub sync_wait: std::time::Duration,
 }
 
 impl NodeAuthorizer for KubeNodeAuthorizer {
@@ -253,6 +262,10 @@ impl NodeAuthorizer for KubeNodeAuthorizer {
         self.index.read(|state| {
             authorize_impersonation(&self.policy, caller, requested, creds, synced, state)
         })
+    }
+
+    fn unsynced_index(&self, _creds: &Credentials) -> Option<(Arc<PodIndex>, std::time::Duration)> {
+        (!self.index.is_synced()).then(|| (self.index.clone(), self.sync_wait))
     }
 }
 

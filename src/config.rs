@@ -127,6 +127,12 @@ pub struct ServeArgs {
     /// TokenReview deadline; a slow API server gives the client Unavailable.
     #[arg(long, env = "MESHCA_TOKENREVIEW_TIMEOUT", default_value = "5s")]
     pub tokenreview_timeout: String,
+    /// Longest a request that needs the pod index (local token verification,
+    /// impersonation) waits for its first full list after a start, instead
+    /// of being refused retryably; 0s refuses at once. Well below
+    /// MESHCA_ADMISSION_MAX_WAIT, so the review and signing still fit after it.
+    #[arg(long, env = "MESHCA_POD_INDEX_SYNC_WAIT", default_value = "3s")]
+    pub pod_index_sync_wait: String,
     /// Sustained TokenReviews per second meshca may send to the API server.
     #[arg(long, env = "MESHCA_TOKENREVIEW_QPS", default_value_t = ReviewLimits::default().qps)]
     pub tokenreview_qps: u32,
@@ -1155,6 +1161,8 @@ pub struct KubeSettings {
     pub review_limits: ReviewLimits,
     /// Token verification mode and issuer key refresh.
     pub token_verification: TokenVerification,
+    /// `MESHCA_POD_INDEX_SYNC_WAIT`.
+    pub pod_index_sync_wait: Duration,
 }
 
 /// Parsed, typed configuration of the server.
@@ -1284,6 +1292,12 @@ impl Config {
                 )?,
                 tokenreview_timeout,
                 review_limits: review_limits(a)?,
+                pod_index_sync_wait: bounded_duration(
+                    "MESHCA_POD_INDEX_SYNC_WAIT",
+                    &a.pod_index_sync_wait,
+                    true,
+                    Duration::from_secs(60),
+                )?,
             })
         } else {
             None

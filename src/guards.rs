@@ -42,6 +42,10 @@ pub fn start(
         // Only an index started for renewals (or node authorization) counts.
         index: pod_index.filter(|_| ks.renewal_pod_check),
         remote: remote_pods.filter(|_| ks.renewal_pod_check),
+        sync_wait: cfg
+            .kube
+            .as_ref()
+            .map_or(std::time::Duration::ZERO, |k| k.pod_index_sync_wait),
     }));
 
     let denylist = if ks.denylist.enabled() {

@@ -365,6 +365,11 @@ impl CertificateIssuer {
                     .node_authz
                     .as_ref()
                     .ok_or(ImpersonationError::NotConfigured)?;
+                // Cold start: wait (bounded) for the pod index's first list
+                // rather than refuse every node proxy that arrives before it.
+                if let Some((index, within)) = authz.unsynced_index(creds) {
+                    index.wait_synced(within).await;
+                }
                 let (id, evidence) = authz.authorize(&caller, requested, creds)?;
                 let r = audit.record();
                 r.node = Some(evidence.node.clone());
@@ -394,6 +399,10 @@ impl CertificateIssuer {
             let mut check = Vec::new();
             if req.impersonate.is_none() {
                 if let Some(g) = &self.guards.renewal {
+                    // Cold start: the same bounded wait for the index's first list.
+                    if let Some((index, within)) = g.unsynced_index() {
+                        index.wait_synced(within).await;
+                    }
                     check.push(g.check(&identity)?.as_str());
                 }
             }
@@ -749,6 +758,116 @@ mod tests {
     impl AuditSink for FullDisk {
         fn emit(&self, _: &crate::audit::AuditRecord) -> Result<(), crate::audit::AuditError> {
             Err(crate::audit::AuditError("no space left on device".into()))
+        }
+    }
+
+    /// A node proxy authenticated by token, bound to pod ztunnel-a on zt-node.
+    #[derive(Debug)]
+    struct ZtunnelToken;
+
+    #[tonic::async_trait]
+    impl crate::authn::TokenAuthenticator for ZtunnelToken {
+        async fn authenticate(
+            &self,
+            _: &str,
+            _: Option<&str>,
+        ) -> Result<Caller, crate::authn::AuthnError> {
+            Ok(Caller {
+                method: crate::authn::AuthnMethod::TokenReview,
+                identity: "spiffe://cluster.local/ns/istio-system/sa/ztunnel"
+                    .parse()
+                    .unwrap(),
+                kube: Some(crate::authn::KubernetesInfo {
+                    pod_namespace: "istio-system".into(),
+                    pod_name: "ztunnel-a".into(),
+                    pod_uid: "zt-uid".into(),
+                    service_account: "ztunnel".into(),
+                    node_name: Some("zt-node".into()),
+                    cluster_id: None,
+                }),
+            })
+        }
+    }
+
+    /// Cold start: a node proxy asking before the pod index's first list
+    /// waits for it (MESHCA_POD_INDEX_SYNC_WAIT) and is served, instead of
+    /// `impersonation_index_not_ready` (retried by ztunnel only after ~1 s,
+    /// doubling). With the wait at 0 the old refusal stands.
+    #[tokio::test]
+    async fn impersonation_before_the_first_index_sync_waits_for_it() {
+        use crate::podindex::{pod, IndexEvent, Phase, PodIndex};
+        let pki = TestPki::new(KeyType::EcdsaP256);
+        let ca = Arc::new(crate::ca::CaStore::from_dir(pki.path(), false).unwrap());
+        let requested = "spiffe://cluster.local/ns/app/sa/app";
+        let csr = csr_for(&rcgen::KeyPair::generate().unwrap(), requested);
+        let creds = Credentials {
+            bearer: Some("token".into()),
+            cluster_id: Some("Kubernetes".into()),
+            ..Default::default()
+        };
+        for (wait_ms, want) in [(5_000, Ok(())), (0, Err("impersonation_index_not_ready"))] {
+            let index = Arc::new(PodIndex::new());
+            let authz = crate::authz::KubeNodeAuthorizer {
+                policy: crate::authz::NodePolicy {
+                    trusted: crate::config::parse_service_accounts("istio-system/ztunnel")
+                        .unwrap()
+                        .into_iter()
+                        .collect(),
+                    trust_domains: vec![crate::identity::TrustDomain::new("cluster.local").unwrap()],
+                    cluster_id: "Kubernetes".into(),
+                    mtls_impersonation: false,
+                },
+                index: index.clone(),
+                max_index_staleness: Duration::from_secs(60),
+                sync_wait: Duration::from_millis(wait_ms),
+            };
+            let sink = Arc::new(MemorySink::default());
+            let issuer = CertificateIssuer {
+                ca: ca.clone(),
+                ttl: TtlPolicy::default(),
+                csr_policy: CsrPolicy::Strict,
+                tokens: Some(Arc::new(ZtunnelToken)),
+                node_authz: Some(Arc::new(authz)),
+                audit: sink.clone(),
+                metrics: None,
+                admission: None,
+                guards: Default::default(),
+            };
+            // The first list lands 100 ms after the request.
+            let lister = {
+                let index = index.clone();
+                tokio::spawn(async move {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    index.apply(IndexEvent::Init);
+                    for p in [
+                        pod(
+                            "istio-system",
+                            "ztunnel-a",
+                            "zt-uid",
+                            Some("zt-node"),
+                            "ztunnel",
+                            Phase::Running,
+                        ),
+                        pod("app", "app-1", "a1", Some("zt-node"), "app", Phase::Running),
+                    ] {
+                        index.apply(IndexEvent::InitApply(p));
+                    }
+                    index.apply(IndexEvent::InitDone);
+                })
+            };
+            let req = IssueRequest {
+                csr: csr.clone(),
+                validity_secs: 0,
+                impersonate: Some(requested.into()),
+            };
+            let got = issuer
+                .issue(&creds, Ok(req))
+                .await
+                .map(|_| ())
+                .map_err(|e| e.reason());
+            assert_eq!(got, want, "wait {wait_ms} ms");
+            lister.await.unwrap();
+            assert_eq!(sink.records().len(), 1);
         }
     }
 

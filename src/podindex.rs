@@ -906,6 +906,8 @@ pub struct PodIndex {
     // Readiness and size are mirrored in atomics so health checks and metrics
     // never take the lock the request path uses.
     synced: AtomicBool,
+    /// Wakes [`PodIndex::wait_synced`] callers when the first list lands.
+    synced_notify: tokio::sync::Notify,
     size: AtomicU64,
     events: AtomicU64,
     /// Milliseconds since `epoch` + 1 at which the watch lost the API
@@ -987,6 +989,9 @@ impl PodIndex {
             (s.synced(), s.len())
         };
         self.synced.store(synced, Ordering::Release);
+        if synced {
+            self.synced_notify.notify_waiters();
+        }
         self.size.store(len as u64, Ordering::Relaxed);
         self.events.fetch_add(1, Ordering::Relaxed);
     }
@@ -1000,6 +1005,27 @@ impl PodIndex {
     /// True once the first full list has been applied.
     pub fn is_synced(&self) -> bool {
         self.synced.load(Ordering::Acquire)
+    }
+
+    /// Waits at most `within` for the first full list; returns whether the
+    /// index is synced. After a (re)start every caller arrives before the
+    /// list does: waiting the second or two it takes beats refusing them
+    /// (their clients back off for seconds, ztunnel doubling from ~1 s) or
+    /// sending every token to TokenReview.
+    pub async fn wait_synced(&self, within: std::time::Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            let notified = self.synced_notify.notified();
+            tokio::pin!(notified);
+            // Registered before the check, so a sync between the two still wakes us.
+            notified.as_mut().enable();
+            if self.is_synced() {
+                return true;
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return self.is_synced();
+            }
+        }
     }
 
     pub fn len(&self) -> u64 {
@@ -1117,6 +1143,28 @@ mod tests {
             .collect();
         v.sort();
         v
+    }
+
+    #[tokio::test]
+    async fn wait_synced_wakes_on_the_first_list_and_gives_up_at_its_bound() {
+        let idx = std::sync::Arc::new(PodIndex::new());
+        assert!(!idx.wait_synced(std::time::Duration::from_millis(20)).await);
+        let feeder = {
+            let idx = idx.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                idx.apply(IndexEvent::Init);
+                idx.apply(IndexEvent::InitDone);
+            })
+        };
+        let t = std::time::Instant::now();
+        assert!(idx.wait_synced(std::time::Duration::from_secs(30)).await);
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(20),
+            "woken, not timed out"
+        );
+        feeder.await.unwrap();
+        assert!(idx.wait_synced(std::time::Duration::ZERO).await);
     }
 
     #[test_case(vec![Init, InitApply(a()), InitDone], true, 1, &["pod-a"] ; "initial list")]

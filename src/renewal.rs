@@ -181,9 +181,19 @@ pub struct RenewalGuard {
     pub index: Option<Arc<PodIndex>>,
     /// Consulted when the local index shows no live pod.
     pub remote: Option<Arc<dyn LivePods>>,
+    /// `MESHCA_POD_INDEX_SYNC_WAIT`: how long a renewal waits for the index's first list.
+    pub sync_wait: std::time::Duration,
 }
 
 impl RenewalGuard {
+    /// The index `check` reads, while it has not finished its first list.
+    pub fn unsynced_index(&self) -> Option<(Arc<PodIndex>, std::time::Duration)> {
+        self.index
+            .as_ref()
+            .filter(|i| !i.is_synced())
+            .map(|i| (i.clone(), self.sync_wait))
+    }
+
     pub fn view(&self, id: &SpiffeId) -> IndexView {
         match &self.index {
             None => IndexView::Off,

@@ -676,6 +676,7 @@ async fn root_and_intermediate_rotation_under_load_with_zero_failed_requests() {
         tokenreview_timeout: Duration::from_secs(3),
         review_limits: Default::default(),
         token_verification: Default::default(),
+        pod_index_sync_wait: Duration::from_secs(3),
     });
     cfg.root_publisher = Some(meshca::rootpub::RootPublisherSettings {
         configmap_name: CM.into(),

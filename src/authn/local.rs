@@ -357,6 +357,8 @@ pub struct LocalVerifier {
     pub audiences: Vec<String>,
     pub trust_domain: TrustDomain,
     pub require_pod_binding: bool,
+    /// `MESHCA_POD_INDEX_SYNC_WAIT`: how long a token waits for the index's first list.
+    pub sync_wait: std::time::Duration,
 }
 
 impl LocalVerifier {
@@ -377,14 +379,18 @@ impl LocalVerifier {
             }
         }
         let verified = match self.verify_signed(token) {
-            // An unknown kid may be a rotated key: fetch (paced) and try once more.
-            Err(LocalError::UnknownKey(_) | LocalError::KeysUnavailable)
-                if self.keys.refresh().await =>
-            {
+            // An unknown kid may be a rotated key: fetch (paced) and try once
+            // more. No keys yet means the first fetch is running: `refresh`
+            // waits for it, and its result decides (not the pacing).
+            Err(LocalError::UnknownKey(_) | LocalError::KeysUnavailable) => {
+                self.keys.refresh().await;
                 self.verify_signed(token)
             }
             other => other,
         }?;
+        if !self.index.is_synced() {
+            self.index.wait_synced(self.sync_wait).await;
+        }
         let synced = self.index.is_synced();
         self.index
             .read(|s| bind_to_pod(&verified, self.require_pod_binding, synced, s))?;
@@ -543,6 +549,10 @@ pub fn build(
     metrics: Arc<crate::metrics::Metrics>,
 ) -> (Arc<TokenVerifier>, Option<Arc<IssuerKeys>>) {
     let mode = verification.mode;
+    let sync_wait = cfg
+        .kube
+        .as_ref()
+        .map_or(std::time::Duration::ZERO, |k| k.pod_index_sync_wait);
     let (local, keys) = match (mode.uses_local(), index) {
         (true, Some(index)) => {
             let keys = Arc::new(
@@ -559,6 +569,7 @@ pub fn build(
                 audiences: cfg.token_audiences.clone(),
                 trust_domain: cfg.trust_domain.clone(),
                 require_pod_binding: verification.require_pod_binding,
+                sync_wait,
             };
             (Some(Arc::new(local)), Some(keys))
         }

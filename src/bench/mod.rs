@@ -25,6 +25,7 @@ use serde_json::json;
 use time::OffsetDateTime;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
 
+pub mod cold;
 pub mod idle;
 pub mod storm;
 
@@ -52,6 +53,9 @@ pub enum Mode {
     Storm,
     /// Many idle mTLS connections: the server's memory per connection (see [`idle`]).
     IdleConnections,
+    /// A cold restart: a fresh server process and every existing pod needing
+    /// a certificate at once (see [`cold`]).
+    ColdRestart,
 }
 
 /// `meshca bench` arguments.
@@ -152,6 +156,9 @@ pub struct BenchArgs {
     /// open as the worst case).
     #[arg(long, value_enum, default_value_t = storm::ClientModel::Ztunnel)]
     pub storm_client: storm::ClientModel,
+    /// Cold restart (`--mode cold-restart`); `--ca-dir` is then the server's `--data-dir`.
+    #[command(flatten)]
+    pub cold: cold::ColdArgs,
 }
 
 /// Crypto ceiling: what this machine's cores can do with meshca's own
@@ -216,6 +223,9 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     }
     if args.mode == Mode::IdleConnections {
         return idle::run(&args).await;
+    }
+    if args.mode == Mode::ColdRestart {
+        return cold::run(&args).await;
     }
     let result = execute(&args).await?;
     print_human(&result);
@@ -379,7 +389,7 @@ impl Plan {
             mode: args.mode,
         };
         match args.mode {
-            Mode::CeilingOnly | Mode::Storm | Mode::IdleConnections => {}
+            Mode::CeilingOnly | Mode::Storm | Mode::IdleConnections | Mode::ColdRestart => {}
             Mode::MtlsRenewal => {
                 let id = SpiffeId::new(td.clone(), "meshca-bench", "bench")?;
                 plan.client_identity = Some(client_identity(bundle, &id)?);
@@ -541,7 +551,11 @@ async fn kube_callers(
                 });
             }
         }
-        Mode::MtlsRenewal | Mode::CeilingOnly | Mode::Storm | Mode::IdleConnections => {}
+        Mode::MtlsRenewal
+        | Mode::CeilingOnly
+        | Mode::Storm
+        | Mode::IdleConnections
+        | Mode::ColdRestart => {}
     }
     Ok(callers)
 }
@@ -1082,6 +1096,7 @@ mod tests {
             storm_peak_proxies: 4,
             admin_target: "127.0.0.1:1".parse().unwrap(),
             storm_client: storm::ClientModel::Open,
+            cold: Default::default(),
         }
     }
 

@@ -102,6 +102,7 @@ impl ClusterFactory {
                 tokenreview_timeout: std::time::Duration::from_secs(5),
                 review_limits: Default::default(),
                 token_verification: Default::default(),
+                pod_index_sync_wait: std::time::Duration::from_secs(3),
             });
         let verification = kube.token_verification;
         let mut tasks = Vec::new();
@@ -126,6 +127,7 @@ impl ClusterFactory {
                 },
                 index: index.clone(),
                 max_index_staleness: cfg.kill_switch.renewal.max_index_staleness,
+                sync_wait: kube.pod_index_sync_wait,
             }),
             _ => None,
         };
@@ -467,6 +469,11 @@ impl NodeAuthorizer for ClusterRegistry {
             .ok_or(ImpersonationError::NotConfigured)?;
         authz.authorize(caller, requested, creds)
     }
+
+    fn unsynced_index(&self, creds: &Credentials) -> Option<(Arc<PodIndex>, std::time::Duration)> {
+        let id = creds.cluster_id.as_deref().unwrap_or("");
+        self.get(id)?.authorizer.as_ref()?.unsynced_index(creds)
+    }
 }
 
 #[cfg(test)]
@@ -667,6 +674,7 @@ mod tests {
                     },
                     index,
                     max_index_staleness: std::time::Duration::from_secs(60),
+                    sync_wait: std::time::Duration::ZERO,
                 }),
             tasks: Vec::new(),
         }

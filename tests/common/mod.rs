@@ -344,6 +344,7 @@ pub fn kube_config(pki: &TestPki, kubeconfig: PathBuf, trusted: &[String]) -> Co
         tokenreview_timeout: Duration::from_secs(3),
         review_limits: Default::default(),
         token_verification: Default::default(),
+        pod_index_sync_wait: Duration::from_secs(3),
     });
     cfg.trusted_node_accounts = meshca::config::parse_service_accounts(&trusted.join(",")).unwrap();
     cfg
