@@ -1234,6 +1234,7 @@ async fn root_rotation_with_two_tier_issuing_under_load() {
         tokenreview_timeout: Duration::from_secs(3),
         review_limits: Default::default(),
         token_verification: Default::default(),
+        pod_index_sync_wait: Duration::from_secs(3),
     });
     cfg.root_publisher = Some(meshca::rootpub::RootPublisherSettings {
         configmap_name: CM.into(),
