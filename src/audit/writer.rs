@@ -232,7 +232,7 @@ struct Worker {
 /// of the first record in a long burst).
 const MAX_BATCH: usize = 4096;
 /// Longest sleep while a batch collects (the queue holds what arrives meanwhile).
-const BATCH_SLICE: Duration = Duration::from_millis(1);
+const BATCH_SLICE: Duration = Duration::from_micros(250);
 
 impl Worker {
     fn new(
@@ -274,7 +274,9 @@ impl Worker {
             };
             let mut batch = vec![first];
             let deadline = Instant::now() + self.settings.batch_interval;
+            let mut slept = false;
             loop {
+                let before = batch.len();
                 while batch.len() < MAX_BATCH {
                     match rx.try_recv() {
                         Ok(m) => batch.push(m),
@@ -282,9 +284,16 @@ impl Worker {
                     }
                 }
                 let left = deadline.saturating_duration_since(Instant::now());
+                // Commit at the end of the window, when the batch is full, or
+                // as soon as a slice brings nothing new: then every sender
+                // that is coming is already waiting on this batch (a closed
+                // loop of callers), and holding the window open only adds
+                // latency.
+                let idle = slept && batch.len() == before;
                 if self.settings.fsync != FsyncPolicy::Batch
                     || batch.len() >= MAX_BATCH
                     || left.is_zero()
+                    || idle
                 {
                     break;
                 }
@@ -292,9 +301,9 @@ impl Worker {
                 // arrived. Waiting in recv_timeout made every record wake
                 // this thread (a futex wake and two context switches per
                 // request, issue 20's profile); a sleeping thread is not
-                // woken by senders, and the slice bounds how much the
-                // queue must hold meanwhile.
+                // woken by senders.
                 std::thread::sleep(left.min(BATCH_SLICE));
+                slept = true;
             }
             let stop = self.write_batch(batch);
             if stop {
