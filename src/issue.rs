@@ -449,13 +449,27 @@ impl CertificateIssuer {
             bundle: bundle.clone(),
             gate,
         };
-        // Runs on this worker: admission already bounds signing to one per
-        // core, and handing each ~80 µs job to the blocking pool and back
-        // cost two thread wake-ups per request (docs/BENCHMARKS.md, issue 20).
-        // A caller that cancels is seen at the queue (its future is dropped
-        // before a slot); once the job runs it finishes, and a certificate
-        // its caller no longer waits for is audited `request_abandoned`.
-        let mut out = job.run();
+        // Runs on this worker in normal load: admission already bounds
+        // signing to one per core, and handing each ~80 µs job to the
+        // blocking pool and back cost two thread wake-ups per request
+        // (docs/BENCHMARKS.md, issue 20). Under overload it goes to the
+        // blocking pool so the workers keep reading requests into the fair
+        // queue (admission::decide::sign_off_worker). A caller that cancels
+        // is seen at the queue (its future is dropped before a slot); once
+        // the job runs it finishes, and a certificate its caller no longer
+        // waits for is audited `request_abandoned`.
+        let mut out = match admission.filter(|a| a.sign_off_worker()) {
+            Some(_) => tokio::task::spawn_blocking(move || job.run())
+                .await
+                .unwrap_or_else(|e| SignOutcome {
+                    csr_sha256: None,
+                    csr_sans: None,
+                    result: Err(IssueError::Sign(crate::ca::SignError::Generation(format!(
+                        "signing task failed: {e}"
+                    )))),
+                }),
+            None => job.run(),
+        };
         if let (Some(a), Err(IssueError::Shed(s))) = (admission, &out.result) {
             // Withheld right before signing: counted with its pushback.
             out.result = Err(a.shed_now(s.reason).into());

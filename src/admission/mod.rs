@@ -405,6 +405,11 @@ impl Admission {
     pub fn stats(&self) -> (usize, usize) {
         self.queue.stats()
     }
+
+    /// See [`decide::sign_off_worker`].
+    pub fn sign_off_worker(&self) -> bool {
+        decide::sign_off_worker(self.queue.stats().1, self.queue.max_queued())
+    }
 }
 
 #[cfg(test)]
