@@ -302,32 +302,6 @@ async fn setup_pods(kube: &Client, args: &BenchArgs) -> anyhow::Result<Setup> {
     })
 }
 
-/// One ztunnel pod per node in the node account's namespace; returns a token for each.
-async fn ztunnel_tokens(kube: &Client, args: &BenchArgs, tag: &str) -> anyhow::Result<Vec<String>> {
-    let (zns, zsa) = args
-        .node_account
-        .split_once('/')
-        .context("--node-account must be NAMESPACE/SERVICEACCOUNT")?;
-    create_ignore_exists(
-        &Api::<Namespace>::all(kube.clone()),
-        json!({"metadata": {"name": zns}}),
-    )
-    .await?;
-    create_ignore_exists(
-        &Api::<ServiceAccount>::namespaced(kube.clone(), zns),
-        json!({"metadata": {"name": zsa}}),
-    )
-    .await?;
-    let zpods = Api::<Pod>::namespaced(kube.clone(), zns);
-    let mut out = Vec::new();
-    for n in 0..args.nodes.max(1) {
-        let name = format!("ztunnel-{tag}-{n}");
-        let uid = super::create_pod(&zpods, &name, zsa, &node_name(n)).await?;
-        out.push(pod_token(kube, zns, zsa, &name, &uid).await?);
-    }
-    Ok(out)
-}
-
 // ------------------------------------------------------------------ server process
 
 fn free_port() -> anyhow::Result<SocketAddr> {
@@ -665,11 +639,17 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<ColdResult> {
         }
         ColdScenario::Ambient => {
             let tag = random_suffix();
-            let zt: Vec<Arc<str>> = ztunnel_tokens(&kube, args, &tag)
-                .await?
-                .into_iter()
-                .map(Arc::from)
-                .collect();
+            let zt: Vec<Arc<str>> = super::ztunnel_tokens(
+                &kube,
+                &args.node_account,
+                &tag,
+                args.nodes.max(1),
+                node_name,
+            )
+            .await?
+            .into_iter()
+            .map(Arc::from)
+            .collect();
             setup
                 .pods
                 .iter()

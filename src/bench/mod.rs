@@ -441,6 +441,38 @@ where
 }
 
 /// Creates a pod bound to `node` (no scheduler runs in the test cluster); returns its UID.
+/// One ztunnel pod per node (`node(n)` names node n) in the node account's
+/// namespace (`NAMESPACE/SERVICEACCOUNT`); returns a pod-bound token for each.
+async fn ztunnel_tokens(
+    kube: &Client,
+    node_account: &str,
+    tag: &str,
+    nodes: usize,
+    node: impl Fn(usize) -> String,
+) -> anyhow::Result<Vec<String>> {
+    let (zns, zsa) = node_account
+        .split_once('/')
+        .context("--node-account must be NAMESPACE/SERVICEACCOUNT")?;
+    create_ignore_exists(
+        &Api::<Namespace>::all(kube.clone()),
+        json!({"metadata": {"name": zns}}),
+    )
+    .await?;
+    create_ignore_exists(
+        &Api::<ServiceAccount>::namespaced(kube.clone(), zns),
+        json!({"metadata": {"name": zsa}}),
+    )
+    .await?;
+    let zpods = Api::<Pod>::namespaced(kube.clone(), zns);
+    let mut out = Vec::new();
+    for n in 0..nodes {
+        let name = format!("ztunnel-{tag}-{n}");
+        let uid = create_pod(&zpods, &name, zsa, &node(n)).await?;
+        out.push(pod_token(kube, zns, zsa, &name, &uid).await?);
+    }
+    Ok(out)
+}
+
 async fn create_pod(api: &Api<Pod>, name: &str, sa: &str, node: &str) -> anyhow::Result<String> {
     let pod: Pod = serde_json::from_value(json!({
         "metadata": {"name": name, "labels": {"app": "meshca-bench"}},
@@ -521,27 +553,14 @@ async fn kube_callers(
             }
         }
         Mode::TokenImpersonation => {
-            let (zns, zsa) = args
-                .node_account
-                .split_once('/')
-                .context("--node-account must be NAMESPACE/SERVICEACCOUNT")?;
-            create_ignore_exists(
-                &Api::<Namespace>::all(kube.clone()),
-                json!({"metadata": {"name": zns}}),
+            let node_tokens = ztunnel_tokens(
+                kube,
+                &args.node_account,
+                &ns["meshca-bench-".len()..],
+                nodes,
+                node,
             )
             .await?;
-            create_ignore_exists(
-                &Api::<ServiceAccount>::namespaced(kube.clone(), zns),
-                json!({"metadata": {"name": zsa}}),
-            )
-            .await?;
-            let zpods = Api::<Pod>::namespaced(kube.clone(), zns);
-            let mut node_tokens = Vec::new();
-            for n in 0..nodes {
-                let name = format!("ztunnel-{}-{n}", &ns["meshca-bench-".len()..]);
-                let uid = create_pod(&zpods, &name, zsa, &node(n)).await?;
-                node_tokens.push(pod_token(kube, zns, zsa, &name, &uid).await?);
-            }
             for (i, (sa, _, _)) in workloads.iter().enumerate() {
                 let id = SpiffeId::new(td.clone(), &ns, sa)?.to_string();
                 callers.push(Caller {
