@@ -564,18 +564,7 @@ fn lazy_channel(target: SocketAddr, tls: &ClientTlsConfig) -> anyhow::Result<CaC
 pub async fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let r = execute(args).await?;
     print_human(&r);
-    let line = serde_json::to_string(&r)?;
-    println!("{line}");
-    if let Some(path) = &args.json_out {
-        use std::io::Write;
-        let mut f = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(path)
-            .with_context(|| format!("opening {}", path.display()))?;
-        writeln!(f, "{line}")?;
-    }
-    Ok(())
+    super::emit_json(args, &serde_json::to_string(&r)?)
 }
 
 /// Sets up the pods, starts the server, runs the storm; returns the results.

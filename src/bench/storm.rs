@@ -532,17 +532,7 @@ pub async fn run(args: &BenchArgs) -> anyhow::Result<()> {
         r.loadavg_1m,
         r.goodput_per_cpu_ratio,
     );
-    let line = serde_json::to_string(&r)?;
-    println!("{line}");
-    if let Some(path) = &args.json_out {
-        use std::io::Write;
-        let mut f = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(path)?;
-        writeln!(f, "{line}")?;
-    }
-    Ok(())
+    super::emit_json(args, &serde_json::to_string(&r)?)
 }
 
 /// Runs the storm scenario and returns its results.
