@@ -192,22 +192,11 @@ impl IssueGuards {
         let Some(r) = self.revocations.as_ref().filter(|r| r.any()) else {
             return Ok(());
         };
-        let Some(leaf) = creds.peer_chain.as_deref().and_then(|c| c.first()) else {
+        let Some(leaf) = creds.leaf() else {
             return Ok(());
         };
-        let parsed;
-        let serial = match creds.peer_leaf.as_deref() {
-            Some(cached) => {
-                &cached
-                    .as_ref()
-                    .map_err(|e| AuthnError::from(e.clone()))?
-                    .serial_hex
-            }
-            None => {
-                parsed = crate::authn::mtls::leaf_of(leaf, None).map_err(AuthnError::from)?;
-                &parsed.serial_hex
-            }
-        };
+        let leaf = leaf.map_err(AuthnError::from)?;
+        let serial = &leaf.serial_hex;
         if r.is_revoked(serial) {
             return Err(IssueError::Revoked(serial.clone()));
         }

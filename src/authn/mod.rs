@@ -95,6 +95,20 @@ pub struct Credentials {
     pub refused: Option<AuthnError>,
 }
 
+impl Credentials {
+    /// The client certificate's leaf as requests need it: the transport's
+    /// per-connection parse when there is one, else parsed from
+    /// `peer_chain`. `None` without a client certificate.
+    pub fn leaf(&self) -> Option<Result<std::borrow::Cow<'_, mtls::Leaf>, mtls::MtlsError>> {
+        use std::borrow::Cow;
+        let first = self.peer_chain.as_deref()?.first()?;
+        Some(match self.peer_leaf.as_deref() {
+            Some(cached) => cached.as_ref().map(Cow::Borrowed).map_err(Clone::clone),
+            None => mtls::leaf_of(first, None).map(Cow::Owned),
+        })
+    }
+}
+
 /// Why authentication failed. The client only ever sees istiod's opaque
 /// message; the reason goes to the audit log.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -212,15 +226,8 @@ pub async fn authenticate(
     if let Some(e) = &creds.refused {
         return Err(e.clone());
     }
-    if let Some(chain) = creds.peer_chain.as_deref().filter(|c| !c.is_empty()) {
-        let parsed;
-        let leaf = match creds.peer_leaf.as_deref() {
-            Some(cached) => cached.as_ref().map_err(|e| e.clone())?,
-            None => {
-                parsed = mtls::leaf_of(&chain[0], None)?;
-                &parsed
-            }
-        };
+    if let Some(leaf) = creds.leaf() {
+        let leaf = leaf?;
         // The handshake checked validity once; a long-lived connection (or a
         // resumed session) must not carry an expired certificate further.
         if time::OffsetDateTime::now_utc().unix_timestamp() > leaf.not_after {
