@@ -38,8 +38,8 @@ use tonic::transport::{Certificate, Channel, ClientTlsConfig};
 use tonic::Code;
 
 use super::{
-    create_ignore_exists, csr_for, measure_ceiling, percentile, pod_token, proc_cpu_seconds,
-    random_suffix, BenchArgs, CaClient,
+    create_ignore_exists, csr_for, percentile, pod_token, proc_cpu_seconds, random_suffix,
+    BenchArgs, CaClient,
 };
 use crate::ca::generate::KeyType;
 use crate::ca::CaBundle;
@@ -588,17 +588,7 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<ColdResult> {
     let ca_dir = crate::app::prepare_dev(&args.ca_dir, &td)?;
     let bundle = CaBundle::load_dir(&ca_dir, OffsetDateTime::now_utc())?;
     let nproc = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let ceiling = if args.ceiling_seconds > 0.0 {
-        Some(measure_ceiling(
-            &bundle,
-            &td,
-            args.key_type,
-            args.ceiling_seconds,
-            nproc,
-        )?)
-    } else {
-        None
-    };
+    let ceiling = super::ceiling_if_asked(args, &bundle, &td, nproc)?;
 
     let setup = setup_pods(&kube, args).await?;
     eprintln!(

@@ -247,6 +247,29 @@ fn emit_json(args: &BenchArgs, line: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The crypto ceiling, when `--ceiling-seconds` asks for one.
+fn ceiling_if_asked(
+    args: &BenchArgs,
+    bundle: &CaBundle,
+    td: &TrustDomain,
+    nproc: usize,
+) -> anyhow::Result<Option<Ceiling>> {
+    if args.ceiling_seconds <= 0.0 {
+        return Ok(None);
+    }
+    eprintln!(
+        "bench: measuring the crypto ceiling ({}s x2)",
+        args.ceiling_seconds
+    );
+    Ok(Some(measure_ceiling(
+        bundle,
+        td,
+        args.key_type,
+        args.ceiling_seconds,
+        nproc,
+    )?))
+}
+
 /// Runs the benchmark and returns its results (nothing printed but progress on stderr).
 pub async fn execute(args: &BenchArgs) -> anyhow::Result<BenchResult> {
     if !args.target.ip().is_loopback() {
@@ -266,21 +289,7 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<BenchResult> {
     );
     let nproc = std::thread::available_parallelism().map_or(1, |n| n.get());
 
-    let ceiling = if args.ceiling_seconds > 0.0 {
-        eprintln!(
-            "bench: measuring the crypto ceiling ({}s x2)",
-            args.ceiling_seconds
-        );
-        Some(measure_ceiling(
-            &bundle,
-            &td,
-            args.key_type,
-            args.ceiling_seconds,
-            nproc,
-        )?)
-    } else {
-        None
-    };
+    let ceiling = ceiling_if_asked(args, &bundle, &td, nproc)?;
     if args.mode == Mode::CeilingOnly {
         return Ok(summarize(
             args,
