@@ -461,6 +461,57 @@ struct State {
     /// Set until the run's start checkpoint is written.
     previous: Option<PreviousHead>,
     last_checkpoint: Option<String>,
+    /// Lines held back by [`ChainedSink::begin_stage`], written in one go.
+    stage: Option<Stage>,
+    /// The stage buffer's allocation, kept between batches.
+    stage_spare: Vec<u8>,
+}
+
+/// Lines rendered and chained but not yet handed to the output: a writer
+/// batch costs one write(2) instead of one per record (issue 20). The chain
+/// head advances as each line is staged; `from` is the head before the
+/// staged bytes, to go back to when their write fails.
+#[derive(Debug)]
+struct Stage {
+    buf: Vec<u8>,
+    from: Head,
+    /// Set once a write of this stage failed: nothing more is staged, so the
+    /// log never holds a record after lost ones of the same batch.
+    failed: Option<String>,
+}
+
+/// The chain head and counters a failed staged write restores.
+#[derive(Debug, Clone)]
+struct Head {
+    seq: u64,
+    prev: String,
+    records: u64,
+    since_checkpoint: u64,
+    last_checkpoint: Option<String>,
+}
+
+impl State {
+    fn head(&self) -> Head {
+        Head {
+            seq: self.seq,
+            prev: self.prev.clone(),
+            records: self.records,
+            since_checkpoint: self.since_checkpoint,
+            last_checkpoint: self.last_checkpoint.clone(),
+        }
+    }
+
+    fn restore(&mut self, h: Head) {
+        self.seq = h.seq;
+        self.prev = h.prev;
+        self.records = h.records;
+        self.since_checkpoint = h.since_checkpoint;
+        self.last_checkpoint = h.last_checkpoint;
+    }
+
+    fn staged_len(&self) -> usize {
+        self.stage.as_ref().map_or(0, |s| s.buf.len())
+    }
 }
 
 /// The chain position before a batch of writes, to undo them when the
@@ -520,6 +571,8 @@ impl ChainedSink {
                 damage,
                 previous,
                 last_checkpoint: None,
+                stage: None,
+                stage_spare: Vec::new(),
             }),
             key,
             checkpoint_every: checkpoint_every.max(1),
@@ -838,6 +891,7 @@ impl ChainedSink {
             .state
             .lock()
             .map_err(|_| AuditError("audit state poisoned".into()))?;
+        flush_stage(&mut st)?;
         match &mut st.out {
             Output::File { file, path, .. } => file
                 .sync_data()
@@ -858,8 +912,10 @@ impl ChainedSink {
             prev: st.prev.clone(),
             records: st.records,
             since_checkpoint: st.since_checkpoint,
+            // Staged lines count as written: a mark taken inside a stage is
+            // the position after them (see `rollback`).
             size: match &st.out {
-                Output::File { size, .. } => Some(*size),
+                Output::File { size, .. } => Some(*size + st.staged_len() as u64),
                 _ => None,
             },
             rotations: self.rotations.load(Ordering::Relaxed),
@@ -880,7 +936,9 @@ impl ChainedSink {
         let (Output::File { file, size, .. }, Some(to)) = (&mut st.out, mark.size) else {
             return false;
         };
-        if file.set_len(to).is_err() {
+        // Past the end: the staged lines after the mark were never written
+        // (their failed write already put the head back before them).
+        if to > *size || file.set_len(to).is_err() {
             return false;
         }
         *size = to;
@@ -888,6 +946,13 @@ impl ChainedSink {
         st.prev = mark.prev.clone();
         st.records = mark.records;
         st.since_checkpoint = mark.since_checkpoint;
+        if st.stage.is_some() {
+            let head = st.head();
+            if let Some(stage) = &mut st.stage {
+                stage.buf.clear();
+                stage.from = head;
+            }
+        }
         true
     }
 
@@ -960,6 +1025,16 @@ impl ChainedSink {
                 "audit damage not yet recorded; line not written".into(),
             ));
         }
+        if let Some(stage) = &mut st.stage {
+            if let Some(e) = &stage.failed {
+                return Err(AuditError(e.clone()));
+            }
+            stage.buf.extend_from_slice(line.as_bytes());
+            stage.buf.push(b'\n');
+            st.prev = line_hash(line);
+            st.seq += 1;
+            return Ok(());
+        }
         let mut buf = Vec::with_capacity(line.len() + 1);
         buf.extend_from_slice(line.as_bytes());
         buf.push(b'\n');
@@ -970,6 +1045,83 @@ impl ChainedSink {
         }
         result
     }
+
+    /// From now on lines are chained and kept in memory until
+    /// [`Self::end_stage`] (or a sync, a rotation or a checkpoint handed to an
+    /// anchor) writes them with one write(2). The audit writer stages each
+    /// batch; a record is acknowledged only after the stage is written.
+    pub fn begin_stage(&self) {
+        if let Ok(mut st) = self.state.lock() {
+            if st.stage.is_none() {
+                let buf = std::mem::take(&mut st.stage_spare);
+                let from = st.head();
+                st.stage = Some(Stage {
+                    buf,
+                    from,
+                    failed: None,
+                });
+            }
+        }
+    }
+
+    /// Writes what is staged now (the stage stays open).
+    pub fn flush_staged(&self) -> Result<(), AuditError> {
+        let mut st = self
+            .state
+            .lock()
+            .map_err(|_| AuditError("audit state poisoned".into()))?;
+        flush_stage(&mut st)
+    }
+
+    /// Writes what is staged and stops staging. An error means every line
+    /// staged since the last successful write is not in the log (the chain
+    /// head is back before them) and their requests must be refused.
+    pub fn end_stage(&self) -> Result<(), AuditError> {
+        let mut st = self
+            .state
+            .lock()
+            .map_err(|_| AuditError("audit state poisoned".into()))?;
+        let r = flush_stage(&mut st);
+        if let Some(mut stage) = st.stage.take() {
+            stage.buf.clear();
+            st.stage_spare = stage.buf;
+        }
+        r
+    }
+}
+
+/// Writes the staged lines with one `append`. When they do not all stand,
+/// the head goes back to before them and the stage refuses further lines.
+fn flush_stage(st: &mut State) -> Result<(), AuditError> {
+    let buf = match &mut st.stage {
+        None => return Ok(()),
+        Some(Stage {
+            failed: Some(e), ..
+        }) => return Err(AuditError(e.clone())),
+        Some(stage) if stage.buf.is_empty() => return Ok(()),
+        Some(stage) => std::mem::take(&mut stage.buf),
+    };
+    let (stands, result) = append(st, &buf);
+    let written_head = stands.then(|| st.head());
+    if let Some(stage) = &mut st.stage {
+        let mut buf = buf;
+        buf.clear();
+        stage.buf = buf;
+        match written_head {
+            Some(h) => stage.from = h,
+            None => {
+                let from = stage.from.clone();
+                stage.failed = Some(
+                    result
+                        .as_ref()
+                        .err()
+                        .map_or_else(|| "audit write failed".into(), |e| e.0.clone()),
+                );
+                st.restore(from);
+            }
+        }
+    }
+    result
 }
 
 /// Writes `buf` whole or records what a failed write left behind: a file is
@@ -1243,7 +1395,8 @@ fn head_seq(head: &[u8]) -> Option<u64> {
 }
 
 fn needs_rotation(st: &State, line_len: usize) -> bool {
-    matches!(&st.out, Output::File { size, max_bytes, .. } if *size > 0 && *size + line_len as u64 + 1 > *max_bytes)
+    let size_then = |size: u64| size + st.staged_len() as u64;
+    matches!(&st.out, Output::File { size, max_bytes, .. } if size_then(*size) > 0 && size_then(*size) + line_len as u64 + 1 > *max_bytes)
 }
 
 impl ChainedSink {
@@ -1251,6 +1404,8 @@ impl ChainedSink {
     /// the chain on (signed when a key is configured), so each file can be
     /// verified on its own from that anchor.
     fn rotate(&self, st: &mut State) -> Result<(), AuditError> {
+        // Staged lines belong to the file being rotated away.
+        flush_stage(st)?;
         let Output::File {
             path,
             max_files,
@@ -1723,6 +1878,121 @@ mod tests {
         assert_eq!(rep.records, 2);
         let text = std::fs::read_to_string(&path).unwrap();
         assert!(!text.contains("\"req-2\"") && !text.contains("\"req-3\""));
+    }
+
+    /// Counts the write calls that reach the output.
+    #[derive(Clone, Default)]
+    struct Counted(Disk, Arc<Mutex<usize>>);
+
+    impl Write for Counted {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            *self.1.lock().unwrap() += 1;
+            self.0.write(buf)
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            self.0.flush()
+        }
+    }
+
+    #[test]
+    fn a_stage_writes_its_lines_with_one_write_and_they_verify() {
+        let out = Counted::default();
+        let sink =
+            ChainedSink::writer_capped(Output::Writer(Box::new(out.clone())), None, 4, 16384)
+                .unwrap();
+        let before = *out.1.lock().unwrap();
+        sink.begin_stage();
+        for i in 0..10 {
+            sink.emit(&record(i)).unwrap(); // two periodic checkpoints among them
+        }
+        assert_eq!(
+            *out.1.lock().unwrap(),
+            before,
+            "nothing written while staged"
+        );
+        sink.end_stage().unwrap();
+        assert_eq!(
+            *out.1.lock().unwrap(),
+            before + 1,
+            "one write for the stage"
+        );
+        sink.emit(&record(10)).unwrap();
+        assert_eq!(*out.1.lock().unwrap(), before + 2, "unstaged: one per line");
+        sink.checkpoint("shutdown").unwrap();
+        let data = out.0.data.lock().unwrap().clone();
+        let rep = verify_lines(&lines_of(&data), None).unwrap();
+        assert_eq!(rep.records, 11);
+        assert!(rep.recoveries.is_empty());
+    }
+
+    // A stage whose write fails: nothing of it stands in the chain, nothing
+    // more is staged after it, and the next batch chains on from the last
+    // line that is really in the output.
+    #[test_case(Some(300), "torn_line" ; "disk fills inside the staged bytes")]
+    #[test_case(Some(0), "write_error" ; "disk full before the first staged byte")]
+    fn a_failed_stage_write_takes_none_of_its_lines(budget: Option<usize>, found: &str) {
+        let disk = Disk::default();
+        let sink =
+            ChainedSink::writer_capped(Output::Writer(Box::new(disk.clone())), None, 1000, 16384)
+                .unwrap();
+        sink.emit(&record(1)).unwrap();
+        sink.begin_stage();
+        sink.emit(&record(2)).unwrap();
+        sink.emit(&record(3)).unwrap();
+        *disk.budget.lock().unwrap() = budget;
+        assert!(sink.flush_staged().is_err(), "fail closed");
+        *disk.budget.lock().unwrap() = None;
+        assert!(
+            sink.emit(&record(4)).is_err(),
+            "a failed stage takes no more lines"
+        );
+        assert!(sink.end_stage().is_err());
+        sink.emit(&record(5)).unwrap();
+        sink.checkpoint("shutdown").unwrap();
+        let data = disk.data.lock().unwrap().clone();
+        let rep = verify_lines(&lines_of(&data), None).unwrap();
+        assert_eq!(rep.records, 2, "req-1 and req-5 only");
+        assert_eq!(rep.recoveries.len(), 1);
+        assert_eq!(rep.recoveries[0].recovery.found, found);
+        let text = String::from_utf8_lossy(&data);
+        assert!(!text.contains("\"req-4\""));
+    }
+
+    #[test]
+    fn a_file_stage_that_fails_is_cut_back_and_rotation_writes_the_stage_first() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("audit.log");
+        // Small files: the stage crosses several rotations.
+        let sink = ChainedSink::file(&path, 8192, 20, None, 1000).unwrap();
+        sink.begin_stage();
+        for i in 0..60 {
+            sink.emit(&record(i)).unwrap();
+        }
+        sink.end_stage().unwrap();
+        let mark = sink.mark().unwrap();
+        sink.begin_stage();
+        sink.emit(&record(60)).unwrap();
+        // An fsync that fails after the staged write: the batch is cut.
+        sink.sync().unwrap();
+        assert!(sink.rollback(&mark));
+        sink.end_stage().unwrap();
+        sink.emit(&record(61)).unwrap();
+        sink.checkpoint("shutdown").unwrap();
+        let mut files: Vec<PathBuf> = (1..20)
+            .rev()
+            .map(|i| PathBuf::from(format!("{}.{i}", path.display())))
+            .filter(|p| p.exists())
+            .collect();
+        assert!(files.len() >= 3, "rotated {} times", files.len());
+        files.push(path.clone());
+        let refs: Vec<&Path> = files.iter().map(PathBuf::as_path).collect();
+        let rep = verify_lines(&read_lines(&refs).unwrap(), None).unwrap();
+        assert_eq!(rep.records, 61, "req-0..59 and req-61");
+        let all: String = files
+            .iter()
+            .map(|f| std::fs::read_to_string(f).unwrap())
+            .collect();
+        assert!(!all.contains("\"req-60\""));
     }
 
     #[test]
