@@ -410,16 +410,15 @@ impl CertificateIssuer {
 
         // Admission: the identity cap, then a fair turn for the CPU-heavy
         // work; the slot is held until the certificate is signed.
-        let (ticket, _permit) = match admission {
-            Some(a) => {
+        let caller_key = admission.map(|_| crate::admission::decide::caller_key(&caller));
+        let (ticket, _permit) = match (admission, &caller_key) {
+            (Some(a), Some(key)) => {
                 let ticket = a.take_identity(&identity)?;
                 let start_by = a.start_by(timing.arrived, timing.timeout);
-                let permit = a
-                    .acquire(&crate::admission::decide::caller_key(&caller), start_by)
-                    .await?;
+                let permit = a.acquire(key, start_by).await?;
                 (Some(ticket), Some(permit))
             }
-            None => (None, None),
+            _ => (None, None),
         };
 
         // One snapshot for the whole signing step: a reload cannot mix material.
@@ -438,17 +437,21 @@ impl CertificateIssuer {
             bundle: bundle.clone(),
             gate,
         };
-        // Runs on this worker in normal load: admission already bounds
-        // signing to one per core, and handing each ~80 µs job to the
+        // Runs on this worker while its caller is alone: admission already
+        // bounds signing to one per core, and handing each ~80 µs job to the
         // blocking pool and back cost two thread wake-ups per request
-        // (docs/BENCHMARKS.md, issue 20). Under overload it goes to the
-        // blocking pool so the workers keep reading requests into the fair
-        // queue (admission::decide::sign_off_worker). A caller that cancels
+        // (docs/BENCHMARKS.md, issue 20). When other callers wait, or under
+        // overload, it goes to the blocking pool so the workers keep reading
+        // requests into the fair queue (admission::decide::sign_off_worker). A caller that cancels
         // is seen at the queue (its future is dropped before a slot); once
         // the job runs it finishes, and a certificate its caller no longer
         // waits for is audited `request_abandoned`.
-        let mut out = match admission.filter(|a| a.sign_off_worker()) {
-            Some(_) => tokio::task::spawn_blocking(move || job.run())
+        let off_worker = match (admission, &caller_key) {
+            (Some(a), Some(key)) => a.sign_off_worker(key),
+            _ => false,
+        };
+        let mut out = if off_worker {
+            tokio::task::spawn_blocking(move || job.run())
                 .await
                 .unwrap_or_else(|e| SignOutcome {
                     csr_sha256: None,
@@ -456,8 +459,9 @@ impl CertificateIssuer {
                     result: Err(IssueError::Sign(crate::ca::SignError::Generation(format!(
                         "signing task failed: {e}"
                     )))),
-                }),
-            None => job.run(),
+                })
+        } else {
+            job.run()
         };
         if let (Some(a), Err(IssueError::Shed(s))) = (admission, &out.result) {
             // Withheld right before signing: counted with its pushback.

@@ -30,6 +30,8 @@ pub struct FairTable<T> {
     /// Each remembered caller's finish tag.
     finish: HashMap<Arc<str>, u64>,
     waiting: BTreeMap<Place, (Arc<str>, T)>,
+    /// Waiters per caller in `waiting` (a caller leaves when it has none).
+    waiting_callers: HashMap<Arc<str>, usize>,
     next_id: u64,
     max_callers: usize,
 }
@@ -46,6 +48,7 @@ impl<T> FairTable<T> {
             virtual_now: 0,
             finish: HashMap::new(),
             waiting: BTreeMap::new(),
+            waiting_callers: HashMap::new(),
             next_id: 0,
             max_callers: max_callers.max(1),
         }
@@ -61,6 +64,28 @@ impl<T> FairTable<T> {
 
     pub fn callers_remembered(&self) -> usize {
         self.finish.len()
+    }
+
+    /// Whether a caller other than `key` has a request waiting.
+    pub fn others_waiting(&self, key: &str) -> bool {
+        match self.waiting_callers.len() {
+            0 => false,
+            1 => !self.waiting_callers.contains_key(key),
+            _ => true,
+        }
+    }
+
+    fn enter(&mut self, key: &Arc<str>) {
+        *self.waiting_callers.entry(key.clone()).or_default() += 1;
+    }
+
+    fn leave(&mut self, key: &str) {
+        if let Some(n) = self.waiting_callers.get_mut(key) {
+            *n -= 1;
+            if *n == 0 {
+                self.waiting_callers.remove(key);
+            }
+        }
     }
 
     /// The start tag a new request of `key` would get.
@@ -113,6 +138,7 @@ impl<T> FairTable<T> {
         self.charge(&key, tag);
         self.next_id += 1;
         let place = (tag, self.next_id);
+        self.enter(&key);
         self.waiting.insert(place, (key, item));
         place
     }
@@ -121,6 +147,7 @@ impl<T> FairTable<T> {
     /// with a smaller one).
     pub fn pop_last(&mut self) -> Option<(Arc<str>, T)> {
         let (place, (key, item)) = self.waiting.pop_last()?;
+        self.leave(&key);
         self.refund(&key, place.0);
         Some((key, item))
     }
@@ -129,6 +156,7 @@ impl<T> FairTable<T> {
     /// on the way are dropped (and refunded). Advances the virtual time.
     pub fn pop_next(&mut self, mut live: impl FnMut(&T) -> bool) -> Option<T> {
         while let Some((place, (key, item))) = self.waiting.pop_first() {
+            self.leave(&key);
             if live(&item) {
                 self.virtual_now = self.virtual_now.max(place.0);
                 return Some(item);
@@ -141,6 +169,7 @@ impl<T> FairTable<T> {
     /// A waiter gave up: leaves the queue and is refunded.
     pub fn remove(&mut self, place: Place) -> Option<T> {
         let (key, item) = self.waiting.remove(&place)?;
+        self.leave(&key);
         self.refund(&key, place.0);
         Some(item)
     }
@@ -220,6 +249,33 @@ mod tests {
         served.iter().map(|&s| s as f64 / fair).collect()
     }
 
+    #[test]
+    fn others_waiting_follows_every_way_out_of_the_queue() {
+        let mut t: FairTable<u32> = FairTable::default();
+        let (a, b): (Arc<str>, Arc<str>) = ("a".into(), "b".into());
+        assert!(!t.others_waiting("a"), "empty");
+        let pa = t.push(a.clone(), 1);
+        t.push(a.clone(), 2);
+        assert!(!t.others_waiting("a"), "only a waits");
+        assert!(t.others_waiting("b"));
+        t.push(b.clone(), 3);
+        assert!(t.others_waiting("a") && t.others_waiting("b"));
+        assert_eq!(t.remove(pa), Some(1));
+        assert!(t.others_waiting("a"), "a's second request and b wait");
+        // a's second request was charged after its first: it is furthest ahead.
+        let last = t.pop_last().map(|(k, _)| k);
+        assert_eq!(last.as_deref(), Some("a"));
+        assert!(t.others_waiting("a") && !t.others_waiting("b"));
+        assert_eq!(t.pop_next(|_| true), Some(3));
+        assert!(
+            !t.others_waiting("a") && !t.others_waiting("b"),
+            "empty again"
+        );
+        t.push(a.clone(), 4);
+        t.push(b.clone(), 5);
+        assert_eq!(t.pop_next(|_| false), None, "dead waiters leave too");
+        assert!(!t.others_waiting("c"));
+    }
     #[test]
     fn a_greedy_caller_at_ten_times_gets_about_its_fair_share() {
         // One slot serving one request per tick; normal callers each offer one

@@ -407,8 +407,12 @@ impl Admission {
     }
 
     /// See [`decide::sign_off_worker`].
-    pub fn sign_off_worker(&self) -> bool {
-        decide::sign_off_worker(self.queue.stats().1, self.queue.max_queued())
+    pub fn sign_off_worker(&self, caller_key: &str) -> bool {
+        decide::sign_off_worker(
+            self.queue.stats().1,
+            self.queue.max_queued(),
+            self.queue.others_waiting(caller_key),
+        )
     }
 }
 

@@ -114,6 +114,11 @@ impl FairQueue {
         self.0.max_queued
     }
 
+    /// Whether a caller other than `key` waits.
+    pub fn others_waiting(&self, key: &str) -> bool {
+        self.lock().table.others_waiting(key)
+    }
+
     fn permit(&self) -> Permit {
         Permit {
             queue: self.0.clone(),
