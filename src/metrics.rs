@@ -65,6 +65,21 @@ pub struct Citadel {
 pub struct Metrics {
     pub citadel: Citadel,
     pub decisions: Family<DecisionLabels, Counter>,
+    /// `meshca_request_duration_seconds{decision}`: one observation per
+    /// CreateCertificate request, made by its audit guard when the record is
+    /// sealed ([`Self::record`]). `decision="allow"` is a certificate issued
+    /// (reason `issued`); `decision="deny"` is every refusal, sheds included,
+    /// and also an issued certificate whose audit record was refused (it is
+    /// withheld). The PodCertificateRequest signer does not observe it.
+    ///
+    /// The clock starts when `CertificateIssuer::issue_within` begins: after
+    /// the request gate's slot (`grpc::RequestGateLayer`, where `Arrival` is
+    /// stamped) and after tonic has read and decoded the message, but before
+    /// the pre-auth check, authentication and the admission queue, so the
+    /// wait for an admission slot is included. It stops when the audit
+    /// record is sealed, before it is handed to the audit writer: the wait
+    /// for the writer's acknowledgement (the fsync policy) and writing the
+    /// response are not included.
     pub request_duration: Family<LatencyLabels, Histogram>,
     pub tokenreview_duration: Histogram,
     pub tokenreview_errors: Counter,

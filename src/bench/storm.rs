@@ -152,6 +152,64 @@ pub struct StormResult {
     pub goodput_per_cpu_ratio: Option<f64>,
     pub nproc: usize,
     pub date: String,
+    /// Server-side p50 / p99 of the certificates issued during the storm
+    /// phase, in ms, from the server's own
+    /// `meshca_request_duration_seconds{decision="allow"}` buckets scraped
+    /// before and after it (see `Metrics::request_duration` for what that
+    /// clock covers: admission wait included, the audit writer's
+    /// acknowledgement and the response write not). Each is the upper bound
+    /// of the bucket holding the quantile (buckets double from 0.1 ms), so
+    /// the true value is at most this and more than half of it; `"+Inf"`
+    /// when it lies above the largest bound (3,276.8 ms). None when the
+    /// scrape failed, nothing was issued, or the server restarted.
+    #[serde(serialize_with = "finite_or_inf")]
+    pub server_p50_ms: Option<f64>,
+    #[serde(serialize_with = "finite_or_inf")]
+    pub server_p99_ms: Option<f64>,
+}
+
+/// JSON has no infinity (serde_json would write `null`, which reads as "not
+/// measured"): a quantile in the `+Inf` bucket is written as `"+Inf"`.
+fn finite_or_inf<S: serde::Serializer>(v: &Option<f64>, s: S) -> Result<S::Ok, S::Error> {
+    match v {
+        Some(x) if x.is_infinite() => s.serialize_str("+Inf"),
+        Some(x) => s.serialize_f64(*x),
+        None => s.serialize_none(),
+    }
+}
+
+/// Cumulative histogram buckets as /metrics shows them: (upper bound in
+/// seconds, count of observations at or below it), in the order exported
+/// (ascending, `+Inf` last as `f64::INFINITY`).
+pub type Buckets = Vec<(f64, u64)>;
+
+/// The `q` quantile (0 < q <= 1) of the observations made between two
+/// scrapes of the same cumulative histogram, in ms: the upper bound of the
+/// bucket holding it (no interpolation; `f64::INFINITY` for the `+Inf`
+/// bucket). None when nothing was observed in between, the two scrapes'
+/// bounds differ, or any bucket went down (a counter reset: the server
+/// restarted).
+pub fn quantile_ms_from_deltas(before: &[(f64, u64)], after: &[(f64, u64)], q: f64) -> Option<f64> {
+    if before.len() != after.len() || after.is_empty() || !(q > 0.0 && q <= 1.0) {
+        return None;
+    }
+    let mut deltas = Vec::with_capacity(after.len());
+    for (&(b0, c0), &(b1, c1)) in before.iter().zip(after) {
+        if b0 != b1 || c1 < c0 {
+            return None;
+        }
+        deltas.push((b1, c1 - c0));
+    }
+    let total = deltas.last()?.1;
+    if total == 0 {
+        return None;
+    }
+    let rank = ((q * total as f64).ceil() as u64).clamp(1, total);
+    deltas
+        .iter()
+        .find(|&&(_, cum)| cum >= rank)
+        // Rounded to the µs: the bounds are exported as decimal text.
+        .map(|&(bound, _)| (bound * 1e6).round() / 1e3)
 }
 
 fn rss_mib(pid: u32, field: &str) -> Option<f64> {
@@ -161,9 +219,19 @@ fn rss_mib(pid: u32, field: &str) -> Option<f64> {
     Some(kb / 1024.0)
 }
 
-/// Scrapes the admin port: `meshca_decisions_total{...reason="issued"}` and
-/// `meshca_admission_shed_total` by reason.
-async fn scrape(admin: std::net::SocketAddr) -> Option<(u64, BTreeMap<String, u64>)> {
+/// What the storm reads from the server's /metrics.
+#[derive(Debug, Clone, Default, PartialEq)]
+struct Scraped {
+    /// `meshca_decisions_total{...reason="issued"}`.
+    issued: u64,
+    /// `meshca_admission_shed_total` by reason.
+    shed: BTreeMap<String, u64>,
+    /// `meshca_request_duration_seconds_bucket{decision="allow",le=...}`.
+    issued_latency: Buckets,
+}
+
+/// Scrapes the admin port's /metrics.
+async fn scrape(admin: std::net::SocketAddr) -> Option<Scraped> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut s = tokio::net::TcpStream::connect(admin).await.ok()?;
     s.write_all(b"GET /metrics HTTP/1.1\r\nHost: meshca\r\nConnection: close\r\n\r\n")
@@ -171,9 +239,24 @@ async fn scrape(admin: std::net::SocketAddr) -> Option<(u64, BTreeMap<String, u6
         .ok()?;
     let mut buf = Vec::new();
     s.read_to_end(&mut buf).await.ok()?;
-    let text = String::from_utf8_lossy(&buf);
-    let mut issued = 0;
-    let mut shed = BTreeMap::new();
+    Some(parse_scrape(&String::from_utf8_lossy(&buf)))
+}
+
+/// The value of label `name` in a `{a="x",b="y"}` label set.
+fn label<'a>(labels: &'a str, name: &str) -> Option<&'a str> {
+    labels
+        .trim_start_matches('{')
+        .trim_end_matches('}')
+        .split(',')
+        .find_map(|kv| {
+            kv.strip_prefix(name)?
+                .strip_prefix("=\"")?
+                .strip_suffix('"')
+        })
+}
+
+fn parse_scrape(text: &str) -> Scraped {
+    let mut out = Scraped::default();
     for line in text.lines() {
         let Some((name, value)) = line.rsplit_once(' ') else {
             continue;
@@ -182,14 +265,28 @@ async fn scrape(admin: std::net::SocketAddr) -> Option<(u64, BTreeMap<String, u6
             continue;
         };
         if name.starts_with("meshca_decisions_total{") && name.contains("reason=\"issued\"") {
-            issued += v as u64;
+            out.issued += v as u64;
         }
         if let Some(rest) = name.strip_prefix("meshca_admission_shed_total{reason=\"") {
             let reason = rest.trim_end_matches("\"}").to_string();
-            shed.insert(reason, v as u64);
+            out.shed.insert(reason, v as u64);
+        }
+        if let Some(labels) = name.strip_prefix("meshca_request_duration_seconds_bucket") {
+            if label(labels, "decision") != Some("allow") {
+                continue;
+            }
+            let bound = match label(labels, "le") {
+                Some("+Inf") => f64::INFINITY,
+                Some(b) => match b.parse::<f64>() {
+                    Ok(b) => b,
+                    Err(_) => continue,
+                },
+                None => continue,
+            };
+            out.issued_latency.push((bound, v as u64));
         }
     }
-    Some((issued, shed))
+    out
 }
 
 async fn connect_one(
@@ -500,16 +597,27 @@ async fn storm(
     s
 }
 
+/// A bucket bound in ms for the summary line (`-` when not measured).
+fn bound_ms(v: Option<f64>) -> String {
+    match v {
+        None => "-".into(),
+        Some(x) if x.is_infinite() => "+Inf".into(),
+        Some(x) => format!("{x:.1}"),
+    }
+}
+
 /// Runs the storm scenario and prints its results.
 pub async fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let r = execute(args).await?;
     eprintln!(
-        "storm [{:?} clients]: goodput {:.0}/s = {:.2} of peak {:.0}/s (target >= 0.90); p99 of successes {:.1} ms (target < 100); well-behaved share mean {:.2} p10 {:.2} min {:.2} (target >= 0.90); greedy {:.2}x its share; issued-not-received {:?}; RSS {:?} -> {:?} MiB (HWM {:?})",
+        "storm [{:?} clients]: goodput {:.0}/s = {:.2} of peak {:.0}/s (target >= 0.90); p99 of successes {:.1} ms (target < 100), server-side p50 / p99 of issued <= {} / {} ms; well-behaved share mean {:.2} p10 {:.2} min {:.2} (target >= 0.90); greedy {:.2}x its share; issued-not-received {:?}; RSS {:?} -> {:?} MiB (HWM {:?})",
         r.client_model,
         r.storm_ok_per_s,
         r.goodput_ratio,
         r.peak_per_s,
         r.storm_p99_ms,
+        bound_ms(r.server_p50_ms),
+        bound_ms(r.server_p99_ms),
         r.fair_share_mean,
         r.fair_share_p10,
         r.fair_share_min,
@@ -614,14 +722,24 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<StormResult> {
     let mean = ratios.iter().sum::<f64>() / ratios.len().max(1) as f64;
     let p10 = ratios.get(ratios.len() / 10).copied().unwrap_or(0.0);
     let (server_issued, server_shed) = match (&before, &after) {
-        (Some((i0, s0)), Some((i1, s1))) => (
-            Some(i1 - i0),
-            s1.iter()
-                .map(|(k, v)| (k.clone(), v - s0.get(k).copied().unwrap_or(0)))
+        (Some(b), Some(a)) => (
+            Some(a.issued.saturating_sub(b.issued)),
+            a.shed
+                .iter()
+                .map(|(k, v)| {
+                    (
+                        k.clone(),
+                        v.saturating_sub(b.shed.get(k).copied().unwrap_or(0)),
+                    )
+                })
                 .filter(|(_, v)| *v > 0)
                 .collect(),
         ),
         _ => (None, BTreeMap::new()),
+    };
+    let server_q = |q: f64| match (&before, &after) {
+        (Some(b), Some(a)) => quantile_ms_from_deltas(&b.issued_latency, &a.issued_latency, q),
+        _ => None,
     };
     let r = StormResult {
         auth: args.storm_auth,
@@ -666,6 +784,8 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<StormResult> {
         date: OffsetDateTime::now_utc()
             .format(&time::format_description::well_known::Rfc3339)
             .unwrap_or_default(),
+        server_p50_ms: server_q(0.50),
+        server_p99_ms: server_q(0.99),
     };
     Ok(r)
 }
@@ -693,6 +813,111 @@ mod tests {
         for (attempt, draw, want) in cases {
             assert_eq!(ztunnel_backoff(attempt, draw), want, "{attempt} {draw}");
         }
+    }
+
+    #[test]
+    fn quantile_from_bucket_deltas_table() {
+        const INF: f64 = f64::INFINITY;
+        let b = |counts: [u64; 4]| -> Buckets {
+            vec![
+                (0.001, counts[0]),
+                (0.002, counts[1]),
+                (0.004, counts[2]),
+                (INF, counts[3]),
+            ]
+        };
+        let zero = b([0, 0, 0, 0]);
+        // (before, after, q, want)
+        let cases: Vec<(Buckets, Buckets, f64, Option<f64>)> = vec![
+            // Nothing observed in between.
+            (zero.clone(), zero.clone(), 0.99, None),
+            (b([5, 7, 9, 9]), b([5, 7, 9, 9]), 0.5, None),
+            // No buckets at all (metric missing from the scrape).
+            (vec![], vec![], 0.5, None),
+            // 100 observations: 50 <= 1 ms, 49 in (1, 2], 1 in (2, 4].
+            (zero.clone(), b([50, 99, 100, 100]), 0.50, Some(1.0)),
+            (zero.clone(), b([50, 99, 100, 100]), 0.51, Some(2.0)),
+            (zero.clone(), b([50, 99, 100, 100]), 0.99, Some(2.0)),
+            (zero.clone(), b([50, 99, 100, 100]), 1.0, Some(4.0)),
+            // Only the deltas count: before already had 1,000 fast ones.
+            (
+                b([1000, 1000, 1000, 1000]),
+                b([1000, 1000, 1010, 1010]),
+                0.5,
+                Some(4.0),
+            ),
+            // All in +Inf.
+            (zero.clone(), b([0, 0, 0, 7]), 0.5, Some(INF)),
+            (b([3, 3, 3, 3]), b([3, 3, 3, 10]), 0.99, Some(INF)),
+            // One observation: every quantile is its bucket.
+            (zero.clone(), b([0, 1, 1, 1]), 0.01, Some(2.0)),
+            // Counter reset (server restarted): after < before.
+            (b([10, 20, 30, 40]), b([1, 2, 3, 4]), 0.5, None),
+            (b([10, 20, 30, 40]), b([10, 20, 29, 45]), 0.5, None),
+            // Different bounds or lengths.
+            (b([0, 0, 0, 0]), vec![(0.001, 1), (INF, 1)], 0.5, None),
+            (
+                vec![(0.001, 0), (0.003, 0), (0.004, 0), (INF, 0)],
+                b([1, 1, 1, 1]),
+                0.5,
+                None,
+            ),
+            // q out of range.
+            (zero.clone(), b([1, 1, 1, 1]), 0.0, None),
+            (zero.clone(), b([1, 1, 1, 1]), 1.5, None),
+        ];
+        for (i, (before, after, q, want)) in cases.into_iter().enumerate() {
+            assert_eq!(
+                quantile_ms_from_deltas(&before, &after, q),
+                want,
+                "case {i}: {before:?} -> {after:?} q {q}"
+            );
+        }
+    }
+
+    /// The scrape reads the histogram as `Metrics` really renders it.
+    #[test]
+    fn scrape_reads_issued_latency_buckets() {
+        use crate::metrics::{Decision, Metrics, Snapshot};
+        let m = Metrics::new();
+        m.record(Decision::Allow, "issued", None, 0.00015);
+        m.record(Decision::Allow, "issued", None, 0.003);
+        m.record(Decision::Allow, "issued", None, 100.0);
+        m.record(Decision::Deny, "admission_queue_full", None, 0.00001);
+        let s = parse_scrape(&m.render(&Snapshot::default(), 0));
+        assert_eq!(s.issued, 3);
+        let b = &s.issued_latency;
+        assert_eq!(b.len(), 17, "16 bounds and +Inf: {b:?}");
+        assert_eq!(b[0], (0.0001, 0));
+        assert_eq!(b[1].1, 1);
+        assert_eq!(b.last(), Some(&(f64::INFINITY, 3)));
+        assert!(b.windows(2).all(|w| w[0].0 < w[1].0 && w[0].1 <= w[1].1));
+        let zero: Buckets = b.iter().map(|&(le, _)| (le, 0)).collect();
+        assert_eq!(quantile_ms_from_deltas(&zero, b, 0.3), Some(0.2));
+        assert_eq!(quantile_ms_from_deltas(&zero, b, 0.5), Some(3.2));
+        assert_eq!(quantile_ms_from_deltas(&zero, b, 0.99), Some(f64::INFINITY));
+    }
+
+    #[test]
+    fn infinite_quantile_is_written_as_a_string() {
+        #[derive(Serialize)]
+        struct T {
+            #[serde(serialize_with = "finite_or_inf")]
+            a: Option<f64>,
+            #[serde(serialize_with = "finite_or_inf")]
+            b: Option<f64>,
+            #[serde(serialize_with = "finite_or_inf")]
+            c: Option<f64>,
+        }
+        let t = T {
+            a: Some(1.6),
+            b: Some(f64::INFINITY),
+            c: None,
+        };
+        assert_eq!(
+            serde_json::to_string(&t).ok().as_deref(),
+            Some(r#"{"a":1.6,"b":"+Inf","c":null}"#)
+        );
     }
 
     #[test]
