@@ -3,6 +3,7 @@
 //! outlive `max_connection_age` + grace. HTTP/2 settings are applied by the
 //! caller through tonic's builder; this module owns what tonic lacks.
 
+pub mod coalesce;
 pub mod limits;
 pub mod rejects;
 
@@ -195,10 +196,38 @@ pub struct TlsConn {
     /// no timeout of its own before the preface.
     first_read: Option<Pin<Box<tokio::time::Sleep>>>,
     metrics: Option<Arc<Metrics>>,
+    /// Plaintext written by h2 and not yet given to TLS (see `coalesce`).
+    out: Vec<u8>,
+    frames: coalesce::FrameTracker,
+    /// A flush was held back: `out` goes at the next read, write or flush.
+    held: bool,
     _permit: ConnPermit,
 }
 
 impl TlsConn {
+    /// Gives the held plaintext to TLS (one record per 16 KiB).
+    fn push_out(&mut self, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        while !self.out.is_empty() {
+            let n = std::task::ready!(Pin::new(&mut self.inner).poll_write(cx, &self.out))?;
+            if n == 0 {
+                return Poll::Ready(Err(std::io::ErrorKind::WriteZero.into()));
+            }
+            self.out.drain(..n);
+        }
+        Poll::Ready(Ok(()))
+    }
+
+    /// Sends everything written so far.
+    fn release(&mut self, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        std::task::ready!(self.push_out(cx))?;
+        // Idle connections keep no buffer (issue 20: <= 64 KiB each).
+        self.out = Vec::new();
+        // Held until TLS has flushed too: h2 already took this flush as done.
+        std::task::ready!(Pin::new(&mut self.inner).poll_flush(cx))?;
+        self.held = false;
+        Poll::Ready(Ok(()))
+    }
+
     /// Whether the client sent nothing in time after the handshake.
     fn silent(&mut self, cx: &mut Context<'_>) -> bool {
         let Some(d) = self.first_read.as_mut() else {
@@ -256,6 +285,12 @@ impl AsyncRead for TlsConn {
                 "no HTTP/2 preface within the handshake timeout",
             )));
         }
+        if self.held {
+            // A held-back flush goes out now at the latest.
+            if let Poll::Ready(Err(e)) = self.release(cx) {
+                return Poll::Ready(Err(e));
+            }
+        }
         let before = buf.filled().len();
         let r = Pin::new(&mut self.inner).poll_read(cx, buf);
         if buf.filled().len() > before {
@@ -267,33 +302,60 @@ impl AsyncRead for TlsConn {
 
 impl AsyncWrite for TlsConn {
     fn poll_write(
-        mut self: Pin<&mut Self>,
+        self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<std::io::Result<usize>> {
-        if self.expired(cx) {
-            return Poll::Ready(Err(age_exceeded()));
-        }
-        Pin::new(&mut self.inner).poll_write(cx, buf)
+        self.poll_write_vectored(cx, &[std::io::IoSlice::new(buf)])
     }
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.inner).poll_flush(cx)
-    }
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.inner).poll_shutdown(cx)
-    }
+    /// Copies into `out` (up to `coalesce::HOLD_MAX`); TLS gets it at the flush.
     fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
+        self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         bufs: &[std::io::IoSlice<'_>],
     ) -> Poll<std::io::Result<usize>> {
-        if self.expired(cx) {
+        let this = self.get_mut();
+        if this.expired(cx) {
             return Poll::Ready(Err(age_exceeded()));
         }
-        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+        if this.out.len() >= coalesce::HOLD_MAX {
+            std::task::ready!(this.push_out(cx))?;
+        }
+        if this.out.capacity() == 0 {
+            this.out.reserve(4096);
+        }
+        let mut written = 0;
+        for b in bufs {
+            let room = coalesce::HOLD_MAX.saturating_sub(this.out.len());
+            if room == 0 {
+                break;
+            }
+            let part = &b[..b.len().min(room)];
+            this.out.extend_from_slice(part);
+            this.frames.feed(part);
+            written += part.len();
+        }
+        Poll::Ready(Ok(written))
     }
     fn is_write_vectored(&self) -> bool {
-        self.inner.is_write_vectored()
+        true
+    }
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        let this = self.get_mut();
+        if !this.out.is_empty() && this.frames.may_hold() {
+            // The frames that follow usually come in this same poll; the
+            // wake-up bounds the wait to the next poll of the connection
+            // (whose read releases `out`) if they do not.
+            this.held = true;
+            cx.waker().wake_by_ref();
+            return Poll::Ready(Ok(()));
+        }
+        this.release(cx)
+    }
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        let this = self.get_mut();
+        std::task::ready!(this.release(cx))?;
+        Pin::new(&mut this.inner).poll_shutdown(cx)
     }
 }
 
@@ -421,6 +483,9 @@ pub fn tls_incoming(
                     deadline: deadline.map(|d| Box::pin(tokio::time::sleep(d))),
                     first_read: Some(Box::pin(tokio::time::sleep(handshake_timeout))),
                     metrics,
+                    out: Vec::new(),
+                    frames: Default::default(),
+                    held: false,
                     _permit: permit,
                 };
                 let _ = tx.send(Ok(conn)).await;
