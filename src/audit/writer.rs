@@ -445,6 +445,15 @@ mod tests {
         )
     }
 
+    /// Shuts the writer down from a test's runtime (it blocks).
+    async fn shut_down(w: &Arc<AuditWriter>) {
+        let w = w.clone();
+        tokio::task::spawn_blocking(move || w.shutdown_blocking(Duration::from_secs(5)))
+            .await
+            .unwrap()
+            .unwrap();
+    }
+
     fn settings(queue: usize, fsync: FsyncPolicy) -> WriterSettings {
         WriterSettings {
             queue,
@@ -509,11 +518,7 @@ mod tests {
         for rx in waiting {
             rx.await.unwrap().unwrap();
         }
-        let w2 = w.clone();
-        tokio::task::spawn_blocking(move || w2.shutdown_blocking(Duration::from_secs(5)))
-            .await
-            .unwrap()
-            .unwrap();
+        shut_down(&w).await;
         let data = gate.1.lock().unwrap().clone();
         let text = String::from_utf8(data).unwrap();
         let lines: Vec<(String, String)> = text
@@ -608,11 +613,7 @@ mod tests {
         for rx in submit_all(50..55) {
             rx.await.unwrap().unwrap();
         }
-        let w2 = w.clone();
-        tokio::task::spawn_blocking(move || w2.shutdown_blocking(Duration::from_secs(5)))
-            .await
-            .unwrap()
-            .unwrap();
+        shut_down(&w).await;
         let data = out.1.lock().unwrap().clone();
         let lines: Vec<(String, Vec<u8>)> = data
             .split(|b| *b == b'\n')
@@ -650,11 +651,7 @@ mod tests {
             text.lines().filter(|l| l.contains("\"audit\"")).count(),
             200
         );
-        let w2 = w.clone();
-        tokio::task::spawn_blocking(move || w2.shutdown_blocking(Duration::from_secs(5)))
-            .await
-            .unwrap()
-            .unwrap();
+        shut_down(&w).await;
         let lines = crate::audit::verify::read_lines(&[&path]).unwrap();
         let rep = verify_lines(&lines, None).unwrap();
         assert_eq!(rep.records, 200);
