@@ -410,15 +410,15 @@ impl CertificateIssuer {
 
         // Admission: the identity cap, then a fair turn for the CPU-heavy
         // work; the slot is held until the certificate is signed.
-        let caller_key = admission.map(|_| crate::admission::decide::caller_key(&caller));
-        let (ticket, _permit) = match (admission, &caller_key) {
-            (Some(a), Some(key)) => {
+        let admitting = admission.map(|a| (a, crate::admission::decide::caller_key(&caller)));
+        let (ticket, _permit) = match &admitting {
+            Some((a, key)) => {
                 let ticket = a.take_identity(&identity)?;
                 let start_by = a.start_by(timing.arrived, timing.timeout);
                 let permit = a.acquire(key, start_by).await?;
                 (Some(ticket), Some(permit))
             }
-            _ => (None, None),
+            None => (None, None),
         };
 
         // One snapshot for the whole signing step: a reload cannot mix material.
@@ -442,14 +442,13 @@ impl CertificateIssuer {
         // blocking pool and back cost two thread wake-ups per request
         // (docs/BENCHMARKS.md, issue 20). When other callers wait, or under
         // overload, it goes to the blocking pool so the workers keep reading
-        // requests into the fair queue (admission::decide::sign_off_worker). A caller that cancels
-        // is seen at the queue (its future is dropped before a slot); once
-        // the job runs it finishes, and a certificate its caller no longer
-        // waits for is audited `request_abandoned`.
-        let off_worker = match (admission, &caller_key) {
-            (Some(a), Some(key)) => a.sign_off_worker(key),
-            _ => false,
-        };
+        // requests into the fair queue (admission::decide::sign_off_worker).
+        // A caller that cancels is seen at the queue (its future is dropped
+        // before a slot); once the job runs it finishes, and a certificate
+        // its caller no longer waits for is audited `request_abandoned`.
+        let off_worker = admitting
+            .as_ref()
+            .is_some_and(|(a, key)| a.sign_off_worker(key));
         let mut out = if off_worker {
             tokio::task::spawn_blocking(move || job.run())
                 .await

@@ -408,11 +408,8 @@ impl Admission {
 
     /// See [`decide::sign_off_worker`].
     pub fn sign_off_worker(&self, caller_key: &str) -> bool {
-        decide::sign_off_worker(
-            self.queue.stats().1,
-            self.queue.max_queued(),
-            self.queue.others_waiting(caller_key),
-        )
+        let (queued, others) = self.queue.waiting_besides(caller_key);
+        decide::sign_off_worker(queued, self.queue.max_queued(), others)
     }
 }
 

@@ -114,9 +114,10 @@ impl FairQueue {
         self.0.max_queued
     }
 
-    /// Whether a caller other than `key` waits.
-    pub fn others_waiting(&self, key: &str) -> bool {
-        self.lock().table.others_waiting(key)
+    /// (waiters, whether a caller other than `key` is among them), under one lock.
+    pub fn waiting_besides(&self, key: &str) -> (usize, bool) {
+        let s = self.lock();
+        (s.table.len(), s.table.others_waiting(key))
     }
 
     fn permit(&self) -> Permit {

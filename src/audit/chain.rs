@@ -480,7 +480,8 @@ struct Stage {
     failed: Option<String>,
 }
 
-/// The chain head and counters a failed staged write restores.
+/// The chain head and counters that a failed staged write, or a rollback
+/// after a failed fsync, goes back to.
 #[derive(Debug, Clone)]
 struct Head {
     seq: u64,
@@ -518,10 +519,7 @@ impl State {
 /// fsync that should cover them fails (see [`ChainedSink::rollback`]).
 #[derive(Debug, Clone)]
 pub struct Mark {
-    seq: u64,
-    prev: String,
-    records: u64,
-    since_checkpoint: u64,
+    head: Head,
     size: Option<u64>,
     rotations: u64,
 }
@@ -908,10 +906,7 @@ impl ChainedSink {
     pub fn mark(&self) -> Option<Mark> {
         let st = self.state.lock().ok()?;
         Some(Mark {
-            seq: st.seq,
-            prev: st.prev.clone(),
-            records: st.records,
-            since_checkpoint: st.since_checkpoint,
+            head: st.head(),
             // Staged lines count as written: a mark taken inside a stage is
             // the position after them (see `rollback`).
             size: match &st.out {
@@ -942,16 +937,10 @@ impl ChainedSink {
             return false;
         }
         *size = to;
-        st.seq = mark.seq;
-        st.prev = mark.prev.clone();
-        st.records = mark.records;
-        st.since_checkpoint = mark.since_checkpoint;
-        if st.stage.is_some() {
-            let head = st.head();
-            if let Some(stage) = &mut st.stage {
-                stage.buf.clear();
-                stage.from = head;
-            }
+        st.restore(mark.head.clone());
+        if let Some(stage) = &mut st.stage {
+            stage.buf.clear();
+            stage.from = mark.head.clone();
         }
         true
     }
@@ -1395,8 +1384,15 @@ fn head_seq(head: &[u8]) -> Option<u64> {
 }
 
 fn needs_rotation(st: &State, line_len: usize) -> bool {
-    let size_then = |size: u64| size + st.staged_len() as u64;
-    matches!(&st.out, Output::File { size, max_bytes, .. } if size_then(*size) > 0 && size_then(*size) + line_len as u64 + 1 > *max_bytes)
+    // Staged lines go to the current file first.
+    let Output::File {
+        size, max_bytes, ..
+    } = &st.out
+    else {
+        return false;
+    };
+    let size = *size + st.staged_len() as u64;
+    size > 0 && size + line_len as u64 + 1 > *max_bytes
 }
 
 impl ChainedSink {

@@ -339,11 +339,11 @@ impl Worker {
                         record.detail =
                             Some("the caller stopped waiting before its record was written".into());
                     }
-                    let always = self.settings.fsync == FsyncPolicy::Always;
-                    let mark = if always { self.sink.mark() } else { None };
+                    // Unstaged (`always`): each record is made durable alone.
+                    let mark = if staged { None } else { self.sink.mark() };
                     let mut r = self.sink.emit(&record);
                     self.pending = true;
-                    if r.is_ok() && always {
+                    if r.is_ok() && !staged {
                         r = self.durable(mark.as_ref());
                     }
                     acks.push((reply.map_or(Waiter::None, Waiter::Request), r));

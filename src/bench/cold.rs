@@ -309,7 +309,8 @@ fn free_port() -> anyhow::Result<SocketAddr> {
     Ok(l.local_addr()?)
 }
 
-async fn http_get(addr: SocketAddr, path: &str) -> Option<(u16, String)> {
+/// A plain HTTP/1.1 GET to the admin port: (status, body).
+pub(super) async fn http_get(addr: SocketAddr, path: &str) -> Option<(u16, String)> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
     let req = format!("GET {path} HTTP/1.1\r\nHost: meshca\r\nConnection: close\r\n\r\n");

@@ -232,14 +232,8 @@ struct Scraped {
 
 /// Scrapes the admin port's /metrics.
 async fn scrape(admin: std::net::SocketAddr) -> Option<Scraped> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(admin).await.ok()?;
-    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: meshca\r\nConnection: close\r\n\r\n")
-        .await
-        .ok()?;
-    let mut buf = Vec::new();
-    s.read_to_end(&mut buf).await.ok()?;
-    Some(parse_scrape(&String::from_utf8_lossy(&buf)))
+    let (_, body) = super::cold::http_get(admin, "/metrics").await?;
+    Some(parse_scrape(&body))
 }
 
 /// The value of label `name` in a `{a="x",b="y"}` label set.
