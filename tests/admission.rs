@@ -281,10 +281,13 @@ async fn a_cancelled_caller_is_dropped_from_the_queue() {
     // Requests signed between a client giving up and the server reading
     // its RST_STREAM still finish; the rest of the cancelled requests must
     // never be signed. Were cancelled waiters kept in the queue (no
-    // deadline, a 5 s wait), every one of the 400 would be.
+    // deadline, a 5 s wait), every one of the 400 would be. The margin is
+    // half: on a loaded 2-core CI machine the server read the resets late
+    // enough to sign 123 of 400 after they were cancelled (a quarter
+    // failed), while the bug this guards against signs nearly all of them.
     let cancelled = 400 - successes;
     assert!(
-        allows - successes <= cancelled / 4,
+        allows - successes <= cancelled / 2,
         "{allows} allows for {successes} delivered certificates"
     );
     assert_eq!(allows + abandoned, records.len(), "{records:?}");

@@ -42,6 +42,12 @@ fn json_len(c: char) -> usize {
 /// at most `max` JSON bytes. Idempotent: a bounded value is returned as is.
 pub fn bounded(s: &str, max: usize) -> Cow<'_, str> {
     let max = max.max(MIN_MAX);
+    // Fast path for the common value (issue 20: this ran over every field of
+    // every record): printable ASCII never needs escaping and takes at most
+    // two JSON bytes per byte, so a short one is kept without a char walk.
+    if s.len() <= max / 2 && s.bytes().all(|b| (0x20..0x7f).contains(&b)) {
+        return Cow::Borrowed(s);
+    }
     let clean = !s.chars().any(needs_escape);
     let size: usize = s.chars().map(json_len).sum();
     if clean && size <= max {
@@ -142,6 +148,16 @@ mod tests {
             // Idempotent: bounding again changes nothing.
             assert!(matches!(bounded(&out, max), Cow::Borrowed(_)));
         }
+    }
+
+    // Around the fast path's edge: printable ASCII up to half the cap is
+    // kept without a walk; beyond it the full count decides.
+    #[test_case(&"\"".repeat(512), 1024, true ; "quotes at half the cap fast path")]
+    #[test_case(&"\"".repeat(513), 1024, false ; "quotes just past the cap by json size")]
+    #[test_case(&format!("{}\u{7f}", "a".repeat(10)), 1024, false ; "del is a control")]
+    #[test_case(&"~".repeat(600), 1024, true ; "printable ascii past half the cap still kept")]
+    fn fast_path_agrees_with_the_full_count(input: &str, max: usize, unchanged: bool) {
+        bounded_table(input, max, unchanged);
     }
 
     #[test]

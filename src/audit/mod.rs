@@ -266,9 +266,10 @@ pub trait AuditSink: Send + Sync + std::fmt::Debug {
 
     /// Hands over a record whose request waits for the acknowledgement
     /// before answering. Never blocks: a sink that cannot take the record now
-    /// refuses it. By default the record is emitted in place.
-    fn submit(&self, record: &AuditRecord) -> Result<Ack, AuditRefusal> {
-        self.emit(record)?;
+    /// refuses it. By default the record is emitted in place. Takes the
+    /// record whole so a queueing sink keeps it without a copy.
+    fn submit(&self, record: Box<AuditRecord>) -> Result<Ack, AuditRefusal> {
+        self.emit(&record)?;
         Ok(Ack::Written)
     }
 }
@@ -400,7 +401,20 @@ impl AuditGuard {
         }
         self.done = true;
         let elapsed = self.seal();
-        let result = match self.sink.submit(&self.record) {
+        // The record moves to the sink (no copy of its ~20 strings per
+        // request); what `observe` reads afterwards stays behind.
+        let decision = self.record.decision;
+        let record = std::mem::replace(
+            &mut self.record,
+            AuditRecord::new(
+                OffsetDateTime::UNIX_EPOCH,
+                String::new(),
+                decision,
+                String::new(),
+            ),
+        );
+        self.record.request_id.clone_from(&record.request_id);
+        let result = match self.sink.submit(Box::new(record)) {
             Ok(Ack::Written) => Ok(()),
             Ok(Ack::Pending(rx)) => match rx.await {
                 Ok(r) => r.map_err(AuditRefusal::from),

@@ -209,9 +209,9 @@ impl AuditSink for AuditWriter {
             .map_err(|e| AuditError(e.to_string()))
     }
 
-    fn submit(&self, record: &AuditRecord) -> Result<Ack, AuditRefusal> {
+    fn submit(&self, record: Box<AuditRecord>) -> Result<Ack, AuditRefusal> {
         let (reply, rx) = oneshot::channel();
-        self.send(Msg::Record(Box::new(record.clone()), Some(reply)))?;
+        self.send(Msg::Record(record, Some(reply)))?;
         Ok(Ack::Pending(rx))
     }
 }
@@ -495,7 +495,7 @@ mod tests {
         let mut waiting = vec![];
         let mut shed = 0;
         for i in 0..10 {
-            match w.submit(&record(i)) {
+            match w.submit(Box::new(record(i))) {
                 Ok(Ack::Pending(rx)) => waiting.push(rx),
                 Ok(Ack::Written) => panic!("the writer never writes in place"),
                 Err(AuditRefusal::Shed(r)) => {
@@ -542,11 +542,11 @@ mod tests {
                 .unwrap();
         *gate.0 .0.lock().unwrap() = false;
         let w = AuditWriter::start(sink, settings(8, FsyncPolicy::Never), None).unwrap();
-        let Ok(Ack::Pending(blocker)) = w.submit(&record(0)) else {
+        let Ok(Ack::Pending(blocker)) = w.submit(Box::new(record(0))) else {
             panic!()
         };
         std::thread::sleep(Duration::from_millis(50));
-        let Ok(Ack::Pending(gone)) = w.submit(&record(1)) else {
+        let Ok(Ack::Pending(gone)) = w.submit(Box::new(record(1))) else {
             panic!()
         };
         drop(gone);
@@ -596,7 +596,7 @@ mod tests {
         let w = Arc::new(AuditWriter::start(sink, settings(1024, fsync), None).unwrap());
         let submit_all = |range: std::ops::Range<u64>| {
             range
-                .map(|i| match w.submit(&record(i)) {
+                .map(|i| match w.submit(Box::new(record(i))) {
                     Ok(Ack::Pending(rx)) => rx,
                     _ => panic!("not queued"),
                 })
@@ -636,7 +636,7 @@ mod tests {
             Arc::new(AuditWriter::start(sink, settings(1024, FsyncPolicy::Batch), None).unwrap());
         let mut rxs = vec![];
         for i in 0..200 {
-            match w.submit(&record(i)).unwrap() {
+            match w.submit(Box::new(record(i))).unwrap() {
                 Ack::Pending(rx) => rxs.push(rx),
                 Ack::Written => panic!(),
             }
@@ -656,7 +656,7 @@ mod tests {
         let rep = verify_lines(&lines, None).unwrap();
         assert_eq!(rep.records, 200);
         assert!(matches!(
-            w.submit(&record(1)),
+            w.submit(Box::new(record(1))),
             Err(AuditRefusal::Shed("audit_writer_stopped"))
         ));
     }

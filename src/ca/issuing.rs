@@ -142,7 +142,7 @@ pub fn mint(
 
 /// Writes `record` and waits for the writer to acknowledge it.
 pub async fn audit_acked(audit: &dyn AuditSink, record: &AuditRecord) -> Result<(), String> {
-    match audit.submit(record) {
+    match audit.submit(Box::new(record.clone())) {
         Ok(crate::audit::Ack::Written) => Ok(()),
         Ok(crate::audit::Ack::Pending(rx)) => match rx.await {
             Ok(Ok(())) => Ok(()),
@@ -155,7 +155,7 @@ pub async fn audit_acked(audit: &dyn AuditSink, record: &AuditRecord) -> Result<
 
 /// [`audit_acked`] for a blocking thread (a rollover the rotation drives).
 pub fn audit_acked_blocking(audit: &dyn AuditSink, record: &AuditRecord) -> Result<(), String> {
-    match audit.submit(record) {
+    match audit.submit(Box::new(record.clone())) {
         Ok(crate::audit::Ack::Written) => Ok(()),
         Ok(crate::audit::Ack::Pending(rx)) => match rx.blocking_recv() {
             Ok(Ok(())) => Ok(()),
