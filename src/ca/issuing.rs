@@ -141,8 +141,8 @@ pub fn mint(
 }
 
 /// Writes `record` and waits for the writer to acknowledge it.
-pub async fn audit_acked(audit: &dyn AuditSink, record: &AuditRecord) -> Result<(), String> {
-    match audit.submit(Box::new(record.clone())) {
+pub async fn audit_acked(audit: &dyn AuditSink, record: AuditRecord) -> Result<(), String> {
+    match audit.submit(Box::new(record)) {
         Ok(crate::audit::Ack::Written) => Ok(()),
         Ok(crate::audit::Ack::Pending(rx)) => match rx.await {
             Ok(Ok(())) => Ok(()),
@@ -154,8 +154,8 @@ pub async fn audit_acked(audit: &dyn AuditSink, record: &AuditRecord) -> Result<
 }
 
 /// [`audit_acked`] for a blocking thread (a rollover the rotation drives).
-pub fn audit_acked_blocking(audit: &dyn AuditSink, record: &AuditRecord) -> Result<(), String> {
-    match audit.submit(Box::new(record.clone())) {
+pub fn audit_acked_blocking(audit: &dyn AuditSink, record: AuditRecord) -> Result<(), String> {
+    match audit.submit(Box::new(record)) {
         Ok(crate::audit::Ack::Written) => Ok(()),
         Ok(crate::audit::Ack::Pending(rx)) => match rx.blocking_recv() {
             Ok(Ok(())) => Ok(()),
@@ -217,7 +217,7 @@ impl TwoTier {
         let minted = tokio::task::spawn_blocking(move || mint(&snapshot, ttl, now))
             .await
             .map_err(|e| IssuingError::Generation(e.to_string()))??;
-        audit_acked(audit.as_ref(), &minted.record)
+        audit_acked(audit.as_ref(), minted.record)
             .await
             .map_err(IssuingError::Audit)?;
         let due = half_life(&minted.bundle, now);
@@ -256,7 +256,7 @@ impl TwoTier {
         now: OffsetDateTime,
     ) -> Result<CaBundle, IssuingError> {
         let minted = mint(custody, self.ttl, now)?;
-        audit_acked_blocking(self.audit.as_ref(), &minted.record).map_err(IssuingError::Audit)?;
+        audit_acked_blocking(self.audit.as_ref(), minted.record).map_err(IssuingError::Audit)?;
         Ok(minted.bundle)
     }
 
