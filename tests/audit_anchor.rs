@@ -286,3 +286,127 @@ async fn anchor_rbac_allows_only_the_anchor_configmap() {
     let e = api.list(&ListParams::default()).await.unwrap_err();
     assert!(matches!(&e, kube::Error::Api(s) if s.code == 403), "{e}");
 }
+
+/// Two anchored stdout runs of replica meshca-0: the whole log, run 1's
+/// lines alone (the log with the last run removed), and run 1's shutdown
+/// checkpoint (an older genuine anchor).
+struct TwoRuns {
+    _dir: tempfile::TempDir,
+    key: std::path::PathBuf,
+    whole: std::path::PathBuf,
+    cut: std::path::PathBuf,
+    run1_shutdown: String,
+}
+
+async fn two_runs(k: &common::Kte, ns: &str) -> TwoRuns {
+    let dir = tempfile::tempdir().unwrap();
+    let (data, key) = (dir.path().join("data"), dir.path().join("checkpoint.pem"));
+    std::fs::write(
+        &key,
+        meshca::audit::chain::CheckpointKey::generate_pem().unwrap(),
+    )
+    .unwrap();
+    let (run1, run2) = (dir.path().join("run1.log"), dir.path().join("run2.log"));
+    run_once(k, ns, &data, &key, &run1).await;
+    run_once(k, ns, &data, &key, &run2).await;
+    let (r1, r2) = (
+        std::fs::read_to_string(&run1).unwrap(),
+        std::fs::read_to_string(&run2).unwrap(),
+    );
+    let (whole, cut) = (dir.path().join("whole.log"), dir.path().join("cut.log"));
+    std::fs::write(&whole, format!("{r1}{r2}")).unwrap();
+    std::fs::write(&cut, &r1).unwrap();
+    TwoRuns {
+        run1_shutdown: r1.lines().last().unwrap().to_string(),
+        _dir: dir,
+        key,
+        whole,
+        cut,
+    }
+}
+
+/// `meshca audit verify --strict --key K --anchors` of `log` against the cluster.
+fn verify_against(k: &common::Kte, ns: &str, t: &TwoRuns, log: &Path) -> (i32, String) {
+    let admin = k.dir.join("admin.kubeconfig");
+    meshca(&[
+        "audit",
+        "verify",
+        "--strict",
+        "--key",
+        t.key.to_str().unwrap(),
+        "--anchors",
+        "--kubeconfig",
+        admin.to_str().unwrap(),
+        "--anchor-namespace",
+        ns,
+        log.to_str().unwrap(),
+    ])
+}
+
+/// Whoever holds the pod removes the last run from the log and sets the
+/// replica's anchor back to an older genuine checkpoint (run 1's shutdown),
+/// with the pod's own credentials: verify must still see the cut.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_rolling_its_anchor_back_is_detected() {
+    let k = common::kte().await;
+    let ns = k.namespace("audit-anchor-rollback").await;
+    anchor_rbac(&k, &ns).await;
+    let t = two_runs(&k, &ns).await;
+    let (code, out) = verify_against(&k, &ns, &t, &t.whole);
+    assert_eq!(code, 0, "{out}");
+
+    let pod = common::client(&k.meshca_kubeconfig()).await;
+    let rolled = Api::<ConfigMap>::namespaced(pod, &ns)
+        .patch(
+            CM,
+            &PatchParams::default(),
+            &Patch::Merge(&json!({"data": {"meshca-0": t.run1_shutdown}})),
+        )
+        .await;
+    println!("pod's patch of its anchor: {:?}", rolled.map(|_| ()));
+
+    let (code, out) = verify_against(&k, &ns, &t, &t.cut);
+    assert_ne!(code, 0, "a rolled-back anchor hid the cut: {out}");
+}
+
+/// Whoever holds the pod removes the last run from the log and deletes the
+/// replica's anchor with the pod's own credentials: verify must fail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_deleting_its_anchor_is_detected() {
+    let k = common::kte().await;
+    let ns = k.namespace("audit-anchor-delete").await;
+    anchor_rbac(&k, &ns).await;
+    let t = two_runs(&k, &ns).await;
+
+    let pod = common::client(&k.meshca_kubeconfig()).await;
+    let deleted = Api::<ConfigMap>::namespaced(pod, &ns)
+        .patch(
+            CM,
+            &PatchParams::default(),
+            &Patch::Merge(&json!({"data": {"meshca-0": null}})),
+        )
+        .await;
+    println!("pod's delete of its anchor: {:?}", deleted.map(|_| ()));
+
+    let (code, out) = verify_against(&k, &ns, &t, &t.cut);
+    assert_ne!(code, 0, "a deleted anchor hid the cut: {out}");
+}
+
+/// A namespace admin deletes the anchor ConfigMap, and the chart (helm
+/// upgrade) creates it again empty: a log of a replica that has no anchor
+/// must fail under --anchors.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_anchor_configmap_is_detected() {
+    let k = common::kte().await;
+    let ns = k.namespace("audit-anchor-cm").await;
+    anchor_rbac(&k, &ns).await;
+    let t = two_runs(&k, &ns).await;
+
+    let api = Api::<ConfigMap>::namespaced(k.admin.clone(), &ns);
+    api.delete(CM, &Default::default()).await.unwrap();
+    let cm: ConfigMap = serde_json::from_value(json!({"metadata": {"name": CM}})).unwrap();
+    api.create(&PostParams::default(), &cm).await.unwrap();
+
+    let (code, out) = verify_against(&k, &ns, &t, &t.cut);
+    assert_ne!(code, 0, "a deleted anchor ConfigMap hid the cut: {out}");
+}
