@@ -94,7 +94,7 @@ pub struct Metrics {
     pub audit_write_errors: Counter,
     /// Requests refused because the audit writer could not take their record.
     pub audit_shed: Family<RefusalLabels, Counter>,
-    /// Audit anchors written (`written`) or given up (the error's reason).
+    /// Attempts at writing an audit anchor: `written`, or the error's reason.
     pub audit_anchor_writes: Family<ResultLabels, Counter>,
     /// Periodic checkpoints a newer one replaced before they were anchored.
     pub audit_anchor_coalesced: Counter,
@@ -307,7 +307,7 @@ impl Metrics {
         let audit_anchor_writes = Family::<ResultLabels, Counter>::default();
         registry.register(
             "meshca_audit_anchor_writes",
-            "Audit checkpoint anchors written (written) or given up (by reason)",
+            "Attempts at writing an audit checkpoint anchor, by result (written, or the failure's reason)",
             audit_anchor_writes.clone(),
         );
         let audit_anchor_coalesced = Counter::default();

@@ -736,3 +736,59 @@ async fn anchors_per_replica_and_day_are_bounded_by_the_interval() {
         "{out}"
     );
 }
+
+/// Retention: an administrator's `meshca audit prune-anchors` removes old
+/// anchors but keeps each replica's newest, so the log still verifies; the
+/// pod's own credentials cannot prune.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_administrator_prunes_old_anchors_and_the_history_still_verifies() {
+    let k = common::kte().await;
+    let ns = k.namespace("audit-anchor-prune").await;
+    anchor_rbac(&k, &ns).await;
+    let t = two_runs(&k, &ns).await;
+    let before = anchors(&k, &ns).await;
+    assert_eq!(before.len(), 4);
+    // Creation times have one-second resolution.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let prune = |kubeconfig: &Path, extra: &[&str]| {
+        let mut args = vec![
+            "audit",
+            "prune-anchors",
+            "--older-than",
+            "0s",
+            "--anchor-namespace",
+            &ns,
+            "--kubeconfig",
+            kubeconfig.to_str().unwrap(),
+        ];
+        args.extend_from_slice(extra);
+        meshca(&args)
+    };
+    let admin = k.dir.join("admin.kubeconfig");
+
+    let (code, out) = prune(&k.meshca_kubeconfig(), &[]);
+    assert_ne!(code, 0, "{out}");
+    assert!(
+        out.contains("forbidden") || out.contains("Forbidden"),
+        "{out}"
+    );
+    let (code, out) = prune(&admin, &["--dry-run"]);
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.contains("3 of 4 checkpoint anchor(s) would be removed"),
+        "{out}"
+    );
+    assert_eq!(anchors(&k, &ns).await, before);
+
+    let (code, out) = prune(&admin, &[]);
+    assert_eq!(code, 0, "{out}");
+    let after = anchors(&k, &ns).await;
+    assert_eq!(after, before[3..], "the newest (run 2's shutdown) stays");
+    let (code, out) = verify_against(&k, &ns, &t.key, &t.whole, &[]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("1 anchor(s), 1 in the log"), "{out}");
+    // The kept anchor still shows a cut of the last run.
+    let (code, out) = verify_against(&k, &ns, &t.key, &t.cut, &[]);
+    assert_ne!(code, 0);
+    assert!(out.contains("the log was cut after it"), "{out}");
+}

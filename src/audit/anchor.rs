@@ -378,10 +378,10 @@ impl CheckpointObserver for KubeAnchor {
     }
 }
 
-/// Attempts for an always-anchored line, and the first pause between them
-/// (doubling): about 6 s in all, inside the shutdown wait.
-const URGENT_ATTEMPTS: u32 = 5;
+/// Pauses between attempts at an always-anchored line: doubling from the
+/// first to the longest.
 const FIRST_RETRY: Duration = Duration::from_millis(200);
+const MAX_RETRY: Duration = Duration::from_secs(30);
 
 impl KubeAnchor {
     /// Starts the task; it stops when the anchor is dropped, after writing
@@ -433,26 +433,38 @@ impl KubeAnchor {
                         }
                     };
                 let coalesced = std::mem::take(&mut pending.coalesced);
-                let attempts = if urgent { URGENT_ATTEMPTS } else { 1 };
-                let mut pause = FIRST_RETRY;
-                let mut result = Err(AnchorError::Conflict(String::new()));
-                for attempt in 1..=attempts {
-                    result = write(&client, &s, &line).await;
-                    match &result {
-                        Ok(()) | Err(AnchorError::Conflict(_)) => break,
-                        Err(e) if attempt < attempts => {
-                            tracing::warn!(error = %e, attempt, "audit anchor not written; retrying");
-                            tokio::time::sleep(pause).await;
-                            pause *= 2;
-                        }
-                        Err(_) => {}
-                    }
-                }
-                last_write = Some(Instant::now());
                 if let Some(m) = &metrics {
                     m.anchor_coalesced(coalesced);
-                    m.anchor_written(result.as_ref().map_err(AnchorError::reason).err());
                 }
+                // An always-anchored line is retried until it is written, so
+                // the history never shows a run without its start; later
+                // lines wait behind it (coalesced), keeping the order.
+                let mut pause = FIRST_RETRY;
+                let result = loop {
+                    let r = write(&client, &s, &line).await;
+                    if let Some(m) = &metrics {
+                        m.anchor_written(r.as_ref().map_err(AnchorError::reason).err());
+                    }
+                    match r {
+                        Err(e) if urgent && !matches!(e, AnchorError::Conflict(_)) => {
+                            tracing::warn!(error = %e, retry_in = ?pause, "audit anchor not written; retrying");
+                            let sleep = tokio::time::sleep(pause);
+                            tokio::pin!(sleep);
+                            loop {
+                                tokio::select! {
+                                    l = rx.recv(), if !closed => match l {
+                                        Some(l) => pending.push(l),
+                                        None => closed = true,
+                                    },
+                                    _ = &mut sleep => break,
+                                }
+                            }
+                            pause = (pause * 2).min(MAX_RETRY);
+                        }
+                        r => break r,
+                    }
+                };
+                last_write = Some(Instant::now());
                 if let Err(e) = result {
                     tracing::error!(error = %e, reason = e.reason(), set = %s.set, "audit anchor not written");
                 }
@@ -475,7 +487,8 @@ impl KubeAnchor {
 
 /// Counts anchor writes (implemented by the metrics).
 pub trait AnchorMetrics: Send + Sync + std::fmt::Debug {
-    /// One anchor written (`None`) or given up (the error's reason).
+    /// One attempt at writing an anchor: written (`None`) or failed (the
+    /// error's reason).
     fn anchor_written(&self, failed: Option<&'static str>);
     /// Periodic checkpoints superseded before they were anchored.
     fn anchor_coalesced(&self, n: u64);

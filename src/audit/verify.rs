@@ -749,14 +749,28 @@ pub fn check_anchors<L: AsRef<[u8]>>(
                 r.escape_debug()
             ));
         }
-        let h =
-            check_history(&history, opts.allow_new_chain).map_err(|(i, why)| VerifyFailure {
-                location: format!("anchor {}", history[i].1.source),
-                seq: Some(history[i].0.seq),
-                why,
-            })?;
-        out.history_runs = h.runs;
-        out.notes.extend(h.notes);
+        // One history per replica (several only when the log names none).
+        let mut replicas: Vec<&str> = history
+            .iter()
+            .map(|(cp, _)| cp.replica.as_deref().unwrap_or(""))
+            .collect();
+        replicas.sort_unstable();
+        replicas.dedup();
+        for r in replicas {
+            let one: Vec<&(Checkpoint, &Anchor)> = history
+                .iter()
+                .copied()
+                .filter(|(cp, _)| cp.replica.as_deref().unwrap_or("") == r)
+                .collect();
+            let h =
+                check_history(&one, opts.allow_new_chain).map_err(|(i, why)| VerifyFailure {
+                    location: format!("anchor {}", one[i].1.source),
+                    seq: Some(one[i].0.seq),
+                    why,
+                })?;
+            out.history_runs += h.runs;
+            out.notes.extend(h.notes);
+        }
     }
 
     // Log lines by seq (a log may hold a seq twice: the crashed run's
