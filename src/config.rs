@@ -1375,7 +1375,7 @@ impl Config {
                 "drops every audit record; it is for measuring the audit log's cost and needs --audit-null-for-benchmarks",
             ));
         }
-        let audit = AuditSettings {
+        let mut audit = AuditSettings {
             sink: a.audit_sink,
             file: a.audit_file.clone(),
             max_bytes: a.audit_max_bytes,
@@ -1396,7 +1396,6 @@ impl Config {
             },
             anchor: None,
         };
-        let mut audit = audit;
         if a.audit_anchor {
             crate::audit::anchor::check_set_name(&a.audit_anchor_configmap).map_err(|e| {
                 err(
@@ -1728,6 +1727,9 @@ mod tests {
     #[test_case(&["--trust-domain", "a b"], "TRUST_DOMAIN" ; "bad trust domain")]
     #[test_case(&["--token-audiences", ","], "TOKEN_AUDIENCES" ; "no audience")]
     #[test_case(&["--publish-root", "true"], "MESHCA_PUBLISH_ROOT" ; "publishing without kubernetes")]
+    #[test_case(&["--kubernetes", "on", "--audit-anchor", "true", "--audit-anchor-interval", "500ms"], "MESHCA_AUDIT_ANCHOR_INTERVAL" ; "anchor interval under a second")]
+    #[test_case(&["--kubernetes", "on", "--audit-anchor", "true", "--audit-anchor-interval", "25h"], "MESHCA_AUDIT_ANCHOR_INTERVAL" ; "anchor interval over a day")]
+    #[test_case(&["--kubernetes", "on", "--audit-anchor", "true", "--audit-anchor-configmap", "Anchors"], "MESHCA_AUDIT_ANCHOR_CONFIGMAP" ; "anchor set not a dns name")]
     #[test_case(&["--token-verification", "local"], "MESHCA_TOKEN_VERIFICATION" ; "local verification without kubernetes")]
     #[test_case(&["--kubernetes", "on", "--jwks-min-refresh-interval", "0s"], "MESHCA_JWKS_MIN_REFRESH_INTERVAL" ; "zero jwks min interval")]
     #[test_case(&["--kubernetes", "on", "--jwks-refresh-interval", "1m", "--jwks-min-refresh-interval", "2m"], "MESHCA_JWKS_MIN_REFRESH_INTERVAL" ; "min above periodic")]

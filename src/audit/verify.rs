@@ -909,7 +909,7 @@ pub fn check_history(
             out.runs = 1;
             if let Some(pr) = &cp.previous {
                 out.notes.push(format!(
-                    "the oldest anchor ({}) continues from seq {}: older anchors were pruned",
+                    "the oldest anchor ({}) continues from seq {}, which no anchor holds (pruned, or written before anchoring began)",
                     a.source, pr.seq
                 ));
             }
@@ -1344,7 +1344,7 @@ mod tests {
 
         // Pruned: the oldest kept anchor continues from one that is gone.
         let v = linked()[2..].to_vec();
-        assert!(ok(v).notes[0].contains("older anchors were pruned"));
+        assert!(ok(v).notes[0].contains("which no anchor holds (pruned"));
 
         // Stored in the same second: the seq orders them.
         let mut v = linked();
