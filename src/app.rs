@@ -140,12 +140,13 @@ impl App {
             None => {
                 let run = RunInfo::from_env();
                 let (mut head, mut anchor_to) = (None, None);
-                if let (Some((namespace, configmap)), Some(kube)) = (&cfg.audit.anchor, &cfg.kube) {
+                if let (Some(target), Some(kube)) = (&cfg.audit.anchor, &cfg.kube) {
                     let client = kube_client(kube.kubeconfig.as_deref()).await?;
                     let settings = crate::audit::anchor::AnchorSettings {
-                        namespace: namespace.clone(),
-                        configmap: configmap.clone(),
+                        namespace: target.namespace.clone(),
+                        set: target.set.clone(),
                         replica: run.replica.clone(),
+                        interval: target.interval,
                     };
                     // A file continues from its own tail; stdout from the anchor.
                     if cfg.audit.sink == AuditSinkKind::Stdout {
@@ -159,8 +160,12 @@ impl App {
                 let mut observer = None;
                 if let Some((client, settings)) = anchor_to {
                     let public = sink.verify_key().map(|k| (k.key_id(), k.to_pem()));
-                    let (anchor, task) =
-                        crate::audit::anchor::KubeAnchor::spawn(client, settings, public, None);
+                    let (anchor, task) = crate::audit::anchor::KubeAnchor::spawn(
+                        client,
+                        settings,
+                        public,
+                        Some(metrics.clone()),
+                    );
                     observer = Some(anchor as Arc<dyn crate::audit::writer::CheckpointObserver>);
                     audit_anchor = Some(task);
                 }

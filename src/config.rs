@@ -217,26 +217,32 @@ pub struct ServeArgs {
         default_value_t = 1024
     )]
     pub audit_handshake_max_sources: usize,
-    /// Anchor every audit checkpoint outside the pod: the signed line goes
-    /// into a ConfigMap under this replica's name, plus a Kubernetes Event;
-    /// a stdout run continues the chain from its anchored head. Needs
-    /// Kubernetes.
+    /// Anchor audit checkpoints outside the pod: each anchored checkpoint
+    /// becomes a new immutable ConfigMap (meshca can create them, never
+    /// change or delete one), plus a Kubernetes Event; a stdout run
+    /// continues the chain from its newest anchor. Needs Kubernetes.
     #[arg(long, env = "MESHCA_AUDIT_ANCHOR", default_value_t = false, action = clap::ArgAction::Set)]
     pub audit_anchor: bool,
-    /// Namespace of the anchor ConfigMap (the chart sets meshca's own).
+    /// Namespace of the anchor ConfigMaps (the chart sets meshca's own).
     #[arg(
         long,
         env = "MESHCA_AUDIT_ANCHOR_NAMESPACE",
         default_value = "istio-system"
     )]
     pub audit_anchor_namespace: String,
-    /// Name of the anchor ConfigMap (one per release; RBAC names exactly it).
+    /// The anchor set (one per release): name prefix and label value of
+    /// the anchor ConfigMaps.
     #[arg(
         long,
         env = "MESHCA_AUDIT_ANCHOR_CONFIGMAP",
         default_value = "meshca-audit-anchors"
     )]
     pub audit_anchor_configmap: String,
+    /// At most one periodic checkpoint is anchored this often (1s to 24h);
+    /// start, recovery and shutdown checkpoints always are. Bounds the
+    /// anchor objects per replica and day.
+    #[arg(long, env = "MESHCA_AUDIT_ANCHOR_INTERVAL", default_value = "60s")]
+    pub audit_anchor_interval: String,
     /// Publish the root bundle as a ConfigMap into namespaces (as istiod and
     /// istio-csr do) so workloads can verify meshca's serving certificate.
     #[arg(long, env = "MESHCA_PUBLISH_ROOT", default_value_t = false, action = clap::ArgAction::Set)]
@@ -1121,10 +1127,20 @@ pub struct AuditSettings {
     pub checkpoint_interval: Duration,
     /// Writer thread: queue, fsync policy, batch interval.
     pub writer: crate::audit::writer::WriterSettings,
-    /// Where checkpoints are anchored (namespace, ConfigMap), when on.
-    pub anchor: Option<(String, String)>,
+    /// Where and how often checkpoints are anchored, when on.
+    pub anchor: Option<AnchorTarget>,
     /// Aggregated records of rejected TLS handshakes.
     pub handshakes: HandshakeAudit,
+}
+
+/// Where audit checkpoints are anchored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AnchorTarget {
+    pub namespace: String,
+    /// The anchor set (name prefix and label value of its ConfigMaps).
+    pub set: String,
+    /// At most one periodic anchor this often.
+    pub interval: Duration,
 }
 
 /// How rejected TLS handshakes are aggregated into audit records.
@@ -1359,7 +1375,7 @@ impl Config {
                 "drops every audit record; it is for measuring the audit log's cost and needs --audit-null-for-benchmarks",
             ));
         }
-        let audit = AuditSettings {
+        let mut audit = AuditSettings {
             sink: a.audit_sink,
             file: a.audit_file.clone(),
             max_bytes: a.audit_max_bytes,
@@ -1378,13 +1394,36 @@ impl Config {
                 batch_interval,
                 checkpoint_interval,
             },
-            anchor: a.audit_anchor.then(|| {
-                (
-                    a.audit_anchor_namespace.clone(),
-                    a.audit_anchor_configmap.clone(),
-                )
-            }),
+            anchor: None,
         };
+        if a.audit_anchor {
+            crate::audit::anchor::check_set_name(&a.audit_anchor_configmap).map_err(|e| {
+                err(
+                    "MESHCA_AUDIT_ANCHOR_CONFIGMAP",
+                    &a.audit_anchor_configmap,
+                    e.to_string(),
+                )
+            })?;
+            let interval = bounded_duration(
+                "MESHCA_AUDIT_ANCHOR_INTERVAL",
+                &a.audit_anchor_interval,
+                false,
+                Duration::from_secs(24 * 3600),
+            )?;
+            // Each anchor is an object kept for the retention period.
+            if interval < Duration::from_secs(1) {
+                return Err(err(
+                    "MESHCA_AUDIT_ANCHOR_INTERVAL",
+                    &a.audit_anchor_interval,
+                    "must be at least 1s",
+                ));
+            }
+            audit.anchor = Some(AnchorTarget {
+                namespace: a.audit_anchor_namespace.clone(),
+                set: a.audit_anchor_configmap.clone(),
+                interval,
+            });
+        }
         if audit.anchor.is_some() && kube.is_none() {
             return Err(err(
                 "MESHCA_AUDIT_ANCHOR",
@@ -1688,6 +1727,9 @@ mod tests {
     #[test_case(&["--trust-domain", "a b"], "TRUST_DOMAIN" ; "bad trust domain")]
     #[test_case(&["--token-audiences", ","], "TOKEN_AUDIENCES" ; "no audience")]
     #[test_case(&["--publish-root", "true"], "MESHCA_PUBLISH_ROOT" ; "publishing without kubernetes")]
+    #[test_case(&["--kubernetes", "on", "--audit-anchor", "true", "--audit-anchor-interval", "500ms"], "MESHCA_AUDIT_ANCHOR_INTERVAL" ; "anchor interval under a second")]
+    #[test_case(&["--kubernetes", "on", "--audit-anchor", "true", "--audit-anchor-interval", "25h"], "MESHCA_AUDIT_ANCHOR_INTERVAL" ; "anchor interval over a day")]
+    #[test_case(&["--kubernetes", "on", "--audit-anchor", "true", "--audit-anchor-configmap", "Anchors"], "MESHCA_AUDIT_ANCHOR_CONFIGMAP" ; "anchor set not a dns name")]
     #[test_case(&["--token-verification", "local"], "MESHCA_TOKEN_VERIFICATION" ; "local verification without kubernetes")]
     #[test_case(&["--kubernetes", "on", "--jwks-min-refresh-interval", "0s"], "MESHCA_JWKS_MIN_REFRESH_INTERVAL" ; "zero jwks min interval")]
     #[test_case(&["--kubernetes", "on", "--jwks-refresh-interval", "1m", "--jwks-min-refresh-interval", "2m"], "MESHCA_JWKS_MIN_REFRESH_INTERVAL" ; "min above periodic")]

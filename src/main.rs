@@ -136,25 +136,30 @@ enum AuditCommand {
         #[arg(long)]
         allow_new_chain: bool,
         /// Accept a log that begins with a run continuing an earlier one
-        /// (the older files are not given).
-        #[arg(long)]
-        partial: bool,
+        /// (the older files are not given), and anchors before its first
+        /// line. `--partial=REPLICA` (repeatable) also accepts that REPLICA
+        /// has no anchor in the cluster.
+        #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "", value_name = "REPLICA")]
+        partial: Vec<String>,
         /// Anchored checkpoints to cross-check the log against: files holding
         /// one checkpoint line each.
         #[arg(long)]
         anchor: Vec<PathBuf>,
-        /// Cross-check against the anchors meshca keeps in Kubernetes (the
-        /// ConfigMap below, read with --kubeconfig or the in-cluster config).
+        /// Cross-check against the whole anchor history meshca keeps in
+        /// Kubernetes (the anchor set below, read with --kubeconfig or the
+        /// in-cluster config): the log's replica must have anchors, they
+        /// must form one history, and each must stand in the log.
         #[arg(long)]
         anchors: bool,
         #[arg(long)]
         kubeconfig: Option<PathBuf>,
         #[arg(long, default_value = "istio-system")]
         anchor_namespace: String,
+        /// The anchor set (MESHCA_AUDIT_ANCHOR_CONFIGMAP of the server).
         #[arg(long, default_value = "meshca-audit-anchors")]
         anchor_configmap: String,
-        /// With --anchors: also accept the public keys meshca published in
-        /// the anchor ConfigMap (trust them as much as the cluster's RBAC).
+        /// With --anchors: also accept the public keys meshca published
+        /// beside its anchors (trust them as much as the cluster's RBAC).
         #[arg(long, requires = "anchors")]
         keys_from_anchors: bool,
         /// Files oldest first (audit.log.2 audit.log.1 audit.log), or - for stdin.
@@ -184,6 +189,24 @@ enum AuditCommand {
         output: String,
         #[arg(required = true)]
         files: Vec<PathBuf>,
+    },
+    /// Remove anchors older than the retention (an administrator's step:
+    /// needs list and delete on ConfigMaps, which meshca itself lacks).
+    /// Each replica's newest anchor always stays.
+    PruneAnchors {
+        /// Remove anchors created longer ago than this (e.g. 720h).
+        #[arg(long)]
+        older_than: String,
+        /// Print what would be removed; remove nothing.
+        #[arg(long)]
+        dry_run: bool,
+        #[arg(long)]
+        kubeconfig: Option<PathBuf>,
+        #[arg(long, default_value = "istio-system")]
+        anchor_namespace: String,
+        /// The anchor set (MESHCA_AUDIT_ANCHOR_CONFIGMAP of the server).
+        #[arg(long, default_value = "meshca-audit-anchors")]
+        anchor_configmap: String,
     },
     /// Generate an ECDSA P-256 checkpoint signing key; prints its public key.
     Keygen {
@@ -476,13 +499,17 @@ fn audit(cmd: AuditCommand) -> anyhow::Result<()> {
                             s.lines()
                                 .filter(|l| !l.is_empty())
                                 .enumerate()
-                                .map(|(i, l)| (format!("{}:{}", p.display(), i + 1), l.to_string()))
+                                .map(|(i, l)| verify::Anchor {
+                                    source: format!("{}:{}", p.display(), i + 1),
+                                    line: l.to_string(),
+                                    created: None,
+                                })
                                 .collect::<Vec<_>>()
                         })
                         .with_context(|| format!("--anchor {}", p.display()))
                 })
                 .collect::<anyhow::Result<Vec<Vec<_>>>>()?;
-            let mut anchors: Vec<(String, String)> = anchors.into_iter().flatten().collect();
+            let mut anchors: Vec<verify::Anchor> = anchors.into_iter().flatten().collect();
             if from_kube {
                 let fetched = tokio::task::block_in_place(|| {
                     tokio::runtime::Handle::current().block_on(async {
@@ -497,9 +524,9 @@ fn audit(cmd: AuditCommand) -> anyhow::Result<()> {
                         )
                     })
                 })?;
-                anchors.extend(fetched.0);
+                anchors.extend(fetched.checkpoints);
                 if keys_from_anchors {
-                    for (id, pem) in fetched.1 {
+                    for (id, pem) in fetched.keys {
                         let k = VerifyKey::from_pem(pem.as_bytes())
                             .with_context(|| format!("published key {id}"))?;
                         anyhow::ensure!(
@@ -512,16 +539,25 @@ fn audit(cmd: AuditCommand) -> anyhow::Result<()> {
                 }
             }
             let lines = verify::read_lines(&files)?;
+            let unanchored: Vec<String> =
+                partial.iter().filter(|r| !r.is_empty()).cloned().collect();
             let opts = verify::VerifyOptions {
                 keys: &keys,
                 allow_new_chain,
-                partial,
+                partial: !partial.is_empty(),
+            };
+            let anchor_opts = verify::AnchorOptions {
+                keys: &keys,
+                history: from_kube,
+                partial: !partial.is_empty(),
+                unanchored: &unanchored,
+                allow_new_chain,
             };
             let checked = verify::verify_lines_with(&lines, &opts).and_then(|r| {
-                verify::check_anchors(&lines, &r, &anchors, &keys).map(|notes| (r, notes))
+                verify::check_anchors(&lines, &r, &anchors, &anchor_opts).map(|a| (r, a))
             });
             match checked {
-                Ok((r, notes)) => {
+                Ok((r, a)) => {
                     println!(
                         "OK: {} records, {} checkpoints ({} signature-verified), {} chain start(s), seq {}..{}",
                         r.records,
@@ -555,19 +591,50 @@ fn audit(cmd: AuditCommand) -> anyhow::Result<()> {
                     if let Some((l, seq)) = &r.partial_start {
                         println!("note: the log begins at {l}, continuing from seq {seq} of an earlier run (accepted by --partial)");
                     }
-                    for n in &notes {
-                        println!(
-                            "anchor {}: replica {}'s checkpoint at seq {} matches {}",
-                            n.source,
-                            n.replica.escape_debug(),
-                            n.seq,
-                            n.location
+                    if !anchors.is_empty() || from_kube {
+                        let who = a
+                            .replica
+                            .as_deref()
+                            .unwrap_or("-")
+                            .escape_debug()
+                            .to_string();
+                        print!(
+                            "anchors: replica {who}: {} anchor(s), {} in the log",
+                            a.anchors, a.matched
                         );
+                        if from_kube {
+                            print!(", {} run(s) in the cluster's history", a.history_runs);
+                        }
+                        if a.before_log > 0 {
+                            print!(
+                                ", {} before the log's first line (accepted by --partial)",
+                                a.before_log
+                            );
+                        }
+                        println!();
+                        if let Some(n) = &a.newest {
+                            println!(
+                                "anchor {}: replica {}'s newest anchored checkpoint, seq {}, matches {}",
+                                n.source,
+                                n.replica.escape_debug(),
+                                n.seq,
+                                n.location
+                            );
+                        }
                     }
-                    if notes.len() < anchors.len() {
+                    for n in &a.notes {
+                        println!("note: {n}");
+                    }
+                    if a.other_replicas > 0 {
                         println!(
                             "note: {} anchor(s) belong to other replicas and were skipped",
-                            anchors.len() - notes.len()
+                            a.other_replicas
+                        );
+                    }
+                    if let Some(first) = a.unanchored_after.first() {
+                        println!(
+                            "warning: {} start or shutdown checkpoint(s) after the newest anchor, from {first}, have no anchor: an anchor write failed for good (see meshca_audit_anchor_writes_total), or the anchor was removed",
+                            a.unanchored_after.len()
                         );
                     }
                     if r.reduced_records > 0 {
@@ -633,6 +700,48 @@ fn audit(cmd: AuditCommand) -> anyhow::Result<()> {
             } else {
                 print!("{}", verify::table(&records));
             }
+            Ok(())
+        }
+        AuditCommand::PruneAnchors {
+            older_than,
+            dry_run,
+            kubeconfig,
+            anchor_namespace,
+            anchor_configmap,
+        } => {
+            let age = meshca::ca::ttl::parse_go_duration(&older_than)
+                .map_err(|e| anyhow::anyhow!("--older-than {}: {e}", older_than.escape_debug()))?;
+            let age = i64::try_from(age.as_secs()).context("--older-than is too long")?;
+            let cutoff = OffsetDateTime::now_utc()
+                .unix_timestamp()
+                .saturating_sub(age);
+            let report = tokio::task::block_in_place(|| {
+                tokio::runtime::Handle::current().block_on(async {
+                    let client = meshca::app::kube_client(kubeconfig.as_deref()).await?;
+                    anyhow::Ok(
+                        meshca::audit::anchor::prune(
+                            &client,
+                            &anchor_namespace,
+                            &anchor_configmap,
+                            cutoff,
+                            dry_run,
+                        )
+                        .await?,
+                    )
+                })
+            })?;
+            for name in &report.removed {
+                println!(
+                    "{} {anchor_namespace}/{name}",
+                    if dry_run { "would remove" } else { "removed" }
+                );
+            }
+            println!(
+                "{} of {} checkpoint anchor(s) {} (older than {older_than}; each replica's newest kept)",
+                report.removed.len(),
+                report.checkpoints,
+                if dry_run { "would be removed" } else { "removed" }
+            );
             Ok(())
         }
         AuditCommand::Keygen { out } => {

@@ -94,6 +94,10 @@ pub struct Metrics {
     pub audit_write_errors: Counter,
     /// Requests refused because the audit writer could not take their record.
     pub audit_shed: Family<RefusalLabels, Counter>,
+    /// Attempts at writing an audit anchor: `written`, or the error's reason.
+    pub audit_anchor_writes: Family<ResultLabels, Counter>,
+    /// Periodic checkpoints a newer one replaced before they were anchored.
+    pub audit_anchor_coalesced: Counter,
     /// Connections and requests turned away by a transport limit.
     pub transport_refusals: Family<RefusalLabels, Counter>,
     pub open_connections: Gauge,
@@ -181,6 +185,20 @@ impl OutcomeObserver for Metrics {
         self.audit_shed
             .get_or_create(&RefusalLabels { reason })
             .inc();
+    }
+}
+
+impl crate::audit::anchor::AnchorMetrics for Metrics {
+    fn anchor_written(&self, failed: Option<&'static str>) {
+        self.audit_anchor_writes
+            .get_or_create(&ResultLabels {
+                result: failed.unwrap_or("written").into(),
+            })
+            .inc();
+    }
+
+    fn anchor_coalesced(&self, n: u64) {
+        self.audit_anchor_coalesced.inc_by(n);
     }
 }
 
@@ -286,6 +304,18 @@ impl Metrics {
         for r in crate::audit::writer::SHED_REASONS {
             let _ = audit_shed.get_or_create(&RefusalLabels { reason: r });
         }
+        let audit_anchor_writes = Family::<ResultLabels, Counter>::default();
+        registry.register(
+            "meshca_audit_anchor_writes",
+            "Attempts at writing an audit checkpoint anchor, by result (written, or the failure's reason)",
+            audit_anchor_writes.clone(),
+        );
+        let audit_anchor_coalesced = Counter::default();
+        registry.register(
+            "meshca_audit_anchor_coalesced",
+            "Periodic audit checkpoints not anchored because a newer one replaced them within the anchor interval",
+            audit_anchor_coalesced.clone(),
+        );
         let transport_refusals = Family::<RefusalLabels, Counter>::default();
         registry.register(
             "meshca_transport_refusals",
@@ -361,6 +391,8 @@ impl Metrics {
             ca_reloads,
             audit_write_errors,
             audit_shed,
+            audit_anchor_writes,
+            audit_anchor_coalesced,
             registry,
         }
     }

@@ -1,34 +1,35 @@
-//! Audit heads anchored in the real kube-apiserver: each checkpoint lands in
-//! the release's anchor ConfigMap under the replica's name (RBAC names only
-//! that object) and as an Event; a stdout run continues its chain from the
-//! anchored head; `meshca audit verify --anchors` cross-checks a log against
-//! the cluster, and fails on a cut log or an edited anchor.
+//! Audit anchors in the real kube-apiserver, append-only: each anchored
+//! checkpoint is a new immutable ConfigMap which meshca, with the chart's
+//! RBAC (tests/fixtures/rbac-audit-anchor.yaml), may create and read but
+//! never change or remove. A stdout run continues its chain from its newest
+//! anchor; `meshca audit verify --anchors` reads the whole history back and
+//! fails on a cut log, an edited anchor, and each way whoever holds the pod
+//! (or the namespace) tries to roll the anchors back or remove them.
 #![allow(clippy::unwrap_used)]
 
 mod common;
 
-use std::path::Path;
-use std::time::Duration;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::{ConfigMap, Event};
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
-use kube::api::{ListParams, Patch, PatchParams, PostParams};
+use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::Api;
+use meshca::audit::anchor::{self, AnchorSettings, LABEL_SET};
 use serde_json::json;
 
-const CM: &str = "meshca-audit-anchors";
+const SET: &str = "meshca-audit-anchors";
+const REPLICA: &str = "meshca-0";
 
-/// The chart's anchor RBAC, for the test user `meshca`: get and patch of
-/// the one anchor ConfigMap, and Events.
+/// The chart's anchor Role (the fixture tests/chart.rs compares the chart
+/// with), bound to the test user `meshca`.
 async fn anchor_rbac(k: &common::Kte, ns: &str) {
-    let role: Role = serde_json::from_value(json!({
-        "metadata": {"name": "meshca-audit-anchor"},
-        "rules": [
-            {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": [CM], "verbs": ["get", "patch"]},
-            {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]}
-        ]
-    }))
+    let fixture = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/rbac-audit-anchor.yaml"),
+    )
     .unwrap();
+    let role: Role = serde_yaml_ng::from_str(&fixture).unwrap();
     Api::<Role>::namespaced(k.admin.clone(), ns)
         .create(&PostParams::default(), &role)
         .await
@@ -43,17 +44,21 @@ async fn anchor_rbac(k: &common::Kte, ns: &str) {
         .create(&PostParams::default(), &rb)
         .await
         .unwrap();
-    // The chart creates the ConfigMap empty; meshca only patches its key.
-    let cm: ConfigMap = serde_json::from_value(json!({"metadata": {"name": CM}})).unwrap();
-    Api::<ConfigMap>::namespaced(k.admin.clone(), ns)
-        .create(&PostParams::default(), &cm)
-        .await
-        .unwrap();
 }
 
-/// One run of `meshca serve --dev` on stdout with anchoring on, writing its
-/// stdout to `out`: issues one certificate, then stops with SIGTERM.
-async fn run_once(k: &common::Kte, ns: &str, data: &Path, key: &Path, out: &Path) {
+/// One run of `meshca serve --dev` on stdout with anchoring on, as the
+/// user `meshca`, writing its stdout to `out`: issues one certificate (or
+/// keeps issuing for `load`), then stops with SIGTERM. Returns the admin
+/// address's /metrics text, read just before the stop.
+async fn run_once(
+    k: &common::Kte,
+    ns: &str,
+    data: &Path,
+    key: &Path,
+    out: &Path,
+    extra: &[&str],
+    load: Duration,
+) -> String {
     let stdout = std::fs::File::create(out).unwrap();
     let mut cmd = meshca::testing::serve_dev_command(env!("CARGO_BIN_EXE_meshca").as_ref(), data);
     cmd.args([
@@ -64,15 +69,16 @@ async fn run_once(k: &common::Kte, ns: &str, data: &Path, key: &Path, out: &Path
         "--audit-anchor-namespace",
         ns,
     ])
+    .args(extra)
     .arg("--kubeconfig")
     .arg(k.meshca_kubeconfig())
     // The dev client renews an identity no pod runs as; this test is
     // about anchors, not bounded renewal (tests/kube_revoke.rs).
     .args(["--mtls-renewal-pod-check", "false"])
-    .env("POD_NAME", "meshca-0")
+    .env("POD_NAME", REPLICA)
     .env("MESHCA_AUDIT_CHECKPOINT_KEY", key)
     .stdout(stdout);
-    let (mut child, addr, _) = meshca::testing::spawn_listening(cmd).await;
+    let (mut child, addr, admin) = meshca::testing::spawn_listening(cmd).await;
     let read = |f: &str| std::fs::read_to_string(data.join("dev-client").join(f)).unwrap();
     let mut c = meshca::testing::client(
         addr,
@@ -82,14 +88,21 @@ async fn run_once(k: &common::Kte, ns: &str, data: &Path, key: &Path, out: &Path
     .await
     .unwrap();
     let csr_key = rcgen::KeyPair::generate().unwrap();
-    c.create_certificate(meshca::testing::request(
-        meshca::testing::csr_for(&csr_key, "spiffe://cluster.local/ns/default/sa/default"),
-        0,
-        &[],
-    ))
-    .await
-    .unwrap();
+    let csr = meshca::testing::csr_for(&csr_key, "spiffe://cluster.local/ns/default/sa/default");
+    let until = Instant::now() + load;
+    loop {
+        c.create_certificate(meshca::testing::request(csr.clone(), 0, &[]))
+            .await
+            .unwrap();
+        if Instant::now() >= until {
+            break;
+        }
+    }
     drop(c);
+    let metrics = std::process::Command::new("curl")
+        .args(["-sf", &format!("http://{admin}/metrics")])
+        .output()
+        .unwrap();
     let pid = child.id().unwrap();
     std::process::Command::new("kill")
         .args(["-TERM", &pid.to_string()])
@@ -100,14 +113,37 @@ async fn run_once(k: &common::Kte, ns: &str, data: &Path, key: &Path, out: &Path
         .unwrap()
         .unwrap();
     assert!(status.success(), "{status}");
+    String::from_utf8_lossy(&metrics.stdout).into_owned()
 }
 
-async fn anchor_line(k: &common::Kte, ns: &str) -> String {
-    let cm = Api::<ConfigMap>::namespaced(k.admin.clone(), ns)
-        .get(CM)
+fn by_set() -> ListParams {
+    ListParams::default().labels(&format!(
+        "{LABEL_SET}={SET},audit.meshca.io/kind=checkpoint"
+    ))
+}
+
+/// The checkpoint anchors in the namespace, oldest first (as verify orders them).
+async fn anchors(k: &common::Kte, ns: &str) -> Vec<ConfigMap> {
+    let mut v = Api::<ConfigMap>::namespaced(k.admin.clone(), ns)
+        .list(&by_set())
         .await
-        .unwrap();
-    cm.data.unwrap()["meshca-0"].clone()
+        .unwrap()
+        .items;
+    v.sort_by_key(|c| {
+        let seq: u64 = serde_json::from_str::<serde_json::Value>(&line(c)).unwrap()["seq"]
+            .as_u64()
+            .unwrap();
+        (c.metadata.creation_timestamp.clone().unwrap().0, seq)
+    });
+    v
+}
+
+fn line(cm: &ConfigMap) -> String {
+    cm.data.as_ref().unwrap()[anchor::DATA_CHECKPOINT].clone()
+}
+
+fn name(cm: &ConfigMap) -> String {
+    cm.metadata.name.clone().unwrap()
 }
 
 fn meshca(args: &[&str]) -> (i32, String) {
@@ -125,11 +161,20 @@ fn meshca(args: &[&str]) -> (i32, String) {
     )
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn stdout_runs_link_through_the_anchor_and_verify_against_the_cluster() {
-    let k = common::kte().await;
-    let ns = k.namespace("audit-anchor").await;
-    anchor_rbac(&k, &ns).await;
+/// Two anchored stdout runs of replica meshca-0: the whole log, run 1's
+/// lines alone (the log with the last run removed), and run 1's shutdown
+/// checkpoint (an older genuine anchor).
+struct TwoRuns {
+    _dir: tempfile::TempDir,
+    key: PathBuf,
+    run1: PathBuf,
+    run2: PathBuf,
+    whole: PathBuf,
+    cut: PathBuf,
+    run1_shutdown: String,
+}
+
+async fn two_runs(k: &common::Kte, ns: &str) -> TwoRuns {
     let dir = tempfile::tempdir().unwrap();
     let (data, key) = (dir.path().join("data"), dir.path().join("checkpoint.pem"));
     std::fs::write(
@@ -137,86 +182,150 @@ async fn stdout_runs_link_through_the_anchor_and_verify_against_the_cluster() {
         meshca::audit::chain::CheckpointKey::generate_pem().unwrap(),
     )
     .unwrap();
-    let (run1, run2, both) = (
-        dir.path().join("run1.log"),
-        dir.path().join("run2.log"),
-        dir.path().join("both.log"),
+    let (run1, run2) = (dir.path().join("run1.log"), dir.path().join("run2.log"));
+    run_once(k, ns, &data, &key, &run1, &[], Duration::ZERO).await;
+    run_once(k, ns, &data, &key, &run2, &[], Duration::ZERO).await;
+    let (r1, r2) = (
+        std::fs::read_to_string(&run1).unwrap(),
+        std::fs::read_to_string(&run2).unwrap(),
     );
+    let (whole, cut) = (dir.path().join("whole.log"), dir.path().join("cut.log"));
+    std::fs::write(&whole, format!("{r1}{r2}")).unwrap();
+    std::fs::write(&cut, &r1).unwrap();
+    TwoRuns {
+        run1_shutdown: r1.lines().last().unwrap().to_string(),
+        _dir: dir,
+        key,
+        run1,
+        run2,
+        whole,
+        cut,
+    }
+}
 
-    run_once(&k, &ns, &data, &key, &run1).await;
-    let first_anchor = anchor_line(&k, &ns).await;
-    assert!(
-        first_anchor.contains("\"reason\":\"shutdown\""),
-        "{first_anchor}"
-    );
-    assert_eq!(
-        first_anchor,
-        std::fs::read_to_string(&run1)
-            .unwrap()
-            .lines()
-            .last()
-            .unwrap(),
-        "the anchor holds the run's last line, the shutdown checkpoint"
-    );
+/// `meshca audit verify --strict --key K --anchors [extra]` of `log`.
+fn verify_against(
+    k: &common::Kte,
+    ns: &str,
+    key: &Path,
+    log: &Path,
+    extra: &[&str],
+) -> (i32, String) {
+    let admin = k.dir.join("admin.kubeconfig");
+    let mut args = vec![
+        "audit",
+        "verify",
+        "--strict",
+        "--key",
+        key.to_str().unwrap(),
+        "--anchors",
+        "--kubeconfig",
+        admin.to_str().unwrap(),
+        "--anchor-namespace",
+        ns,
+    ];
+    args.extend_from_slice(extra);
+    args.push(log.to_str().unwrap());
+    meshca(&args)
+}
 
-    // The second run (same replica, new process) continues from the anchor.
-    run_once(&k, &ns, &data, &key, &run2).await;
-    let start: serde_json::Value = serde_json::from_str(
-        std::fs::read_to_string(&run2)
-            .unwrap()
-            .lines()
-            .next()
-            .unwrap(),
+/// The pod's own API client: the test user `meshca` with the chart's Role.
+async fn pod_client(k: &common::Kte) -> kube::Client {
+    common::client(&k.meshca_kubeconfig()).await
+}
+
+#[track_caller]
+fn assert_forbidden<T: std::fmt::Debug>(what: &str, r: Result<T, kube::Error>) {
+    match r {
+        Err(kube::Error::Api(s)) if s.code == 403 => {}
+        other => panic!("{what}: expected 403 Forbidden, got {other:?}"),
+    }
+}
+
+/// An anchor object as meshca writes it, holding `line`.
+fn anchor_object(ns: &str, line: &str) -> ConfigMap {
+    anchor::checkpoint_object(
+        &AnchorSettings {
+            namespace: ns.into(),
+            set: SET.into(),
+            replica: REPLICA.into(),
+            interval: Duration::from_secs(60),
+        },
+        line,
     )
-    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stdout_runs_link_through_the_anchor_history_and_verify_against_the_cluster() {
+    let k = common::kte().await;
+    let ns = k.namespace("audit-anchor").await;
+    anchor_rbac(&k, &ns).await;
+    let t = two_runs(&k, &ns).await;
+    let (r1, r2) = (
+        std::fs::read_to_string(&t.run1).unwrap(),
+        std::fs::read_to_string(&t.run2).unwrap(),
+    );
+
+    // Each run anchored its start and its shutdown, each as its own
+    // immutable object named after replica, run and seq.
+    let all = anchors(&k, &ns).await;
+    let lines: Vec<String> = all.iter().map(line).collect();
+    let want: Vec<String> = [&r1, &r2]
+        .iter()
+        .flat_map(|r| [r.lines().next().unwrap(), r.lines().last().unwrap()])
+        .map(str::to_string)
+        .collect();
+    assert_eq!(lines, want, "start and shutdown of both runs, in order");
+    for cm in &all {
+        assert_eq!(cm.immutable, Some(true), "{}", name(cm));
+        let cp: serde_json::Value = serde_json::from_str(&line(cm)).unwrap();
+        assert_eq!(
+            name(cm),
+            format!(
+                "{SET}.{REPLICA}.{}.{}",
+                cp["run"].as_str().unwrap(),
+                cp["seq"]
+            ),
+        );
+    }
+
+    // The second run (same replica, new process) continues from the newest anchor.
+    let start: serde_json::Value = serde_json::from_str(r2.lines().next().unwrap()).unwrap();
     assert_eq!(start["reason"], "start");
     assert_eq!(start["previous"]["from"], "anchor");
     assert_eq!(
         start["previous"]["hash"].as_str().unwrap(),
-        meshca::audit::chain::line_hash(&first_anchor)
+        meshca::audit::chain::line_hash(&t.run1_shutdown)
     );
 
-    // Each checkpoint is also an Event.
+    // Each anchor is also an Event about its object.
     let events = Api::<Event>::namespaced(k.admin.clone(), &ns)
         .list(&ListParams::default())
         .await
         .unwrap();
-    let checkpoints = events
+    let mut about: Vec<String> = events
         .items
         .iter()
         .filter(|e| e.reason.as_deref() == Some("AuditCheckpoint"))
-        .count();
-    assert!(
-        checkpoints >= 4,
-        "start and shutdown of two runs: {checkpoints}"
-    );
+        .map(|e| e.involved_object.name.clone().unwrap())
+        .collect();
+    about.sort();
+    let mut names: Vec<String> = all.iter().map(name).collect();
+    names.sort();
+    assert_eq!(about, names);
 
     // The concatenated stdout logs are one chain, and agree with the cluster.
-    let whole = std::fs::read_to_string(&run1).unwrap() + &std::fs::read_to_string(&run2).unwrap();
-    std::fs::write(&both, &whole).unwrap();
-    let admin = k.dir.join("admin.kubeconfig");
-    let verify = |log: &Path| {
-        meshca(&[
-            "audit",
-            "verify",
-            "--strict",
-            "--key",
-            key.to_str().unwrap(),
-            "--anchors",
-            "--kubeconfig",
-            admin.to_str().unwrap(),
-            "--anchor-namespace",
-            &ns,
-            log.to_str().unwrap(),
-        ])
-    };
-    let (code, out) = verify(&both);
+    let (code, out) = verify_against(&k, &ns, &t.key, &t.whole, &[]);
     assert_eq!(code, 0, "{out}");
     assert!(
-        out.contains("1 chain start(s)") && out.contains("matches"),
+        out.contains("1 chain start(s)")
+            && out.contains("4 anchor(s), 4 in the log, 2 run(s)")
+            && out.contains("newest anchored checkpoint")
+            && out.contains("matches"),
         "{out}"
     );
-    // The public key meshca published beside the heads verifies them too.
+    // The public key meshca published beside the anchors verifies them too.
+    let admin = k.dir.join("admin.kubeconfig");
     let (code, out) = meshca(&[
         "audit",
         "verify",
@@ -227,7 +336,7 @@ async fn stdout_runs_link_through_the_anchor_and_verify_against_the_cluster() {
         admin.to_str().unwrap(),
         "--anchor-namespace",
         &ns,
-        both.to_str().unwrap(),
+        t.whole.to_str().unwrap(),
     ]);
     assert_eq!(code, 0, "{out}");
     assert!(
@@ -236,53 +345,450 @@ async fn stdout_runs_link_through_the_anchor_and_verify_against_the_cluster() {
     );
     assert!(!out.contains("no --key given"), "{out}");
 
-    // The whole last run removed: the log alone ends cleanly, the anchor
-    // shows the cut.
-    std::fs::write(&both, std::fs::read_to_string(&run1).unwrap()).unwrap();
-    let (code, out) = verify(&both);
+    // Run 2 alone begins after run 1's anchors: accepted only with --partial.
+    let (code, out) = verify_against(&k, &ns, &t.key, &t.run2, &[]);
+    assert_ne!(code, 0, "{out}");
+    let (code, out) = verify_against(&k, &ns, &t.key, &t.run2, &["--partial"]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("2 before the log's first line"), "{out}");
+
+    // The whole last run removed: the log alone ends cleanly, the anchors
+    // show the cut.
+    let (code, out) = verify_against(&k, &ns, &t.key, &t.cut, &[]);
     assert_ne!(code, 0);
     assert!(out.contains("the log was cut after it"), "{out}");
 
-    // An edited anchor fails its signature.
-    std::fs::write(&both, &whole).unwrap();
-    let edited = anchor_line(&k, &ns)
-        .await
-        .replace("\"reason\":\"shutdown\"", "\"reason\":\"periodic\"");
-    Api::<ConfigMap>::namespaced(k.admin.clone(), &ns)
+    // Anchors are immutable even for an administrator; one who deletes an
+    // anchor and recreates it edited fails its signature.
+    let api = Api::<ConfigMap>::namespaced(k.admin.clone(), &ns);
+    let newest = all.last().unwrap();
+    let edited = line(newest).replace("\"reason\":\"shutdown\"", "\"reason\":\"periodic\"");
+    let e = api
         .patch(
-            CM,
+            &name(newest),
             &PatchParams::default(),
-            &Patch::Merge(&json!({"data": {"meshca-0": edited}})),
+            &Patch::Merge(&json!({"data": {anchor::DATA_CHECKPOINT: edited}})),
         )
         .await
+        .unwrap_err();
+    assert!(
+        matches!(&e, kube::Error::Api(s) if s.code == 422 && s.message.contains("immutable")),
+        "{e}"
+    );
+    api.delete(&name(newest), &DeleteParams::default())
+        .await
         .unwrap();
-    let (code, out) = verify(&both);
+    api.create(&PostParams::default(), &anchor_object(&ns, &edited))
+        .await
+        .unwrap();
+    let (code, out) = verify_against(&k, &ns, &t.key, &t.whole, &[]);
     assert_ne!(code, 0);
     assert!(out.contains("signature does not verify"), "{out}");
 }
 
+/// With the chart's Role the pod can add anchors and read them, and gets
+/// 403 Forbidden for every verb that would change or remove one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn anchor_rbac_allows_only_the_anchor_configmap() {
+async fn the_pod_can_add_anchors_but_not_change_or_remove_them() {
     let k = common::kte().await;
     let ns = k.namespace("audit-anchor-rbac").await;
     anchor_rbac(&k, &ns).await;
+    let t = two_runs(&k, &ns).await;
+    let written = anchors(&k, &ns).await;
+    let newest = written.last().unwrap();
     let other: ConfigMap =
         serde_json::from_value(json!({"metadata": {"name": "someone-elses"}})).unwrap();
     Api::<ConfigMap>::namespaced(k.admin.clone(), &ns)
         .create(&PostParams::default(), &other)
         .await
         .unwrap();
-    let meshca = common::client(&k.meshca_kubeconfig()).await;
-    let api = Api::<ConfigMap>::namespaced(meshca, &ns);
-    let patch = Patch::Merge(json!({"data": {"meshca-0": "x"}}));
-    api.patch(CM, &PatchParams::default(), &patch)
-        .await
-        .unwrap();
-    let e = api
-        .patch("someone-elses", &PatchParams::default(), &patch)
-        .await
-        .unwrap_err();
-    assert!(matches!(&e, kube::Error::Api(s) if s.code == 403), "{e}");
-    let e = api.list(&ListParams::default()).await.unwrap_err();
-    assert!(matches!(&e, kube::Error::Api(s) if s.code == 403), "{e}");
+
+    let api = Api::<ConfigMap>::namespaced(pod_client(&k).await, &ns);
+    assert_eq!(
+        api.list(&by_set()).await.unwrap().items.len(),
+        written.len()
+    );
+    api.get(&name(newest)).await.unwrap();
+    let rollback = Patch::Merge(json!({"data": {anchor::DATA_CHECKPOINT: t.run1_shutdown}}));
+    assert_forbidden(
+        "merge patch of an anchor",
+        api.patch(&name(newest), &PatchParams::default(), &rollback)
+            .await,
+    );
+    assert_forbidden(
+        "server-side apply to an anchor",
+        api.patch(
+            &name(newest),
+            &PatchParams::apply("attacker").force(),
+            &Patch::Apply(json!({"apiVersion": "v1", "kind": "ConfigMap", "data": {}})),
+        )
+        .await,
+    );
+    let mut replaced = newest.clone();
+    replaced.data = Some([(anchor::DATA_CHECKPOINT.to_string(), t.run1_shutdown.clone())].into());
+    assert_forbidden(
+        "update of an anchor",
+        api.replace(&name(newest), &PostParams::default(), &replaced)
+            .await,
+    );
+    let mut relabelled = newest.clone();
+    relabelled.metadata.labels = None;
+    assert_forbidden(
+        "relabelling an anchor out of the set",
+        api.replace(&name(newest), &PostParams::default(), &relabelled)
+            .await,
+    );
+    assert_forbidden(
+        "delete of an anchor",
+        api.delete(&name(newest), &DeleteParams::default()).await,
+    );
+    assert_forbidden(
+        "deletecollection of the anchors",
+        api.delete_collection(&DeleteParams::default(), &by_set())
+            .await,
+    );
+    assert_forbidden(
+        "patch of another ConfigMap",
+        api.patch("someone-elses", &PatchParams::default(), &rollback)
+            .await,
+    );
+    // Nothing changed.
+    assert_eq!(anchors(&k, &ns).await, written);
+}
+
+/// Whoever holds the pod removes the last run from the log and sets the
+/// replica's anchor back to an older genuine checkpoint (run 1's shutdown),
+/// with the pod's own credentials. It cannot change the newest anchor, so
+/// it anchors the old checkpoint again as a new object: verify sees both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_rolling_its_anchor_back_is_detected() {
+    let k = common::kte().await;
+    let ns = k.namespace("audit-anchor-rollback").await;
+    anchor_rbac(&k, &ns).await;
+    let t = two_runs(&k, &ns).await;
+    let (code, out) = verify_against(&k, &ns, &t.key, &t.whole, &[]);
+    assert_eq!(code, 0, "{out}");
+
+    let api = Api::<ConfigMap>::namespaced(pod_client(&k).await, &ns);
+    let newest = name(anchors(&k, &ns).await.last().unwrap());
+    assert_forbidden(
+        "rolling the newest anchor back",
+        api.patch(
+            &newest,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"data": {anchor::DATA_CHECKPOINT: t.run1_shutdown}})),
+        )
+        .await,
+    );
+    let mut again = anchor_object(&ns, &t.run1_shutdown);
+    again.metadata.name = Some(format!("{SET}.{REPLICA}.rolled-back"));
+    // Stored a second later than every genuine anchor, as it would be.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    api.create(&PostParams::default(), &again).await.unwrap();
+
+    let (code, out) = verify_against(&k, &ns, &t.key, &t.cut, &[]);
+    assert_ne!(code, 0, "a rolled-back anchor hid the cut: {out}");
+    assert!(
+        out.contains("an older head was anchored again (a rollback)"),
+        "{out}"
+    );
+}
+
+/// Whoever holds the pod (and so the checkpoint key) removes the last run
+/// and writes a new run continuing from run 1's shutdown, anchoring it as
+/// meshca would: the anchors went backwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_continuing_from_an_older_anchor_is_detected() {
+    use meshca::audit::chain::{ChainedSink, CheckpointKey, Output, RunInfo};
+    let k = common::kte().await;
+    let ns = k.namespace("audit-anchor-fork").await;
+    anchor_rbac(&k, &ns).await;
+    let t = two_runs(&k, &ns).await;
+
+    let key = CheckpointKey::from_pem(&std::fs::read(&t.key).unwrap()).unwrap();
+    let head = (
+        serde_json::from_str::<serde_json::Value>(&t.run1_shutdown).unwrap()["seq"]
+            .as_u64()
+            .unwrap(),
+        meshca::audit::chain::line_hash(&t.run1_shutdown),
+    );
+    let forged = ChainedSink::writer_linked(
+        Output::Buffer(Vec::new()),
+        Some(key),
+        1000,
+        16384,
+        RunInfo::new(REPLICA),
+        Some(head),
+    )
+    .unwrap();
+    forged.checkpoint("shutdown").unwrap();
+    let run3 = forged.buffer_contents();
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let api = Api::<ConfigMap>::namespaced(pod_client(&k).await, &ns);
+    for l in run3.lines() {
+        api.create(&PostParams::default(), &anchor_object(&ns, l))
+            .await
+            .unwrap();
+    }
+    let log = t.cut.with_file_name("forked.log");
+    std::fs::write(&log, std::fs::read_to_string(&t.run1).unwrap() + &run3).unwrap();
+    let (code, out) = verify_against(&k, &ns, &t.key, &log, &[]);
+    assert_ne!(code, 0, "a forked history passed: {out}");
+    assert!(out.contains("its history was rolled back"), "{out}");
+}
+
+/// Whoever holds the pod removes the last run from the log and tries to
+/// delete the replica's anchors with the pod's own credentials.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_deleting_its_anchor_is_detected() {
+    let k = common::kte().await;
+    let ns = k.namespace("audit-anchor-delete").await;
+    anchor_rbac(&k, &ns).await;
+    let t = two_runs(&k, &ns).await;
+
+    let api = Api::<ConfigMap>::namespaced(pod_client(&k).await, &ns);
+    for cm in anchors(&k, &ns).await {
+        assert_forbidden(
+            "delete",
+            api.delete(&name(&cm), &DeleteParams::default()).await,
+        );
+    }
+    assert_forbidden(
+        "deletecollection",
+        api.delete_collection(&DeleteParams::default(), &by_set())
+            .await,
+    );
+
+    let (code, out) = verify_against(&k, &ns, &t.key, &t.cut, &[]);
+    assert_ne!(code, 0, "a deleted anchor hid the cut: {out}");
+    assert!(out.contains("the log was cut after it"), "{out}");
+}
+
+/// Someone with delete rights in the namespace (not the pod) removes every
+/// anchor object of the replica: its log has no anchor, which fails
+/// --anchors unless --partial names the replica.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_anchor_configmap_is_detected() {
+    let k = common::kte().await;
+    let ns = k.namespace("audit-anchor-cm").await;
+    anchor_rbac(&k, &ns).await;
+    let t = two_runs(&k, &ns).await;
+
+    let api = Api::<ConfigMap>::namespaced(k.admin.clone(), &ns);
+    for cm in anchors(&k, &ns).await {
+        api.delete(&name(&cm), &DeleteParams::default())
+            .await
+            .unwrap();
+    }
+    for log in [&t.cut, &t.whole] {
+        let (code, out) = verify_against(&k, &ns, &t.key, log, &[]);
+        assert_ne!(code, 0, "deleted anchors hid the cut: {out}");
+        assert!(
+            out.contains("replica meshca-0 has no anchor in the cluster"),
+            "{out}"
+        );
+    }
+    let (code, out) = verify_against(&k, &ns, &t.key, &t.whole, &["--partial=meshca-0"]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("(accepted by --partial)"), "{out}");
+}
+
+/// Periodic anchors are limited by --audit-anchor-interval however many
+/// checkpoints the writer makes; start and shutdown always go. Measures the
+/// objects and bytes this puts into the API server's etcd, per replica and
+/// day, and checks the whole history against the log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn anchors_per_replica_and_day_are_bounded_by_the_interval() {
+    let k = common::kte().await;
+    let ns = k.namespace("audit-anchor-cost").await;
+    anchor_rbac(&k, &ns).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (data, key, log) = (
+        dir.path().join("data"),
+        dir.path().join("checkpoint.pem"),
+        dir.path().join("run.log"),
+    );
+    std::fs::write(
+        &key,
+        meshca::audit::chain::CheckpointKey::generate_pem().unwrap(),
+    )
+    .unwrap();
+    let load = Duration::from_secs(12);
+    let t0 = Instant::now();
+    let metrics = run_once(
+        &k,
+        &ns,
+        &data,
+        &key,
+        &log,
+        // A checkpoint after every record: far more than the interval lets through.
+        &[
+            "--audit-checkpoint-every",
+            "1",
+            "--audit-anchor-interval",
+            "1s",
+        ],
+        load,
+    )
+    .await;
+    let secs = t0.elapsed().as_secs_f64();
+    let text = std::fs::read_to_string(&log).unwrap();
+    let checkpoints = text
+        .lines()
+        .filter(|l| l.contains("\"type\":\"checkpoint\""))
+        .count();
+    let all = anchors(&k, &ns).await;
+    let n = all.len();
+    // One periodic anchor per second at most, plus start and shutdown.
+    assert!(n as f64 <= secs + 3.0, "{n} anchors in {secs:.1}s");
+    assert!(
+        n >= 8,
+        "{n} anchors in {secs:.1}s: the interval should let about one a second through"
+    );
+    assert!(
+        checkpoints > 5 * n,
+        "{checkpoints} checkpoints, {n} anchors"
+    );
+    let metric = |name: &str| -> f64 {
+        metrics
+            .lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.rsplit(' ').next())
+            .map(|v| v.parse().unwrap())
+            .unwrap_or(0.0)
+    };
+    let written = metric("meshca_audit_anchor_writes_total{result=\"written\"}");
+    let coalesced = metric("meshca_audit_anchor_coalesced_total");
+    assert!(
+        written >= (n - 2) as f64,
+        "{written} written by the metric, {n} stored\n{metrics}"
+    );
+    assert!(coalesced > 0.0, "{metrics}");
+
+    // Bytes: as etcd stores them (key + value), and as JSON from the API.
+    let conf = std::fs::read_to_string(k.dir.join("kte.conf")).unwrap();
+    let port = conf
+        .lines()
+        .find_map(|l| l.strip_prefix("ETCD_PORT="))
+        .unwrap()
+        .trim_matches(|c| c == '"' || c == '\'')
+        .to_string();
+    use base64::Engine;
+    let b64 = |s: &str| base64::engine::general_purpose::STANDARD.encode(s);
+    let etcd_bytes = |prefix: &str| -> (usize, usize) {
+        let mut end = prefix.as_bytes().to_vec();
+        *end.last_mut().unwrap() += 1;
+        let body = json!({"key": b64(prefix), "range_end": base64::engine::general_purpose::STANDARD.encode(&end)});
+        let out = std::process::Command::new("curl")
+            .args([
+                "-sf",
+                "-X",
+                "POST",
+                &format!("http://127.0.0.1:{port}/v3/kv/range"),
+                "-d",
+                &body.to_string(),
+            ])
+            .output()
+            .unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let kvs = v["kvs"].as_array().cloned().unwrap_or_default();
+        let bytes = kvs
+            .iter()
+            .map(|kv| {
+                let d = |f: &str| {
+                    base64::engine::general_purpose::STANDARD
+                        .decode(kv[f].as_str().unwrap_or(""))
+                        .unwrap()
+                        .len()
+                };
+                d("key") + d("value")
+            })
+            .sum();
+        (kvs.len(), bytes)
+    };
+    let (cm_objects, cm_bytes) = etcd_bytes(&format!("/registry/configmaps/{ns}/{SET}."));
+    let (ev_objects, ev_bytes) = etcd_bytes(&format!("/registry/events/{ns}/"));
+    let key_objects = 1;
+    assert_eq!(cm_objects, n + key_objects, "anchors and the published key");
+    let json_bytes: usize = all
+        .iter()
+        .map(|c| serde_json::to_vec(c).unwrap().len())
+        .sum();
+    let per = cm_bytes as f64 / cm_objects as f64;
+    let per_ev = ev_bytes as f64 / ev_objects.max(1) as f64;
+    let day = 86_400.0 / 60.0;
+    println!(
+        "anchor cost: {checkpoints} checkpoints in {secs:.1}s at --audit-anchor-interval 1s -> {n} anchors ({written} written, {coalesced} coalesced by the metrics); \
+         etcd: {per:.0} bytes per anchor object (key+value, {cm_objects} objects incl. the key), {per_ev:.0} per Event ({ev_objects}); \
+         API JSON {:.0} bytes per anchor. At the default 60s: at most {day:.0} periodic anchors + 2 per restart per replica and day = {:.2} MB etcd/day ({:.1} MB per 30 days), \
+         and at most {:.0} live Events ({:.2} MB, they expire after --event-ttl 1h)",
+        json_bytes as f64 / n as f64,
+        day * per / 1e6,
+        30.0 * day * per / 1e6,
+        3600.0 / 60.0,
+        60.0 * per_ev / 1e6,
+    );
+
+    let (code, out) = verify_against(&k, &ns, &key, &log, &[]);
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.contains(&format!("{n} anchor(s), {n} in the log, 1 run(s)")),
+        "{out}"
+    );
+}
+
+/// Retention: an administrator's `meshca audit prune-anchors` removes old
+/// anchors but keeps each replica's newest, so the log still verifies; the
+/// pod's own credentials cannot prune.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_administrator_prunes_old_anchors_and_the_history_still_verifies() {
+    let k = common::kte().await;
+    let ns = k.namespace("audit-anchor-prune").await;
+    anchor_rbac(&k, &ns).await;
+    let t = two_runs(&k, &ns).await;
+    let before = anchors(&k, &ns).await;
+    assert_eq!(before.len(), 4);
+    // Creation times have one-second resolution.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let prune = |kubeconfig: &Path, extra: &[&str]| {
+        let mut args = vec![
+            "audit",
+            "prune-anchors",
+            "--older-than",
+            "0s",
+            "--anchor-namespace",
+            &ns,
+            "--kubeconfig",
+            kubeconfig.to_str().unwrap(),
+        ];
+        args.extend_from_slice(extra);
+        meshca(&args)
+    };
+    let admin = k.dir.join("admin.kubeconfig");
+
+    let (code, out) = prune(&k.meshca_kubeconfig(), &[]);
+    assert_ne!(code, 0, "{out}");
+    assert!(
+        out.contains("forbidden") || out.contains("Forbidden"),
+        "{out}"
+    );
+    let (code, out) = prune(&admin, &["--dry-run"]);
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.contains("3 of 4 checkpoint anchor(s) would be removed"),
+        "{out}"
+    );
+    assert_eq!(anchors(&k, &ns).await, before);
+
+    let (code, out) = prune(&admin, &[]);
+    assert_eq!(code, 0, "{out}");
+    let after = anchors(&k, &ns).await;
+    assert_eq!(after, before[3..], "the newest (run 2's shutdown) stays");
+    let (code, out) = verify_against(&k, &ns, &t.key, &t.whole, &[]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("1 anchor(s), 1 in the log"), "{out}");
+    // The kept anchor still shows a cut of the last run.
+    let (code, out) = verify_against(&k, &ns, &t.key, &t.cut, &[]);
+    assert_ne!(code, 0);
+    assert!(out.contains("the log was cut after it"), "{out}");
 }

@@ -155,13 +155,20 @@ fn anchored(
     lines: &[String],
     k: &[VerifyKey],
     anchor: &str,
-) -> Result<Vec<verify::AnchorNote>, VerifyFailure> {
+) -> Result<verify::AnchorReport, VerifyFailure> {
     let report = verify(lines, k)?;
     verify::check_anchors(
         &numbered(lines),
         &report,
-        &[("ns/meshca-audit-anchor-a".into(), anchor.to_string())],
-        k,
+        &[verify::Anchor {
+            source: "ns/meshca-audit-anchor-a".into(),
+            line: anchor.to_string(),
+            created: None,
+        }],
+        &verify::AnchorOptions {
+            keys: k,
+            ..Default::default()
+        },
     )
 }
 

@@ -510,9 +510,12 @@ fn pod_is_restricted_and_mounts_cacerts_for_hot_reload() {
     assert_eq!(audit["subPathExpr"].as_str(), Some("$(POD_NAME)"));
 }
 
+const AUDIT_ANCHOR_RBAC: &str = "tests/fixtures/rbac-audit-anchor.yaml";
+
 /// Signed checkpoints and anchors are on by default: the chart generates a
-/// checkpoint key meshca can load, mounts it, and grants only the anchor
-/// ConfigMap (by name) and Events in the release namespace.
+/// checkpoint key meshca can load, mounts it, and grants the anchor Role of
+/// the fixture tests/audit_anchor.rs runs meshca with (create and read
+/// ConfigMaps, create Events) in the release namespace.
 #[test]
 fn audit_checkpoints_are_signed_and_anchored_by_default() {
     use base64::Engine;
@@ -529,17 +532,17 @@ fn audit_checkpoints_are_signed_and_anchored_by_default() {
 
     let anchor = render("templates/audit-anchor.yaml", "r", "ns1", &[]);
     let kinds: Vec<&str> = anchor.iter().filter_map(|d| d["kind"].as_str()).collect();
-    assert_eq!(kinds, ["ConfigMap", "Role", "RoleBinding"]);
-    assert_eq!(anchor[0]["metadata"]["name"], "r-meshca-audit-anchors");
-    let rules = serde_json::to_value(&anchor[1]["rules"]).unwrap();
+    // No anchor ConfigMap: each anchor is its own object, created by meshca.
+    assert_eq!(kinds, ["Role", "RoleBinding"]);
     assert_eq!(
-        rules,
-        serde_json::json!([
-            {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": ["r-meshca-audit-anchors"], "verbs": ["get", "patch"]},
-            {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]}
-        ]),
+        rules_of(&anchor, "Role"),
+        rules_of(
+            &docs(&std::fs::read_to_string(repo().join(AUDIT_ANCHOR_RBAC)).unwrap()),
+            "Role"
+        ),
         "exactly the rules tests/audit_anchor.rs runs meshca with"
     );
+    assert_eq!(anchor[1]["subjects"][0]["namespace"].as_str(), Some("ns1"));
 
     let dep = render("templates/deployment.yaml", "r", "ns1", &[]);
     let env = env_of(&dep[0]);
@@ -554,6 +557,7 @@ fn audit_checkpoints_are_signed_and_anchored_by_default() {
         get("MESHCA_AUDIT_ANCHOR_CONFIGMAP").as_deref(),
         Some("r-meshca-audit-anchors")
     );
+    assert_eq!(get("MESHCA_AUDIT_ANCHOR_INTERVAL").as_deref(), Some("60s"));
     assert_eq!(get("MESHCA_AUDIT_FSYNC").as_deref(), Some("batch"));
 
     // Turned off, neither the Role nor the key Secret is rendered.
@@ -575,6 +579,111 @@ fn audit_checkpoints_are_signed_and_anchored_by_default() {
     assert!(!roles.contains("r-meshca-audit-anchor"), "{roles:?}");
     assert!(roles.contains("r-meshca-denylist"), "{roles:?}");
     assert!(!text.contains("audit-checkpoint-key"));
+}
+
+/// Whoever holds the pod must not be able to rewrite or remove an anchor it
+/// wrote: across the whole chart (default values, and ci-values.yaml, which
+/// turns every feature on), no Role or ClusterRole grants a verb that
+/// changes or removes a ConfigMap that could be an anchor (patch, update,
+/// delete, deletecollection, or a wildcard), nor one that lets meshca grant
+/// itself more (RBAC writes, bind, escalate, impersonate). A write verb on
+/// ConfigMaps is allowed only with resourceNames, none of them the anchor
+/// set's name or in its name space (`<set>.`).
+#[test]
+fn no_rbac_in_the_chart_lets_meshca_change_or_remove_an_anchor() {
+    let changes = ["patch", "update", "delete", "deletecollection", "*"];
+    for (what, flags) in [
+        ("default values", vec![]),
+        ("ci-values.yaml", vec!["-f", "charts/meshca/ci-values.yaml"]),
+    ] {
+        let out = Command::new(helm())
+            .current_dir(repo())
+            .args([
+                "template",
+                "meshca",
+                "charts/meshca",
+                "--namespace",
+                "istio-system",
+            ])
+            .args(&flags)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let docs = docs(&String::from_utf8(out.stdout).unwrap());
+        let set = env_of(
+            docs.iter()
+                .find(|d| d["kind"].as_str() == Some("Deployment"))
+                .unwrap(),
+        )
+        .into_iter()
+        .find(|(n, _)| n == "MESHCA_AUDIT_ANCHOR_CONFIGMAP")
+        .map(|(_, v)| v)
+        .unwrap();
+        let mut rules = rules_of(&docs, "Role");
+        rules.extend(rules_of(&docs, "ClusterRole"));
+        assert!(rules.len() > 3, "{what}: {rules:?}");
+        for r in &rules {
+            let any = |s: &BTreeSet<String>, v: &str| s.contains(v) || s.contains("*");
+            let core = any(&r.api_groups, "");
+            for bad in ["bind", "escalate", "impersonate"] {
+                assert!(!r.verbs.contains(bad), "{what}: {r:?}");
+            }
+            if any(&r.api_groups, "rbac.authorization.k8s.io") {
+                assert!(
+                    r.verbs
+                        .iter()
+                        .all(|v| ["get", "list", "watch"].contains(&v.as_str())),
+                    "{what}: meshca may not write RBAC: {r:?}"
+                );
+            }
+            if core && any(&r.resources, "configmaps") {
+                let writes: Vec<_> = r
+                    .verbs
+                    .iter()
+                    .filter(|v| changes.contains(&v.as_str()))
+                    .collect();
+                if writes.is_empty() {
+                    continue;
+                }
+                assert!(
+                    !r.resource_names.is_empty(),
+                    "{what}: {writes:?} on every ConfigMap would reach the anchors: {r:?}"
+                );
+                for n in &r.resource_names {
+                    assert!(
+                        *n != set && !n.starts_with(&format!("{set}.")),
+                        "{what}: {writes:?} on {n}, an anchor name: {r:?}"
+                    );
+                }
+            }
+        }
+        // The anchor Role itself: create and read, nothing else.
+        let anchor_role: Vec<Rule> = rules_of(
+            &docs
+                .iter()
+                .filter(|d| {
+                    d["metadata"]["name"]
+                        .as_str()
+                        .is_some_and(|n| n.ends_with("-audit-anchor"))
+                })
+                .cloned()
+                .collect::<Vec<_>>(),
+            "Role",
+        );
+        let cm = anchor_role
+            .iter()
+            .find(|r| r.resources.contains("configmaps"))
+            .unwrap_or_else(|| panic!("{what}: no anchor Role"));
+        assert_eq!(
+            cm.verbs,
+            ["create", "get", "list"].map(String::from).into(),
+            "{what}"
+        );
+    }
 }
 
 const REMOTE_SECRETS_RBAC: &str = "tests/fixtures/rbac-remote-secrets.yaml";

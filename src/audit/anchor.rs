@@ -1,186 +1,533 @@
-//! Chain heads anchored outside the pod. At every checkpoint the writer
-//! hands the signed checkpoint line to [`KubeAnchor`], which stores it in a
-//! ConfigMap under the replica's name (one ConfigMap for the release, so RBAC
-//! names exactly one object) and emits a Kubernetes Event, so the head also
-//! lands in the cluster's own audit pipeline. On start, a stdout run reads
-//! its replica's anchored head and continues the chain from it; `meshca audit
-//! verify --anchors` reads the anchors back to cross-check a log.
+//! Chain heads anchored outside the pod, append-only. Each anchored
+//! checkpoint becomes a new immutable ConfigMap named after its replica, run
+//! and seq; meshca may create such objects and read them, never patch,
+//! update or delete one, so whoever holds the pod can add to the history
+//! but cannot roll it back or remove it. Each anchor is also emitted as a
+//! Kubernetes Event. A stdout run continues its chain from its replica's
+//! newest anchor; `meshca audit verify --anchors` reads the whole history
+//! back; `meshca audit prune-anchors` (an admin, with delete rights meshca
+//! lacks) removes anchors past retention.
+//!
+//! Start, recovery and shutdown checkpoints are always anchored (retried);
+//! other checkpoints at most once per `--audit-anchor-interval`, the
+//! newest one pending, which bounds the objects per replica and day.
 
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
+use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{ConfigMap, Event, ObjectReference};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
-use kube::api::{Patch, PatchParams, PostParams};
+use kube::api::{DeleteParams, ListParams, PostParams, Preconditions};
 use kube::{Api, Client};
-use tokio::sync::watch;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
 
 use super::chain::{line_hash, Checkpoint};
+use super::verify::{self, Anchor};
 use super::writer::CheckpointObserver;
 
-/// Where anchors live.
+/// Label naming the anchor set (the release's) an object belongs to.
+pub const LABEL_SET: &str = "audit.meshca.io/anchor-set";
+/// Label naming the replica (for people; verify reads the signed line).
+pub const LABEL_REPLICA: &str = "audit.meshca.io/replica";
+/// Label telling a checkpoint from a published key.
+pub const LABEL_KIND: &str = "audit.meshca.io/kind";
+/// Data key of the checkpoint line.
+pub const DATA_CHECKPOINT: &str = "checkpoint";
+/// Data key of a published public key (PEM).
+pub const DATA_KEY: &str = "key.pem";
+/// Default `--audit-anchor-interval`.
+pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(60);
+/// Longest anchor set name: its objects' names must stay within 253.
+pub const MAX_SET_NAME: usize = 120;
+
+/// Checkpoints that are always anchored: a run's start (it links the run to
+/// its predecessor), a recovery, and a clean stop.
+fn always_anchored(reason: &str) -> bool {
+    matches!(reason, "start" | "recovery" | "shutdown")
+}
+
+/// Where anchors live and how often periodic ones are written.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AnchorSettings {
     pub namespace: String,
-    /// The ConfigMap (one per release; data key = replica).
-    pub configmap: String,
-    /// This replica's data key (the pod name).
+    /// The anchor set: name prefix and label value of its objects (one per
+    /// release).
+    pub set: String,
+    /// This replica (the pod name).
     pub replica: String,
+    /// At most one periodic anchor this often.
+    pub interval: Duration,
 }
 
 /// Anchoring failed.
 #[derive(Debug, thiserror::Error)]
 pub enum AnchorError {
-    #[error("reading audit anchor ConfigMap {0}: {1}")]
+    #[error("reading audit anchors in {0}: {1}")]
     Read(String, kube::Error),
-    #[error("audit anchor {0} for replica {1} is not a checkpoint line")]
-    Malformed(String, String),
+    #[error("writing audit anchor {0}: {1}")]
+    Write(String, kube::Error),
+    #[error("audit anchor {0} already exists with other contents")]
+    Conflict(String),
+    #[error("deleting audit anchor {0}: {1}")]
+    Delete(String, kube::Error),
+    #[error("audit anchor set name \"{0}\" is not a lower-case DNS name of at most {MAX_SET_NAME} characters")]
+    SetName(String),
 }
 
 impl AnchorError {
     pub fn reason(&self) -> &'static str {
         match self {
             Self::Read(..) => "audit_anchor_read_failed",
-            Self::Malformed(..) => "audit_anchor_malformed",
+            Self::Write(..) => "audit_anchor_write_failed",
+            Self::Conflict(..) => "audit_anchor_conflict",
+            Self::Delete(..) => "audit_anchor_delete_failed",
+            Self::SetName(..) => "audit_anchor_set_name",
         }
     }
 }
 
+/// Checks an anchor set name (a DNS subdomain prefix for the objects).
+pub fn check_set_name(set: &str) -> Result<(), AnchorError> {
+    let ok = !set.is_empty()
+        && set.len() <= MAX_SET_NAME
+        && set
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.')
+        && set.starts_with(|c: char| c.is_ascii_alphanumeric())
+        && set.ends_with(|c: char| c.is_ascii_alphanumeric());
+    if ok {
+        Ok(())
+    } else {
+        Err(AnchorError::SetName(set.to_string()))
+    }
+}
+
+/// A label value for `s` (at most 63 characters, alphanumeric at both
+/// ends): `s` itself when it fits, else a prefix and a hash of the whole.
+pub fn label_value(s: &str) -> String {
+    let clean = name_part(s);
+    if clean == s && s.len() <= 63 {
+        return clean;
+    }
+    let short: String = clean.chars().take(50).collect();
+    format!(
+        "{}-{}",
+        short.trim_end_matches(['-', '.']),
+        &line_hash(s)[..12]
+    )
+}
+
+/// `s` as a name component: lower-case alphanumerics and `-`, at most 63
+/// characters, alphanumeric at both ends (uniqueness comes from the run id).
+pub fn name_part(s: &str) -> String {
+    let mapped: String = s
+        .chars()
+        .map(|c| {
+            let c = c.to_ascii_lowercase();
+            if c.is_ascii_lowercase() || c.is_ascii_digit() {
+                c
+            } else {
+                '-'
+            }
+        })
+        .take(63)
+        .collect();
+    let t = mapped.trim_matches('-');
+    if t.is_empty() {
+        "x".into()
+    } else {
+        t.to_string()
+    }
+}
+
+/// The object holding checkpoint `seq` of `run` on `replica`.
+pub fn checkpoint_name(set: &str, replica: &str, run: &str, seq: u64) -> String {
+    format!("{set}.{}.{}.{seq}", name_part(replica), name_part(run))
+}
+
+/// The object publishing the public key `key_id`.
+pub fn key_name(set: &str, key_id: &str) -> String {
+    format!("{set}.key.{}", name_part(key_id))
+}
+
+fn labels(set: &str, kind: &str, replica: Option<&str>) -> BTreeMap<String, String> {
+    let mut l = BTreeMap::from([
+        (LABEL_SET.to_string(), label_value(set)),
+        (LABEL_KIND.to_string(), kind.to_string()),
+    ]);
+    if let Some(r) = replica {
+        l.insert(LABEL_REPLICA.to_string(), label_value(r));
+    }
+    l
+}
+
+/// The immutable object anchoring one checkpoint line.
+pub fn checkpoint_object(s: &AnchorSettings, line: &str) -> ConfigMap {
+    let (run, seq) = serde_json::from_str::<Checkpoint>(line)
+        .map(|cp| (cp.run.unwrap_or_else(|| "v1".into()), cp.seq))
+        // Not a checkpoint (cannot happen: the writer hands its own lines):
+        // named by its hash, so it is still stored and verify reports it.
+        .unwrap_or_else(|_| (line_hash(line)[..16].to_string(), 0));
+    ConfigMap {
+        metadata: ObjectMeta {
+            name: Some(checkpoint_name(&s.set, &s.replica, &run, seq)),
+            namespace: Some(s.namespace.clone()),
+            labels: Some(labels(&s.set, "checkpoint", Some(&s.replica))),
+            ..Default::default()
+        },
+        immutable: Some(true),
+        data: Some(BTreeMap::from([(
+            DATA_CHECKPOINT.to_string(),
+            line.to_string(),
+        )])),
+        ..Default::default()
+    }
+}
+
+/// The immutable object publishing a checkpoint public key.
+pub fn key_object(s: &AnchorSettings, key_id: &str, pem: &str) -> ConfigMap {
+    ConfigMap {
+        metadata: ObjectMeta {
+            name: Some(key_name(&s.set, key_id)),
+            namespace: Some(s.namespace.clone()),
+            labels: Some(labels(&s.set, "key", None)),
+            ..Default::default()
+        },
+        immutable: Some(true),
+        data: Some(BTreeMap::from([(DATA_KEY.to_string(), pem.to_string())])),
+        ..Default::default()
+    }
+}
+
+/// What the anchor set holds: every anchored checkpoint, and the published
+/// public keys as (key_id, PEM).
+#[derive(Debug, Default)]
+pub struct Fetched {
+    pub checkpoints: Vec<Anchor>,
+    pub keys: Vec<(String, String)>,
+}
+
+fn selector(set: &str, extra: &str) -> ListParams {
+    ListParams::default().labels(&format!("{LABEL_SET}={}{extra}", label_value(set)))
+}
+
+fn created(cm: &ConfigMap) -> Option<i64> {
+    cm.metadata
+        .creation_timestamp
+        .as_ref()
+        .map(|t| t.0.as_second())
+}
+
+fn to_anchor(namespace: &str, cm: ConfigMap) -> Anchor {
+    let created = created(&cm);
+    let name = cm.metadata.name.clone().unwrap_or_default();
+    let line = cm
+        .data
+        .and_then(|mut d| d.remove(DATA_CHECKPOINT))
+        .unwrap_or_default();
+    Anchor {
+        source: format!("{namespace}/{name}"),
+        line,
+        created,
+    }
+}
+
+/// Every object of the anchor set.
+async fn list(
+    client: &Client,
+    namespace: &str,
+    set: &str,
+    extra: &str,
+) -> Result<Vec<ConfigMap>, AnchorError> {
+    let api: Api<ConfigMap> = Api::namespaced(client.clone(), namespace);
+    let where_ = format!("{namespace} ({LABEL_SET}={})", label_value(set));
+    Ok(api
+        .list(&selector(set, extra))
+        .await
+        .map_err(|e| AnchorError::Read(where_, e))?
+        .items)
+}
+
+/// Every anchored checkpoint and published key of the set.
+pub async fn fetch(client: &Client, namespace: &str, set: &str) -> Result<Fetched, AnchorError> {
+    let mut out = Fetched::default();
+    for cm in list(client, namespace, set, "").await? {
+        let kind = cm
+            .metadata
+            .labels
+            .as_ref()
+            .and_then(|l| l.get(LABEL_KIND).cloned());
+        if kind.as_deref() == Some("key") {
+            let name = cm.metadata.name.clone().unwrap_or_default();
+            let id = name.rsplit('.').next().unwrap_or_default().to_string();
+            if let Some(pem) = cm.data.and_then(|mut d| d.remove(DATA_KEY)) {
+                out.keys.push((id, pem));
+            }
+        } else {
+            out.checkpoints.push(to_anchor(namespace, cm));
+        }
+    }
+    Ok(out)
+}
+
 /// The head a new run continues from: (seq, line hash) of the replica's
-/// anchored checkpoint, if any.
+/// newest anchor (in the order the history is verified in), if any.
+/// Objects that are not this replica's checkpoints are skipped (verify
+/// reports them).
 pub async fn read_head(
     client: &Client,
     s: &AnchorSettings,
 ) -> Result<Option<(u64, String)>, AnchorError> {
-    let api: Api<ConfigMap> = Api::namespaced(client.clone(), &s.namespace);
-    let where_ = format!("{}/{}", s.namespace, s.configmap);
-    let cm = api
-        .get_opt(&s.configmap)
-        .await
-        .map_err(|e| AnchorError::Read(where_.clone(), e))?;
-    let Some(line) = cm
-        .and_then(|c| c.data)
-        .and_then(|d| d.get(&s.replica).cloned())
-    else {
-        return Ok(None);
-    };
-    let cp: Checkpoint = serde_json::from_str(&line)
-        .map_err(|_| AnchorError::Malformed(where_, s.replica.clone()))?;
-    Ok(Some((cp.seq, line_hash(&line))))
+    let extra = format!(",{LABEL_REPLICA}={}", label_value(&s.replica));
+    let anchors: Vec<Anchor> = list(client, &s.namespace, &s.set, &extra)
+        .await?
+        .into_iter()
+        .map(|cm| to_anchor(&s.namespace, cm))
+        .collect();
+    let newest = verify::newest_anchor(&anchors, &s.replica);
+    if newest.is_none() && !anchors.is_empty() {
+        tracing::warn!(
+            objects = anchors.len(),
+            "none of the objects labelled as this replica's anchors is its checkpoint; starting a new chain"
+        );
+    }
+    Ok(newest.map(|(cp, a)| (cp.seq, line_hash(&a.line))))
 }
 
-/// Data-key prefix of the public keys a replica publishes beside its head
-/// (`key.<key_id>.pem`; a rotated key's entry stays, so its id remains
-/// verifiable).
-pub const KEY_PREFIX: &str = "key.";
+/// What an anchor writer does next with the checkpoints handed to it.
+#[derive(Debug, Default)]
+pub struct Pending {
+    /// Always-anchored lines, oldest first.
+    urgent: VecDeque<String>,
+    /// The newest other checkpoint, waiting for the interval.
+    latest: Option<String>,
+    /// Periodic checkpoints replaced by a newer one before being anchored.
+    pub coalesced: u64,
+}
 
-/// What the anchor ConfigMap holds: checkpoints as (`ns/name:replica`,
-/// line), and published public keys as (key_id, PEM).
-pub type Anchors = (Vec<(String, String)>, Vec<(String, String)>);
+/// The next step of the anchor writer.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Next {
+    /// Write this line (`true`: an always-anchored one).
+    Write(String, bool),
+    /// Nothing is due before this instant.
+    WaitUntil(Instant),
+    /// Nothing is pending.
+    Idle,
+}
 
-/// Every anchored checkpoint and published key in the ConfigMap.
-pub async fn fetch(
-    client: &Client,
-    namespace: &str,
-    configmap: &str,
-) -> Result<Anchors, AnchorError> {
-    let api: Api<ConfigMap> = Api::namespaced(client.clone(), namespace);
-    let cm = api
-        .get(configmap)
-        .await
-        .map_err(|e| AnchorError::Read(format!("{namespace}/{configmap}"), e))?;
-    let (mut heads, mut keys) = (vec![], vec![]);
-    for (k, v) in cm.data.unwrap_or_default() {
-        match k
-            .strip_prefix(KEY_PREFIX)
-            .and_then(|r| r.strip_suffix(".pem"))
-        {
-            Some(id) => keys.push((id.to_string(), v)),
-            None => heads.push((format!("{namespace}/{configmap}:{k}"), v)),
+impl Pending {
+    /// Takes a checkpoint line from the writer. An always-anchored one
+    /// supersedes a pending periodic one (it is newer and covers it).
+    pub fn push(&mut self, line: String) {
+        let urgent = serde_json::from_str::<Checkpoint>(&line)
+            .map(|cp| always_anchored(&cp.reason))
+            .unwrap_or(false);
+        if urgent {
+            if self.latest.take().is_some() {
+                self.coalesced += 1;
+            }
+            self.urgent.push_back(line);
+        } else if self.latest.replace(line).is_some() {
+            self.coalesced += 1;
         }
     }
-    Ok((heads, keys))
+
+    /// What to do at `now`, given when the last anchor was written. With
+    /// `flush` (the writer has stopped) a pending periodic line is due now.
+    pub fn next(
+        &mut self,
+        now: Instant,
+        last_write: Option<Instant>,
+        interval: Duration,
+        flush: bool,
+    ) -> Next {
+        if let Some(l) = self.urgent.pop_front() {
+            return Next::Write(l, true);
+        }
+        if self.latest.is_none() {
+            return Next::Idle;
+        }
+        let due = last_write.map_or(now, |t| t + interval);
+        if flush || due <= now {
+            self.latest
+                .take()
+                .map_or(Next::Idle, |l| Next::Write(l, false))
+        } else {
+            Next::WaitUntil(due)
+        }
+    }
 }
 
-/// Feeds checkpoints from the writer thread to an async task that writes
-/// them; only the newest pending one is kept (a later head covers an
-/// earlier one), so a slow API server never holds the writer.
+/// Feeds checkpoints from the writer thread to an async task that anchors
+/// them, so a slow API server never holds the writer.
 #[derive(Debug)]
 pub struct KubeAnchor {
-    tx: watch::Sender<Option<String>>,
+    tx: mpsc::UnboundedSender<String>,
+    latest: std::sync::Mutex<Option<String>>,
 }
 
 impl CheckpointObserver for KubeAnchor {
     fn checkpoint(&self, line: &str) {
-        self.tx.send_replace(Some(line.to_string()));
+        if let Ok(mut l) = self.latest.lock() {
+            *l = Some(line.to_string());
+        }
+        let _ = self.tx.send(line.to_string());
     }
 }
 
+/// Pauses between attempts at an always-anchored line: doubling from the
+/// first to the longest.
+const FIRST_RETRY: Duration = Duration::from_millis(200);
+const MAX_RETRY: Duration = Duration::from_secs(30);
+
 impl KubeAnchor {
-    /// Starts the task; it stops when the anchor is dropped (after writing
-    /// the last head it was given).
-    /// `public_key`: (key_id, PEM) published beside the heads first.
+    /// Starts the task; it stops when the anchor is dropped, after writing
+    /// what was handed to it (a pending periodic line without waiting).
+    /// `public_key`: (key_id, PEM) published first.
     pub fn spawn(
         client: Client,
         s: AnchorSettings,
         public_key: Option<(String, String)>,
         metrics: Option<Arc<dyn AnchorMetrics>>,
     ) -> (Arc<Self>, tokio::task::JoinHandle<()>) {
-        let (tx, mut rx) = watch::channel(None::<String>);
+        let (tx, mut rx) = mpsc::unbounded_channel::<String>();
         let task = tokio::spawn(async move {
             if let Some((id, pem)) = public_key {
-                let patch = serde_json::json!({ "data": { format!("{KEY_PREFIX}{id}.pem"): pem } });
-                let api: Api<ConfigMap> = Api::namespaced(client.clone(), &s.namespace);
-                if let Err(e) = api
-                    .patch(&s.configmap, &PatchParams::default(), &Patch::Merge(&patch))
-                    .await
-                {
-                    tracing::error!(error = %e, "audit checkpoint public key not published");
+                if let Err(e) = create_once(&client, &key_object(&s, &id, &pem), DATA_KEY).await {
+                    tracing::error!(error = %e, reason = e.reason(), "audit checkpoint public key not published");
                 }
             }
+            let mut pending = Pending::default();
+            let mut last_write: Option<Instant> = None;
+            let mut closed = false;
             loop {
-                let line = rx.borrow_and_update().clone();
-                if let Some(line) = line {
+                while let Ok(l) = rx.try_recv() {
+                    pending.push(l);
+                }
+                let (line, urgent) =
+                    match pending.next(Instant::now(), last_write, s.interval, closed) {
+                        Next::Write(l, u) => (l, u),
+                        Next::Idle if closed => return,
+                        Next::Idle => match rx.recv().await {
+                            Some(l) => {
+                                pending.push(l);
+                                continue;
+                            }
+                            None => {
+                                closed = true;
+                                continue;
+                            }
+                        },
+                        Next::WaitUntil(t) => {
+                            tokio::select! {
+                                l = rx.recv() => match l {
+                                    Some(l) => pending.push(l),
+                                    None => closed = true,
+                                },
+                                _ = tokio::time::sleep_until(t) => {}
+                            }
+                            continue;
+                        }
+                    };
+                let coalesced = std::mem::take(&mut pending.coalesced);
+                if let Some(m) = &metrics {
+                    m.anchor_coalesced(coalesced);
+                }
+                // An always-anchored line is retried until it is written, so
+                // the history never shows a run without its start; later
+                // lines wait behind it (coalesced), keeping the order.
+                let mut pause = FIRST_RETRY;
+                let result = loop {
                     let r = write(&client, &s, &line).await;
                     if let Some(m) = &metrics {
-                        m.anchor_written(r.is_ok());
+                        m.anchor_written(r.as_ref().map_err(AnchorError::reason).err());
                     }
-                    if let Err(e) = r {
-                        tracing::error!(error = %e, configmap = %s.configmap, "audit anchor not written");
+                    match r {
+                        Err(e) if urgent && !matches!(e, AnchorError::Conflict(_)) => {
+                            tracing::warn!(error = %e, retry_in = ?pause, "audit anchor not written; retrying");
+                            let sleep = tokio::time::sleep(pause);
+                            tokio::pin!(sleep);
+                            loop {
+                                tokio::select! {
+                                    l = rx.recv(), if !closed => match l {
+                                        Some(l) => pending.push(l),
+                                        None => closed = true,
+                                    },
+                                    _ = &mut sleep => break,
+                                }
+                            }
+                            pause = (pause * 2).min(MAX_RETRY);
+                        }
+                        r => break r,
                     }
-                }
-                if rx.changed().await.is_err() {
-                    // Sender gone: a head that came in meanwhile was
-                    // written by the loop above before this point.
-                    let last = rx.borrow_and_update().clone();
-                    if let Some(line) = last {
-                        let _ = write(&client, &s, &line).await;
-                    }
-                    return;
+                };
+                last_write = Some(Instant::now());
+                if let Err(e) = result {
+                    tracing::error!(error = %e, reason = e.reason(), set = %s.set, "audit anchor not written");
                 }
             }
         });
-        (Arc::new(Self { tx }), task)
+        (
+            Arc::new(Self {
+                tx,
+                latest: std::sync::Mutex::new(None),
+            }),
+            task,
+        )
     }
 
-    /// The newest head handed over (tests).
+    /// The newest checkpoint handed over (tests).
     pub fn latest(&self) -> Option<String> {
-        self.tx.borrow().clone()
+        self.latest.lock().ok().and_then(|l| l.clone())
     }
 }
 
 /// Counts anchor writes (implemented by the metrics).
 pub trait AnchorMetrics: Send + Sync + std::fmt::Debug {
-    fn anchor_written(&self, ok: bool);
+    /// One attempt at writing an anchor: written (`None`) or failed (the
+    /// error's reason).
+    fn anchor_written(&self, failed: Option<&'static str>);
+    /// Periodic checkpoints superseded before they were anchored.
+    fn anchor_coalesced(&self, n: u64);
 }
 
-/// Stores the line under the replica's key (a merge patch touches no other
-/// replica's key) and emits the Event.
-async fn write(client: &Client, s: &AnchorSettings, line: &str) -> Result<(), kube::Error> {
-    let api: Api<ConfigMap> = Api::namespaced(client.clone(), &s.namespace);
-    let patch = serde_json::json!({ "data": { s.replica.clone(): line } });
-    let cm = api
-        .patch(&s.configmap, &PatchParams::default(), &Patch::Merge(&patch))
-        .await?;
+/// Creates `obj`; when it exists already (a retry whose first response was
+/// lost, or a key published by an earlier run) its `data_key` must hold the
+/// same value. Returns the object as stored.
+async fn create_once(
+    client: &Client,
+    obj: &ConfigMap,
+    data_key: &str,
+) -> Result<ConfigMap, AnchorError> {
+    let ns = obj.metadata.namespace.clone().unwrap_or_default();
+    let name = obj.metadata.name.clone().unwrap_or_default();
+    let api: Api<ConfigMap> = Api::namespaced(client.clone(), &ns);
+    let where_ = format!("{ns}/{name}");
+    match api.create(&PostParams::default(), obj).await {
+        Ok(cm) => Ok(cm),
+        Err(kube::Error::Api(s)) if s.code == 409 => {
+            let have = api
+                .get(&name)
+                .await
+                .map_err(|e| AnchorError::Read(where_.clone(), e))?;
+            let value = |c: &ConfigMap| c.data.as_ref().and_then(|d| d.get(data_key).cloned());
+            if value(&have) == value(obj) {
+                Ok(have)
+            } else {
+                Err(AnchorError::Conflict(where_))
+            }
+        }
+        Err(e) => Err(AnchorError::Write(where_, e)),
+    }
+}
+
+/// Stores the line as a new immutable object and emits the Event.
+async fn write(client: &Client, s: &AnchorSettings, line: &str) -> Result<(), AnchorError> {
+    let cm = create_once(client, &checkpoint_object(s, line), DATA_CHECKPOINT).await?;
+    let name = cm.metadata.name.clone().unwrap_or_default();
     let summary = serde_json::from_str::<Checkpoint>(line)
         .map(|cp| {
             format!(
@@ -198,37 +545,264 @@ async fn write(client: &Client, s: &AnchorSettings, line: &str) -> Result<(), ku
         .unwrap_or_else(|_| "audit checkpoint".into());
     let mut id = [0u8; 8];
     let _ = aws_lc_rs::rand::fill(&mut id);
-    let now = time_now();
     let event = Event {
         metadata: ObjectMeta {
-            name: Some(format!("{}.{}", s.configmap, hex::encode(id))),
+            name: Some(format!("{}.{}", s.set, hex::encode(id))),
             namespace: Some(s.namespace.clone()),
             ..Default::default()
         },
         involved_object: ObjectReference {
             api_version: Some("v1".into()),
             kind: Some("ConfigMap".into()),
-            name: Some(s.configmap.clone()),
+            name: Some(name),
             namespace: Some(s.namespace.clone()),
             uid: cm.metadata.uid.clone(),
-            field_path: Some(format!("data[{}]", s.replica)),
             ..Default::default()
         },
         reason: Some("AuditCheckpoint".into()),
         message: Some(summary),
         type_: Some("Normal".into()),
-        event_time: Some(MicroTime(now)),
+        event_time: Some(MicroTime(k8s_openapi::jiff::Timestamp::now())),
         action: Some("Anchor".into()),
         reporting_component: Some("meshca".into()),
         reporting_instance: Some(s.replica.clone()),
         ..Default::default()
     };
-    Api::<Event>::namespaced(client.clone(), &s.namespace)
+    // The anchor is the object; the Event is a copy for the cluster's own
+    // event pipeline, so its failure is logged, not retried.
+    if let Err(e) = Api::<Event>::namespaced(client.clone(), &s.namespace)
         .create(&PostParams::default(), &event)
-        .await?;
+        .await
+    {
+        tracing::warn!(error = %e, "audit checkpoint Event not created");
+    }
     Ok(())
 }
 
-fn time_now() -> k8s_openapi::jiff::Timestamp {
-    k8s_openapi::jiff::Timestamp::now()
+/// One object of the set as pruning sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PruneCandidate {
+    pub name: String,
+    pub uid: Option<String>,
+    pub created: Option<i64>,
+    /// The replica its signed line names; `None` when it is not a checkpoint.
+    pub replica: Option<String>,
+    pub seq: u64,
+}
+
+/// Which anchors pruning removes: every checkpoint anchor created before
+/// `cutoff` (Unix seconds) except each replica's newest, which stays so a
+/// continuing run still finds its head and verify still finds the replica.
+/// Removing only a prefix of each replica's history keeps the rest whole.
+/// Objects that are not checkpoints are removed by age alone.
+pub fn prune_plan(objects: &[PruneCandidate], cutoff: i64) -> Vec<&PruneCandidate> {
+    let mut newest: BTreeMap<&str, (i64, u64)> = BTreeMap::new();
+    for o in objects {
+        if let Some(r) = &o.replica {
+            let k = (o.created.unwrap_or(i64::MIN), o.seq);
+            let e = newest.entry(r.as_str()).or_insert(k);
+            if k > *e {
+                *e = k;
+            }
+        }
+    }
+    objects
+        .iter()
+        .filter(|o| o.created.is_some_and(|c| c < cutoff))
+        .filter(|o| match &o.replica {
+            Some(r) => newest.get(r.as_str()) != Some(&(o.created.unwrap_or(i64::MIN), o.seq)),
+            None => true,
+        })
+        .collect()
+}
+
+/// What pruning did (or would do, dry).
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct PruneReport {
+    pub checkpoints: usize,
+    pub removed: Vec<String>,
+}
+
+/// Removes anchors created before `cutoff` (see [`prune_plan`]). Needs list
+/// and delete on ConfigMaps: an administrator's credentials, not meshca's.
+pub async fn prune(
+    client: &Client,
+    namespace: &str,
+    set: &str,
+    cutoff: i64,
+    dry_run: bool,
+) -> Result<PruneReport, AnchorError> {
+    let objects: Vec<PruneCandidate> =
+        list(client, namespace, set, &format!(",{LABEL_KIND}=checkpoint"))
+            .await?
+            .into_iter()
+            .map(|cm| {
+                let cp = cm
+                    .data
+                    .as_ref()
+                    .and_then(|d| d.get(DATA_CHECKPOINT))
+                    .and_then(|l| serde_json::from_str::<Checkpoint>(l).ok());
+                PruneCandidate {
+                    name: cm.metadata.name.clone().unwrap_or_default(),
+                    uid: cm.metadata.uid.clone(),
+                    created: created(&cm),
+                    replica: cp.as_ref().map(|c| c.replica.clone().unwrap_or_default()),
+                    seq: cp.map_or(0, |c| c.seq),
+                }
+            })
+            .collect();
+    let plan = prune_plan(&objects, cutoff);
+    let api: Api<ConfigMap> = Api::namespaced(client.clone(), namespace);
+    let mut report = PruneReport {
+        checkpoints: objects.len(),
+        removed: vec![],
+    };
+    for o in plan {
+        if !dry_run {
+            // The uid precondition never removes an object recreated meanwhile.
+            let dp = DeleteParams {
+                preconditions: Some(Preconditions {
+                    uid: o.uid.clone(),
+                    resource_version: None,
+                }),
+                ..Default::default()
+            };
+            match api.delete(&o.name, &dp).await {
+                Ok(_) => {}
+                Err(kube::Error::Api(s)) if s.code == 404 => continue,
+                Err(e) => return Err(AnchorError::Delete(format!("{namespace}/{}", o.name), e)),
+            }
+        }
+        report.removed.push(o.name.clone());
+    }
+    Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use test_case::test_case;
+
+    #[test_case("meshca-0", "meshca-0" ; "a pod name is kept")]
+    #[test_case("Meshca_0", "meshca-0" ; "upper case and underscores are mapped")]
+    #[test_case("--", "x" ; "nothing left")]
+    #[test_case("a.b", "a-b" ; "dots are mapped")]
+    fn name_parts(s: &str, want: &str) {
+        assert_eq!(name_part(s), want);
+    }
+
+    #[test]
+    fn names_and_labels_stay_within_the_api_limits() {
+        let set = "a".repeat(MAX_SET_NAME);
+        check_set_name(&set).unwrap();
+        let n = checkpoint_name(&set, &"p".repeat(300), &"f".repeat(16), u64::MAX);
+        assert!(n.len() <= 253, "{}", n.len());
+        let l = label_value(&set);
+        assert!(
+            l.len() <= 63 && l.ends_with(|c: char| c.is_ascii_alphanumeric()),
+            "{l}"
+        );
+        assert_ne!(
+            label_value(&format!("{set}b")),
+            l,
+            "long names stay distinct"
+        );
+        assert_eq!(label_value("meshca-audit-anchors"), "meshca-audit-anchors");
+        for bad in [
+            "",
+            "UPPER",
+            "-x",
+            "x-",
+            "a_b",
+            &"a".repeat(MAX_SET_NAME + 1),
+        ] {
+            assert!(check_set_name(bad).is_err(), "{bad}");
+        }
+    }
+
+    fn cp(reason: &str, seq: u64) -> String {
+        format!(
+            r#"{{"type":"checkpoint","seq":{seq},"prev":"p","time":"t","reason":"{reason}","records":0,"alg":"none","key_id":null,"sig":null}}"#
+        )
+    }
+
+    #[test]
+    fn periodic_anchors_wait_for_the_interval_and_the_newest_wins() {
+        let t0 = Instant::now();
+        let iv = Duration::from_secs(60);
+        let mut p = Pending::default();
+        p.push(cp("start", 0));
+        assert_eq!(
+            p.next(t0, None, iv, false),
+            Next::Write(cp("start", 0), true)
+        );
+        let written = Some(t0);
+        p.push(cp("periodic", 5));
+        p.push(cp("periodic", 9));
+        assert_eq!(p.coalesced, 1);
+        assert_eq!(p.next(t0, written, iv, false), Next::WaitUntil(t0 + iv));
+        assert_eq!(
+            p.next(t0 + iv, written, iv, false),
+            Next::Write(cp("periodic", 9), false)
+        );
+        assert_eq!(p.next(t0 + iv, written, iv, false), Next::Idle);
+        // A shutdown goes at once and supersedes a waiting periodic one.
+        p.push(cp("periodic", 12));
+        p.push(cp("shutdown", 13));
+        assert_eq!(p.coalesced, 2);
+        assert_eq!(
+            p.next(t0, written, iv, false),
+            Next::Write(cp("shutdown", 13), true)
+        );
+        assert_eq!(p.next(t0, written, iv, false), Next::Idle);
+        // Stopping flushes a waiting periodic line.
+        p.push(cp("periodic", 20));
+        assert_eq!(
+            p.next(t0, written, iv, true),
+            Next::Write(cp("periodic", 20), false)
+        );
+        // Starts and recoveries are never coalesced, and keep their order.
+        p.push(cp("recovery", 30));
+        p.push(cp("start", 31));
+        assert_eq!(
+            p.next(t0, written, iv, false),
+            Next::Write(cp("recovery", 30), true)
+        );
+        assert_eq!(
+            p.next(t0, written, iv, false),
+            Next::Write(cp("start", 31), true)
+        );
+    }
+
+    fn cand(name: &str, created: i64, replica: Option<&str>, seq: u64) -> PruneCandidate {
+        PruneCandidate {
+            name: name.into(),
+            uid: None,
+            created: Some(created),
+            replica: replica.map(str::to_string),
+            seq,
+        }
+    }
+
+    #[test]
+    fn pruning_removes_old_anchors_but_keeps_each_replicas_newest() {
+        let objects = vec![
+            cand("a0", 10, Some("a"), 0),
+            cand("a1", 20, Some("a"), 5),
+            cand("a2", 100, Some("a"), 9),
+            // All of b's anchors are old: its newest stays.
+            cand("b0", 10, Some("b"), 0),
+            cand("b1", 20, Some("b"), 3),
+            // Same second: the higher seq is the newer.
+            cand("c0", 30, Some("c"), 1),
+            cand("c1", 30, Some("c"), 2),
+            cand("junk", 10, None, 0),
+        ];
+        let names: Vec<&str> = prune_plan(&objects, 50)
+            .iter()
+            .map(|o| o.name.as_str())
+            .collect();
+        assert_eq!(names, ["a0", "a1", "b0", "c0", "junk"]);
+        assert!(prune_plan(&objects, 0).is_empty());
+    }
 }

@@ -1,0 +1,184 @@
+//! A run that starts while the API server is away anchors its start once the
+//! API server is back, before any later checkpoint, so the replica's anchor
+//! history stays whole and `verify --anchors` accepts the log. Its own test
+//! binary so the outage cannot disturb other tests (cargo runs test
+//! binaries one by one).
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::ConfigMap;
+use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+use kube::api::{ListParams, PostParams};
+use kube::Api;
+use serde_json::json;
+
+async fn anchor_rbac(k: &common::Kte, ns: &str) {
+    let fixture = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/rbac-audit-anchor.yaml"),
+    )
+    .unwrap();
+    let role: Role = serde_yaml_ng::from_str(&fixture).unwrap();
+    Api::<Role>::namespaced(k.admin.clone(), ns)
+        .create(&PostParams::default(), &role)
+        .await
+        .unwrap();
+    let rb: RoleBinding = serde_json::from_value(json!({
+        "metadata": {"name": "meshca-audit-anchor"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "meshca-audit-anchor"},
+        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": "meshca"}]
+    }))
+    .unwrap();
+    Api::<RoleBinding>::namespaced(k.admin.clone(), ns)
+        .create(&PostParams::default(), &rb)
+        .await
+        .unwrap();
+}
+
+/// A file-sink meshca anchoring into `ns`: (child, gRPC address, admin address).
+async fn start(
+    k: &common::Kte,
+    ns: &str,
+    data: &Path,
+    key: &Path,
+    log: &Path,
+) -> (
+    tokio::process::Child,
+    std::net::SocketAddr,
+    std::net::SocketAddr,
+) {
+    let mut cmd = meshca::testing::serve_dev_command(env!("CARGO_BIN_EXE_meshca").as_ref(), data);
+    cmd.args(["--audit-sink", "file", "--audit-file"])
+        .arg(log)
+        .args([
+            "--audit-anchor",
+            "true",
+            "--audit-anchor-namespace",
+            ns,
+            "--mtls-renewal-pod-check",
+            "false",
+        ])
+        .arg("--kubeconfig")
+        .arg(k.meshca_kubeconfig())
+        .env("POD_NAME", "meshca-0")
+        .env("MESHCA_AUDIT_CHECKPOINT_KEY", key);
+    meshca::testing::spawn_listening(cmd).await
+}
+
+async fn issue_one(data: &Path, addr: std::net::SocketAddr) {
+    let read = |f: &str| std::fs::read_to_string(data.join("dev-client").join(f)).unwrap();
+    let mut c = meshca::testing::client(
+        addr,
+        &read("root-cert.pem"),
+        Some((&read("cert-chain.pem"), &read("key.pem"))),
+    )
+    .await
+    .unwrap();
+    let csr_key = rcgen::KeyPair::generate().unwrap();
+    c.create_certificate(meshca::testing::request(
+        meshca::testing::csr_for(&csr_key, "spiffe://cluster.local/ns/default/sa/default"),
+        0,
+        &[],
+    ))
+    .await
+    .unwrap();
+}
+
+async fn stop(mut child: tokio::process::Child) {
+    let pid = child.id().unwrap();
+    std::process::Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()
+        .unwrap();
+    let status = tokio::time::timeout(Duration::from_secs(30), child.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(status.success(), "{status}");
+}
+
+async fn anchored_lines(k: &common::Kte, ns: &str) -> Vec<String> {
+    Api::<ConfigMap>::namespaced(k.admin.clone(), ns)
+        .list(&ListParams::default().labels("audit.meshca.io/kind=checkpoint"))
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .map(|c| c.data.unwrap()["checkpoint"].clone())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_start_during_an_api_outage_is_anchored_when_it_returns() {
+    let k = common::kte().await;
+    let ns = k.namespace("audit-anchor-outage").await;
+    anchor_rbac(&k, &ns).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (data, key, log) = (
+        dir.path().join("data"),
+        dir.path().join("checkpoint.pem"),
+        dir.path().join("audit.log"),
+    );
+    std::fs::write(
+        &key,
+        meshca::audit::chain::CheckpointKey::generate_pem().unwrap(),
+    )
+    .unwrap();
+
+    // Run 1: start and shutdown anchored.
+    let (child, addr, _) = start(&k, &ns, &data, &key, &log).await;
+    issue_one(&data, addr).await;
+    stop(child).await;
+    assert_eq!(anchored_lines(&k, &ns).await.len(), 2);
+
+    // Run 2 starts while the API server is away and keeps issuing.
+    common::kte_script("stop-apiserver", &k.dir);
+    let (child, addr, admin) = start(&k, &ns, &data, &key, &log).await;
+    issue_one(&data, addr).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    common::kte_script("start-apiserver", &k.dir);
+    let run2_start = std::fs::read_to_string(&log)
+        .unwrap()
+        .lines()
+        .find(|l| l.contains("\"reason\":\"start\"") && l.contains("\"from\":\"file\""))
+        .unwrap()
+        .to_string();
+    let until = Instant::now() + Duration::from_secs(60);
+    while !anchored_lines(&k, &ns).await.contains(&run2_start) {
+        assert!(Instant::now() < until, "run 2's start was never anchored");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let metrics = std::process::Command::new("curl")
+        .args(["-sf", &format!("http://{admin}/metrics")])
+        .output()
+        .unwrap();
+    let metrics = String::from_utf8_lossy(&metrics.stdout);
+    assert!(
+        metrics.lines().any(|l| l
+            .starts_with("meshca_audit_anchor_writes_total{result=\"audit_anchor_write_failed\"}")),
+        "failed attempts are counted: {metrics}"
+    );
+    issue_one(&data, addr).await;
+    stop(child).await;
+
+    let admin_kc = k.dir.join("admin.kubeconfig");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_meshca"))
+        .args(["audit", "verify", "--strict", "--key"])
+        .arg(&key)
+        .args(["--anchors", "--kubeconfig"])
+        .arg(&admin_kc)
+        .args(["--anchor-namespace", &ns])
+        .arg(&log)
+        .output()
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains("4 anchor(s), 4 in the log, 2 run(s)"),
+        "{text}"
+    );
+}
