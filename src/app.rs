@@ -159,9 +159,18 @@ impl App {
                 let mut observer = None;
                 if let Some((client, settings)) = anchor_to {
                     let public = sink.verify_key().map(|k| (k.key_id(), k.to_pem()));
-                    let (anchor, task) =
-                        crate::audit::anchor::KubeAnchor::spawn(client, settings, public, None);
-                    observer = Some(anchor as Arc<dyn crate::audit::writer::CheckpointObserver>);
+                    let (anchor, task) = crate::audit::anchor::KubeAnchor::spawn(
+                        client,
+                        settings,
+                        public,
+                        Some(metrics.clone() as Arc<dyn crate::audit::anchor::AnchorMetrics>),
+                    );
+                    metrics.anchor.enable();
+                    observer = Some(Arc::new(crate::metrics::AnchoredCheckpoints {
+                        inner: anchor,
+                        metrics: metrics.clone(),
+                    })
+                        as Arc<dyn crate::audit::writer::CheckpointObserver>);
                     audit_anchor = Some(task);
                 }
                 let writer = Arc::new(
@@ -401,11 +410,13 @@ impl App {
         background.push(tokio::spawn(tls.clone().follow(ca.clone())));
         let health = crate::http::Health {
             ca: ca.clone(),
+            custody: custody.clone(),
             index: pod_index.clone(),
             metrics: metrics.clone(),
             token_reviewer: token_reviewer.clone(),
             crl: kill_switch.guards.revocations.clone(),
             clusters: clusters.clone(),
+            max_index_staleness: cfg.kill_switch.renewal.max_index_staleness,
         };
         let (admin_addr, admin) =
             crate::http::bind(cfg.admin_listen, health, cfg.admin, Some(metrics.clone()))

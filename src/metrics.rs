@@ -112,6 +112,14 @@ pub struct Metrics {
     pub rotation: crate::rotation::RotationMetrics,
     /// The PodCertificateRequest signer's decisions and status writes.
     pub pod_certificates: crate::podcert::controller::PodCertMetrics,
+    /// Security refusals of callers on a known node, by node.
+    pub node_refusals: NodeRefusalMetrics,
+    /// Rejected TLS handshakes by reason, and those the audit table could
+    /// only count under `overflow`.
+    pub handshake_rejects: Family<RefusalLabels, Counter>,
+    pub handshake_rejects_overflow: Counter,
+    /// Checkpoints anchored in Kubernetes (rendered only when anchoring is on).
+    pub anchor: AnchorStats,
     registry: Registry,
 }
 
@@ -182,6 +190,10 @@ impl OutcomeObserver for Metrics {
             .get_or_create(&RefusalLabels { reason })
             .inc();
     }
+
+    fn node_refusal(&self, reason: &'static str, node: &str) {
+        self.node_refusals.count(reason, node);
+    }
 }
 
 /// Values read at scrape time from live state (never a lock on the signing path).
@@ -190,8 +202,18 @@ pub struct Snapshot {
     pub root_not_after: Option<i64>,
     pub chain_not_after: Option<i64>,
     pub signing_not_after: Option<i64>,
+    /// NotAfter of the CA certificate from `ROOT_CA_DIR` whose key is in
+    /// custody: the signing certificate, or with two-tier issuing the one
+    /// that signs the short-lived issuing CAs.
+    pub ca_not_after: Option<i64>,
     pub pod_index: Option<(u64, bool, u64)>,
+    /// The pod watch: (seconds disconnected, 0 while connected; the
+    /// staleness bound `MESHCA_POD_INDEX_MAX_STALENESS` in seconds).
+    pub pod_index_watch: Option<(f64, f64)>,
     pub token_cache: Option<(u64, u64)>,
+    /// thisUpdate and nextUpdate (unix seconds) of the CRL in force for the
+    /// current signer, once one is signed.
+    pub crl: Option<(i64, i64)>,
 }
 
 impl Default for Metrics {
@@ -330,6 +352,22 @@ impl Metrics {
             "Requests waiting for a signing slot",
             admission_queued.clone(),
         );
+        let handshake_rejects = Family::<RefusalLabels, Counter>::default();
+        registry.register(
+            "meshca_tls_handshake_rejects",
+            "TLS handshakes on the gRPC port that failed or timed out, by reason (each is in an aggregated audit record)",
+            handshake_rejects.clone(),
+        );
+        for r in crate::transport::rejects::KNOWN_REASONS {
+            let _ = handshake_rejects.get_or_create(&RefusalLabels { reason: r });
+        }
+        let handshake_rejects_overflow = Counter::default();
+        registry.register(
+            "meshca_tls_handshake_rejects_overflow",
+            "Rejected handshakes the audit log could only count under the peer `overflow` (the per-interval source table was full)",
+            handshake_rejects_overflow.clone(),
+        );
+        let node_refusals = NodeRefusalMetrics::register(&mut registry);
         let kill_switch = KillSwitchMetrics::register(&mut registry);
         let token_paths = TokenPathMetrics::register(&mut registry);
         let clusters = ClusterMetrics::register(&mut registry);
@@ -339,6 +377,10 @@ impl Metrics {
             clusters,
             rotation,
             pod_certificates,
+            node_refusals,
+            handshake_rejects,
+            handshake_rejects_overflow,
+            anchor: AnchorStats::default(),
             admission_shed,
             admission_running,
             admission_queued,
@@ -504,6 +546,22 @@ impl Metrics {
                 t,
             );
         }
+        if let Some(t) = snap.ca_not_after {
+            gauge(
+                &mut out,
+                "meshca_ca_cert_expiry_timestamp_seconds",
+                "NotAfter of the CA certificate from ROOT_CA_DIR whose key is in custody (the one operators rotate; with two-tier issuing it signs the issuing CAs).",
+                t,
+            );
+        }
+        if let Some(t) = snap.root_not_after {
+            gauge(
+                &mut out,
+                "meshca_root_cert_expiry_timestamp_seconds",
+                "NotAfter of the root meshca's chain ends in.",
+                t,
+            );
+        }
         if let Some((pods, synced, events)) = snap.pod_index {
             gauge(
                 &mut out,
@@ -519,6 +577,25 @@ impl Metrics {
             );
             let _ = writeln!(out, "# HELP meshca_pod_index_events_total Watch events applied to the pod index.\n# TYPE meshca_pod_index_events_total counter\nmeshca_pod_index_events_total {events}");
         }
+        if let Some((disconnected, bound)) = snap.pod_index_watch {
+            let _ = writeln!(out, "# HELP meshca_pod_index_disconnected_seconds How long the pod watch has been disconnected (0 while connected).\n# TYPE meshca_pod_index_disconnected_seconds gauge\nmeshca_pod_index_disconnected_seconds {disconnected}");
+            let _ = writeln!(out, "# HELP meshca_pod_index_max_staleness_seconds Disconnected longer than this, the index is stale and refuses what depends on it (MESHCA_POD_INDEX_MAX_STALENESS).\n# TYPE meshca_pod_index_max_staleness_seconds gauge\nmeshca_pod_index_max_staleness_seconds {bound}");
+        }
+        if let Some((this_update, next_update)) = snap.crl {
+            gauge(
+                &mut out,
+                "meshca_crl_this_update_timestamp_seconds",
+                "thisUpdate of the CRL in force for the current signer (re-signed at half its validity).",
+                this_update,
+            );
+            gauge(
+                &mut out,
+                "meshca_crl_next_update_timestamp_seconds",
+                "nextUpdate of the CRL in force for the current signer: relying parties reject it after this.",
+                next_update,
+            );
+        }
+        self.anchor.render(&mut out, now_unix);
         if let Some((hits, misses)) = snap.token_cache {
             let _ = writeln!(out, "# HELP meshca_token_cache_requests_total TokenReview cache lookups.\n# TYPE meshca_token_cache_requests_total counter\nmeshca_token_cache_requests_total{{result=\"hit\"}} {hits}\nmeshca_token_cache_requests_total{{result=\"miss\"}} {misses}");
             let ratio = if hits + misses == 0 {
@@ -811,5 +888,231 @@ mod cluster_tests {
             !text.contains("meshca_clusters{cluster=\"east\"}"),
             "removed cluster still exported"
         );
+    }
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct NodeReasonLabels {
+    pub node: String,
+    pub reason: &'static str,
+}
+
+/// Most distinct `node` label values; further nodes are counted under
+/// [`OVERFLOW_NODE`]. A node name only ever comes from verified data (the
+/// API server's pod binding of the caller's token, or the pod index), so
+/// this is a cluster's node count; the cap is defence in depth.
+pub const MAX_NODE_LABELS: usize = 4096;
+
+/// The `node` label once [`MAX_NODE_LABELS`] nodes have been seen.
+pub const OVERFLOW_NODE: &str = "overflow";
+
+/// Refusals that say something about a caller rather than about meshca's
+/// health: a node proxy asking for identities it may not have, a
+/// denylisted or revoked credential, an identity over its issuance cap, a
+/// CSR for another identity. Retryable availability refusals (index not
+/// synced or stale) are not in it.
+pub fn is_security_refusal(reason: &str) -> bool {
+    match reason {
+        "impersonation_index_not_ready" | "impersonation_index_stale" => false,
+        "admission_identity_cap" | "mtls_cert_revoked" | "csr_san_not_authorized" => true,
+        r => r.starts_with("impersonation_") || r.starts_with("denylist_"),
+    }
+}
+
+/// `meshca_node_refusals_total{node,reason}`: security refusals
+/// ([`is_security_refusal`]) of callers whose node is known, so a security
+/// team sees which node proxy asks for identities it may not have.
+#[derive(Debug, Default)]
+pub struct NodeRefusalMetrics {
+    pub refusals: Family<NodeReasonLabels, Counter>,
+    nodes: std::sync::Mutex<std::collections::HashSet<String>>,
+}
+
+impl NodeRefusalMetrics {
+    fn register(registry: &mut Registry) -> Self {
+        let m = Self::default();
+        registry.register(
+            "meshca_node_refusals",
+            "Security refusals (impersonation, denylist, revoked certificate, identity cap, CSR for another identity) of callers whose node is known, by node and reason",
+            m.refusals.clone(),
+        );
+        m
+    }
+
+    /// Counts one refusal of a caller on `node` (ignored unless it is a security refusal).
+    pub fn count(&self, reason: &'static str, node: &str) {
+        if !is_security_refusal(reason) {
+            return;
+        }
+        let node = {
+            let mut nodes = self.nodes.lock().unwrap_or_else(|p| p.into_inner());
+            if nodes.contains(node) {
+                node.to_string()
+            } else if nodes.len() < MAX_NODE_LABELS {
+                nodes.insert(node.to_string());
+                node.to_string()
+            } else {
+                OVERFLOW_NODE.to_string()
+            }
+        };
+        self.refusals
+            .get_or_create(&NodeReasonLabels { node, reason })
+            .inc();
+    }
+}
+
+/// Anchoring of audit checkpoints in Kubernetes, as seen from meshca: read
+/// at scrape time, exported only once [`AnchorStats::enable`] was called.
+#[derive(Debug, Default)]
+pub struct AnchorStats {
+    enabled: std::sync::atomic::AtomicBool,
+    written_ok: AtomicU64,
+    written_failed: AtomicU64,
+    /// Unix seconds of the last successful write (0: none yet).
+    last_written: AtomicU64,
+    /// Unix seconds since which a checkpoint has waited to be anchored (0: none waits).
+    pending_since: AtomicU64,
+}
+
+fn unix_now() -> u64 {
+    u64::try_from(time::OffsetDateTime::now_utc().unix_timestamp()).unwrap_or(0)
+}
+
+impl AnchorStats {
+    /// Anchoring is on: export its families.
+    pub fn enable(&self) {
+        self.enabled.store(true, Ordering::Relaxed);
+    }
+
+    /// The writer handed a checkpoint to the anchor.
+    pub fn checkpoint_handed(&self, now: u64) {
+        let _ =
+            self.pending_since
+                .compare_exchange(0, now.max(1), Ordering::AcqRel, Ordering::Relaxed);
+    }
+
+    /// One anchor write finished.
+    pub fn written(&self, ok: bool, now: u64) {
+        if ok {
+            self.written_ok.fetch_add(1, Ordering::Relaxed);
+            self.last_written.store(now, Ordering::Relaxed);
+            self.pending_since.store(0, Ordering::Release);
+        } else {
+            self.written_failed.fetch_add(1, Ordering::Relaxed);
+            self.checkpoint_handed(now);
+        }
+    }
+
+    fn render(&self, out: &mut String, now_unix: i64) {
+        if !self.enabled.load(Ordering::Relaxed) {
+            return;
+        }
+        let ok = self.written_ok.load(Ordering::Relaxed);
+        let failed = self.written_failed.load(Ordering::Relaxed);
+        let _ = writeln!(out, "# HELP meshca_audit_anchor_writes_total Audit checkpoints written to the anchor ConfigMap, by result.\n# TYPE meshca_audit_anchor_writes_total counter\nmeshca_audit_anchor_writes_total{{result=\"ok\"}} {ok}\nmeshca_audit_anchor_writes_total{{result=\"failed\"}} {failed}");
+        let last = self.last_written.load(Ordering::Relaxed);
+        let _ = writeln!(out, "# HELP meshca_audit_anchor_last_written_timestamp_seconds When a checkpoint was last anchored (unix seconds; 0: not since start).\n# TYPE meshca_audit_anchor_last_written_timestamp_seconds gauge\nmeshca_audit_anchor_last_written_timestamp_seconds {last}");
+        let since = self.pending_since.load(Ordering::Acquire);
+        let pending = if since == 0 {
+            0
+        } else {
+            (now_unix - i64::try_from(since).unwrap_or(now_unix)).max(0)
+        };
+        let _ = writeln!(out, "# HELP meshca_audit_anchor_pending_seconds How long the newest checkpoint has waited to be anchored (0: all anchored).\n# TYPE meshca_audit_anchor_pending_seconds gauge\nmeshca_audit_anchor_pending_seconds {pending}");
+    }
+}
+
+impl crate::audit::anchor::AnchorMetrics for Metrics {
+    fn anchor_written(&self, ok: bool) {
+        self.anchor.written(ok, unix_now());
+    }
+}
+
+/// Passes checkpoints on to the anchor and notes when one starts waiting.
+#[derive(Debug)]
+pub struct AnchoredCheckpoints {
+    pub inner: Arc<dyn crate::audit::writer::CheckpointObserver>,
+    pub metrics: Arc<Metrics>,
+}
+
+impl crate::audit::writer::CheckpointObserver for AnchoredCheckpoints {
+    fn checkpoint(&self, line: &str) {
+        self.metrics.anchor.checkpoint_handed(unix_now());
+        self.inner.checkpoint(line);
+    }
+}
+
+#[cfg(test)]
+mod ops_tests {
+    use super::*;
+
+    #[test_case::test_case("impersonation_no_pod_on_node", true)]
+    #[test_case::test_case("impersonation_caller_not_trusted", true)]
+    #[test_case::test_case("impersonation_index_not_ready", false ; "retryable, not a signal")]
+    #[test_case::test_case("impersonation_index_stale", false ; "stale, not a signal")]
+    #[test_case::test_case("denylist_node", true)]
+    #[test_case::test_case("mtls_cert_revoked", true)]
+    #[test_case::test_case("admission_identity_cap", true)]
+    #[test_case::test_case("csr_san_not_authorized", true)]
+    #[test_case::test_case("admission_queue_full", false)]
+    #[test_case::test_case("token_local_bad_signature", false ; "no verified node")]
+    fn security_refusals(reason: &str, yes: bool) {
+        assert_eq!(is_security_refusal(reason), yes);
+    }
+
+    #[test]
+    fn node_label_is_bounded() {
+        let m = Metrics::new();
+        for i in 0..MAX_NODE_LABELS + 3 {
+            m.node_refusals
+                .count("impersonation_no_pod_on_node", &format!("node-{i}"));
+        }
+        m.node_refusals
+            .count("impersonation_no_pod_on_node", "node-0");
+        m.node_refusals.count("admission_queue_full", "node-0");
+        let text = m.render(&Snapshot::default(), 0);
+        let line = |node: &str| {
+            format!("meshca_node_refusals_total{{node=\"{node}\",reason=\"impersonation_no_pod_on_node\"}} ")
+        };
+        assert!(
+            text.contains(&format!("{}2", line("node-0"))),
+            "{text:.2000}"
+        );
+        assert!(text.contains(&format!("{}3", line(OVERFLOW_NODE))));
+        assert!(!text.contains(&format!("node=\"node-{MAX_NODE_LABELS}\"")));
+        assert!(!text.contains("admission_queue_full\"}} 1\nmeshca_node"));
+    }
+
+    #[test]
+    fn anchor_pending_grows_until_written() {
+        let m = Metrics::new();
+        assert!(!m
+            .render(&Snapshot::default(), 100)
+            .contains("meshca_audit_anchor"));
+        m.anchor.enable();
+        m.anchor.checkpoint_handed(100);
+        m.anchor.checkpoint_handed(150);
+        let text = m.render(&Snapshot::default(), 400);
+        assert!(
+            text.contains("\nmeshca_audit_anchor_pending_seconds 300\n"),
+            "{text}"
+        );
+        m.anchor.written(false, 410);
+        assert!(m
+            .render(&Snapshot::default(), 420)
+            .contains("\nmeshca_audit_anchor_pending_seconds 320\n"));
+        m.anchor.written(true, 430);
+        let text = m.render(&Snapshot::default(), 500);
+        for line in [
+            "meshca_audit_anchor_pending_seconds 0",
+            "meshca_audit_anchor_last_written_timestamp_seconds 430",
+            "meshca_audit_anchor_writes_total{result=\"ok\"} 1",
+            "meshca_audit_anchor_writes_total{result=\"failed\"} 1",
+        ] {
+            assert!(
+                text.lines().any(|l| l == line),
+                "missing {line:?} in\n{text}"
+            );
+        }
     }
 }
