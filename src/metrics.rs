@@ -281,6 +281,12 @@ impl Metrics {
             "Requests refused by the TokenReview budget, by reason",
             tokenreview_refused.clone(),
         );
+        for r in [
+            crate::authn::token::REASON_BUDGET,
+            crate::authn::token::REASON_INFLIGHT,
+        ] {
+            let _ = tokenreview_refused.get_or_create(&ReasonLabels { reason: r.into() });
+        }
         let tokenreview_inflight = Gauge::default();
         registry.register(
             "meshca_tokenreview_inflight",
