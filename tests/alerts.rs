@@ -118,7 +118,7 @@ fn promtool_rule_unit_tests_fire_and_stay_quiet_for_every_alert() {
             let key = |l: &BTreeMap<String, String>| -> Vec<Option<String>> {
                 ident.iter().map(|k| l.get(*k).cloned()).collect()
             };
-            let fired_keys: BTreeSet<_> = fired.iter().map(|l| key(l)).collect();
+            let fired_keys: BTreeSet<_> = fired.iter().map(&key).collect();
             if series.iter().any(|s| {
                 let k = key(s);
                 // A series of another pod/node/cluster/reason than every alert that fired.
