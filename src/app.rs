@@ -160,6 +160,7 @@ impl App {
                 let mut observer = None;
                 if let Some((client, settings)) = anchor_to {
                     let public = sink.verify_key().map(|k| (k.key_id(), k.to_pem()));
+                    metrics.enable_anchor(settings.interval);
                     let (anchor, task) = crate::audit::anchor::KubeAnchor::spawn(
                         client,
                         settings,
@@ -406,11 +407,13 @@ impl App {
         background.push(tokio::spawn(tls.clone().follow(ca.clone())));
         let health = crate::http::Health {
             ca: ca.clone(),
+            custody: custody.clone(),
             index: pod_index.clone(),
             metrics: metrics.clone(),
             token_reviewer: token_reviewer.clone(),
             crl: kill_switch.guards.revocations.clone(),
             clusters: clusters.clone(),
+            max_index_staleness: cfg.kill_switch.renewal.max_index_staleness,
         };
         let (admin_addr, admin) =
             crate::http::bind(cfg.admin_listen, health, cfg.admin, Some(metrics.clone()))

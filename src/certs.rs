@@ -71,6 +71,28 @@ impl Trust {
         self.roots.iter().any(|r| r == der)
     }
 
+    /// Whether `chain` (leaf first) chains to one of the roots, whatever the
+    /// time: it verifies at an instant when every certificate of it is valid
+    /// (none: it never did). Each certificate's own validity is checked apart.
+    fn anchors(&self, chain: &[CertificateDer<'static>]) -> bool {
+        let mut window = (OffsetDateTime::UNIX_EPOCH, OffsetDateTime::UNIX_EPOCH);
+        for (i, der) in chain.iter().enumerate() {
+            let Ok((_, cert)) = X509Certificate::from_der(der) else {
+                return false;
+            };
+            let (nb, na) = (
+                cert.validity().not_before.to_datetime(),
+                cert.validity().not_after.to_datetime(),
+            );
+            window = if i == 0 {
+                (nb, na)
+            } else {
+                (window.0.max(nb), window.1.min(na))
+            };
+        }
+        window.0 <= window.1 && self.verifies(chain, window.0)
+    }
+
     /// Whether `chain` (leaf first) verifies to one of the roots at `now`.
     fn verifies(&self, chain: &[CertificateDer<'static>], now: OffsetDateTime) -> bool {
         let anchors: Vec<_> = self
@@ -118,10 +140,11 @@ pub fn chain_rows(
     identity: Option<&str>,
     status: &str,
     chain: &[CertificateDer<'static>],
+    kinds: Option<&[&'static str]>,
     trust: &Trust,
     now: OffsetDateTime,
 ) -> Result<Vec<CertRow>, CertsError> {
-    let chain_ok = trust.verifies(chain, now);
+    let anchored = trust.anchors(chain);
     let mut rows = Vec::new();
     let mut name = identity.map(str::to_string);
     for (i, der) in chain.iter().enumerate() {
@@ -144,17 +167,25 @@ pub fn chain_rows(
             cert.validity().not_after.to_datetime(),
         );
         let in_time = nb <= now && now <= na;
-        // By content, not position: a response chain carries the root twice (the copy at the
-        // end of cert-chain.pem, then the bundle), and a bundle may hold several roots.
-        let (kind, valid) = if i == 0 {
-            ("Leaf", chain_ok)
-        } else if is_root(&cert) {
-            ("Root", in_time && trust.is_root(der))
-        } else {
-            ("Intermediate", in_time && chain_ok)
+        // A PEM chain does not say where the root bundle starts: by content, so the root
+        // copy at the end of cert-chain.pem and each root of the bundle are `Root`. A
+        // ztunnel dump does say it, and is typed by position as istioctl does (`kinds`).
+        let kind = match kinds {
+            Some(k) => k[i],
+            None if i == 0 => "Leaf",
+            None if is_root(&cert) => "Root",
+            None => "Intermediate",
         };
+        // istioctl's VALID CERT is the certificate's own validity period; meshca also
+        // requires the chain to lead to ROOT, and a root to be one of ROOT's.
+        let valid = in_time
+            && if kind == "Root" || (i > 0 && is_root(&cert)) {
+                trust.is_root(der)
+            } else {
+                anchored
+            };
         rows.push(CertRow {
-            certificate_name: name.clone().unwrap_or_else(|| "-".into()),
+            certificate_name: name.clone().unwrap_or_else(|| NA.into()),
             kind: kind.into(),
             status: status.into(),
             valid_cert: valid,
@@ -174,7 +205,24 @@ fn is_root(cert: &X509Certificate<'_>) -> bool {
 
 /// Rows for a PEM chain, e.g. a response's concatenated `cert_chain`.
 pub fn pem_rows(pem: &str, trust: &Trust, now: OffsetDateTime) -> Result<Vec<CertRow>, CertsError> {
-    chain_rows(None, "Available", &parse_chain(pem)?, trust, now)
+    chain_rows(None, "Available", &parse_chain(pem)?, None, trust, now)
+}
+
+/// What istioctl prints in a cell it has no value for (its `valueOrNA`).
+pub const NA: &str = "NA";
+
+/// istioctl's TYPE of each certificate of a dumped identity: the first of
+/// `certChain` is the leaf, the rest intermediates, each of `rootCerts` a
+/// root; a dump without `rootCerts` (older ztunnel) ends its chain in the root.
+fn dump_kinds(chain: usize, roots: usize) -> Vec<&'static str> {
+    let mut kinds: Vec<&'static str> = (0..chain)
+        .map(|i| if i == 0 { "Leaf" } else { "Intermediate" })
+        .collect();
+    if roots == 0 && chain > 1 {
+        kinds[chain - 1] = "Root";
+    }
+    kinds.extend(std::iter::repeat_n("Root", roots));
+    kinds
 }
 
 /// One identity of ztunnel's `/config_dump` `certificates` section (ztunnel's `CertsDump`).
@@ -277,19 +325,20 @@ pub fn ztunnel_rows(
         if chain.is_empty() {
             rows.push(CertRow {
                 certificate_name: id.identity.clone(),
-                kind: "-".into(),
+                kind: NA.into(),
                 status,
                 valid_cert: false,
-                serial_number: "-".into(),
-                not_after: "-".into(),
-                not_before: "-".into(),
+                serial_number: NA.into(),
+                not_after: NA.into(),
+                not_before: NA.into(),
                 error,
             });
             continue;
         }
+        let kinds = dump_kinds(chain.len(), roots.len());
         let mut all = chain;
         all.extend(roots);
-        let mut id_rows = chain_rows(Some(&id.identity), &status, &all, trust, now)?;
+        let mut id_rows = chain_rows(Some(&id.identity), &status, &all, Some(&kinds), trust, now)?;
         for r in &mut id_rows {
             r.error.clone_from(&error);
         }
@@ -298,7 +347,8 @@ pub fn ztunnel_rows(
     Ok(rows)
 }
 
-/// istioctl's column layout.
+/// istioctl's table: its columns, and its tabwriter's layout (each column
+/// as wide as its widest cell plus 5 spaces, the last one unpadded).
 pub fn table(rows: &[CertRow]) -> String {
     let mut out = vec![[
         "CERTIFICATE NAME",
@@ -322,7 +372,7 @@ pub fn table(rows: &[CertRow]) -> String {
             r.not_before.clone(),
         ]);
     }
-    render_table(&out)
+    crate::table::render_table_padded(&out, 5)
 }
 
 pub use crate::table::render_table;
@@ -392,7 +442,7 @@ mod tests {
     #[test]
     fn table_has_istioctl_columns() {
         let t = table(&[]);
-        assert_eq!(t.trim_end(), "CERTIFICATE NAME   TYPE   STATUS   VALID CERT   SERIAL NUMBER   NOT AFTER   NOT BEFORE");
+        assert_eq!(t.trim_end(), "CERTIFICATE NAME     TYPE     STATUS     VALID CERT     SERIAL NUMBER     NOT AFTER     NOT BEFORE");
     }
 }
 

@@ -15,6 +15,9 @@ use tokio::net::TcpListener;
 
 use std::sync::atomic::Ordering;
 
+use rustls_pki_types::pem::PemObject;
+use x509_parser::prelude::FromDer;
+
 use crate::authn::token::KubeTokenAuthenticator;
 use crate::ca::CaStore;
 use crate::metrics::{Metrics, Snapshot};
@@ -25,6 +28,9 @@ use crate::transport::{AdminLimits, ConnTracker, Pool, Refusal};
 #[derive(Debug, Clone)]
 pub struct Health {
     pub ca: Arc<CaStore>,
+    /// The store of the CA directory's material (the same store as `ca`
+    /// unless two-tier issuing serves leaves from an issuing CA).
+    pub custody: Arc<CaStore>,
     /// Present when impersonation is served from a pod index.
     pub index: Option<Arc<PodIndex>>,
     pub metrics: Arc<Metrics>,
@@ -33,6 +39,8 @@ pub struct Health {
     pub crl: Option<Arc<crate::revocation::LiveRevocations>>,
     /// The cluster registry: ready once the remote secrets are listed.
     pub clusters: Option<Arc<crate::cluster::ClusterRegistry>>,
+    /// `MESHCA_POD_INDEX_MAX_STALENESS`, exported beside the watch's disconnection.
+    pub max_index_staleness: Duration,
 }
 
 impl Health {
@@ -60,10 +68,18 @@ async fn metrics_handler(
         root_not_after: Some(bundle.root_not_after().unix_timestamp()),
         chain_not_after: bundle.chain_not_after().map(|t| t.unix_timestamp()),
         signing_not_after: Some(bundle.signing_not_after().unix_timestamp()),
+        ca_not_after: Some(h.custody.snapshot().signing_not_after().unix_timestamp()),
         pod_index: h
             .index
             .as_ref()
             .map(|i| (i.len(), i.is_synced(), i.events_applied())),
+        pod_index_watch: h.index.as_ref().map(|i| {
+            (
+                i.disconnected_for().unwrap_or_default().as_secs_f64(),
+                h.max_index_staleness.as_secs_f64(),
+            )
+        }),
+        crl: h.crl.as_ref().and_then(|c| crl_times(&c.crl_pem())),
         token_cache: h.token_reviewer.as_ref().map(|r| {
             (
                 r.hits.load(Ordering::Relaxed),
@@ -81,6 +97,18 @@ async fn metrics_handler(
         )],
         body,
     )
+}
+
+/// thisUpdate and nextUpdate of the first CRL in `pem`: the current
+/// signer's (CRLs of replaced issuing CAs follow it and end with them).
+fn crl_times(pem: &str) -> Option<(i64, i64)> {
+    let der = rustls_pki_types::CertificateRevocationListDer::pem_slice_iter(pem.as_bytes())
+        .next()?
+        .ok()?;
+    let (_, crl) = x509_parser::revocation_list::CertificateRevocationList::from_der(&der).ok()?;
+    let this_update = crl.last_update().timestamp();
+    let next_update = crl.next_update()?.timestamp();
+    Some((this_update, next_update))
 }
 
 /// The CRL signed by the issuing intermediate (what `istio-ca-crl` holds).

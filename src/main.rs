@@ -877,7 +877,7 @@ async fn certs(args: CertsArgs) -> anyhow::Result<()> {
     } else {
         print!("{}", certs::table(&rows));
         // The table has istioctl's columns; why an identity is Unavailable goes beside it.
-        for r in rows.iter().filter(|r| r.kind == "-") {
+        for r in rows.iter().filter(|r| r.kind == certs::NA) {
             if let Some(e) = &r.error {
                 eprintln!("{}: {}: {e}", r.certificate_name, r.status);
             }

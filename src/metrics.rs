@@ -8,6 +8,7 @@
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -116,6 +117,14 @@ pub struct Metrics {
     pub rotation: crate::rotation::RotationMetrics,
     /// The PodCertificateRequest signer's decisions and status writes.
     pub pod_certificates: crate::podcert::controller::PodCertMetrics,
+    /// Security refusals of callers on a known node, by node.
+    pub node_refusals: NodeRefusalMetrics,
+    /// Rejected TLS handshakes by reason, and those the audit table could
+    /// only count under `overflow`.
+    pub handshake_rejects: Family<RefusalLabels, Counter>,
+    pub handshake_rejects_overflow: Counter,
+    /// Checkpoints anchored in Kubernetes (rendered only when anchoring is on).
+    pub anchor: AnchorStats,
     registry: Registry,
 }
 
@@ -186,6 +195,10 @@ impl OutcomeObserver for Metrics {
             .get_or_create(&RefusalLabels { reason })
             .inc();
     }
+
+    fn node_refusal(&self, reason: &'static str, node: &str) {
+        self.node_refusals.count(reason, node);
+    }
 }
 
 impl crate::audit::anchor::AnchorMetrics for Metrics {
@@ -200,6 +213,14 @@ impl crate::audit::anchor::AnchorMetrics for Metrics {
     fn anchor_coalesced(&self, n: u64) {
         self.audit_anchor_coalesced.inc_by(n);
     }
+
+    fn anchor_pending(&self, since: Option<std::time::SystemTime>) {
+        let unix = since.map_or(0, |t| {
+            t.duration_since(std::time::UNIX_EPOCH)
+                .map_or(1, |d| d.as_secs().max(1))
+        });
+        self.anchor.uncovered_since.store(unix, Ordering::Relaxed);
+    }
 }
 
 /// Values read at scrape time from live state (never a lock on the signing path).
@@ -208,8 +229,18 @@ pub struct Snapshot {
     pub root_not_after: Option<i64>,
     pub chain_not_after: Option<i64>,
     pub signing_not_after: Option<i64>,
+    /// NotAfter of the CA certificate from `ROOT_CA_DIR` whose key is in
+    /// custody: the signing certificate, or with two-tier issuing the one
+    /// that signs the short-lived issuing CAs.
+    pub ca_not_after: Option<i64>,
     pub pod_index: Option<(u64, bool, u64)>,
+    /// The pod watch: (seconds disconnected, 0 while connected; the
+    /// staleness bound `MESHCA_POD_INDEX_MAX_STALENESS` in seconds).
+    pub pod_index_watch: Option<(f64, f64)>,
     pub token_cache: Option<(u64, u64)>,
+    /// thisUpdate and nextUpdate (unix seconds) of the CRL in force for the
+    /// current signer, once one is signed.
+    pub crl: Option<(i64, i64)>,
 }
 
 impl Default for Metrics {
@@ -277,6 +308,12 @@ impl Metrics {
             "Requests refused by the TokenReview budget, by reason",
             tokenreview_refused.clone(),
         );
+        for r in [
+            crate::authn::token::REASON_BUDGET,
+            crate::authn::token::REASON_INFLIGHT,
+        ] {
+            let _ = tokenreview_refused.get_or_create(&ReasonLabels { reason: r.into() });
+        }
         let tokenreview_inflight = Gauge::default();
         registry.register(
             "meshca_tokenreview_inflight",
@@ -360,6 +397,22 @@ impl Metrics {
             "Requests waiting for a signing slot",
             admission_queued.clone(),
         );
+        let handshake_rejects = Family::<RefusalLabels, Counter>::default();
+        registry.register(
+            "meshca_tls_handshake_rejects",
+            "TLS handshakes on the gRPC port that failed or timed out, by reason (each is in an aggregated audit record)",
+            handshake_rejects.clone(),
+        );
+        for r in crate::transport::rejects::KNOWN_REASONS {
+            let _ = handshake_rejects.get_or_create(&RefusalLabels { reason: r });
+        }
+        let handshake_rejects_overflow = Counter::default();
+        registry.register(
+            "meshca_tls_handshake_rejects_overflow",
+            "Rejected handshakes the audit log could only count under the peer `overflow` (the per-interval source table was full)",
+            handshake_rejects_overflow.clone(),
+        );
+        let node_refusals = NodeRefusalMetrics::register(&mut registry);
         let kill_switch = KillSwitchMetrics::register(&mut registry);
         let token_paths = TokenPathMetrics::register(&mut registry);
         let clusters = ClusterMetrics::register(&mut registry);
@@ -369,6 +422,10 @@ impl Metrics {
             clusters,
             rotation,
             pod_certificates,
+            node_refusals,
+            handshake_rejects,
+            handshake_rejects_overflow,
+            anchor: AnchorStats::default(),
             admission_shed,
             admission_running,
             admission_queued,
@@ -536,6 +593,22 @@ impl Metrics {
                 t,
             );
         }
+        if let Some(t) = snap.ca_not_after {
+            gauge(
+                &mut out,
+                "meshca_ca_cert_expiry_timestamp_seconds",
+                "NotAfter of the CA certificate from ROOT_CA_DIR whose key is in custody (the one operators rotate; with two-tier issuing it signs the issuing CAs).",
+                t,
+            );
+        }
+        if let Some(t) = snap.root_not_after {
+            gauge(
+                &mut out,
+                "meshca_root_cert_expiry_timestamp_seconds",
+                "NotAfter of the root meshca's chain ends in.",
+                t,
+            );
+        }
         if let Some((pods, synced, events)) = snap.pod_index {
             gauge(
                 &mut out,
@@ -551,6 +624,25 @@ impl Metrics {
             );
             let _ = writeln!(out, "# HELP meshca_pod_index_events_total Watch events applied to the pod index.\n# TYPE meshca_pod_index_events_total counter\nmeshca_pod_index_events_total {events}");
         }
+        if let Some((disconnected, bound)) = snap.pod_index_watch {
+            let _ = writeln!(out, "# HELP meshca_pod_index_disconnected_seconds How long the pod watch has been disconnected (0 while connected).\n# TYPE meshca_pod_index_disconnected_seconds gauge\nmeshca_pod_index_disconnected_seconds {disconnected}");
+            let _ = writeln!(out, "# HELP meshca_pod_index_max_staleness_seconds Disconnected longer than this, the index is stale and refuses what depends on it (MESHCA_POD_INDEX_MAX_STALENESS).\n# TYPE meshca_pod_index_max_staleness_seconds gauge\nmeshca_pod_index_max_staleness_seconds {bound}");
+        }
+        if let Some((this_update, next_update)) = snap.crl {
+            gauge(
+                &mut out,
+                "meshca_crl_this_update_timestamp_seconds",
+                "thisUpdate of the CRL in force for the current signer (re-signed at half its validity).",
+                this_update,
+            );
+            gauge(
+                &mut out,
+                "meshca_crl_next_update_timestamp_seconds",
+                "nextUpdate of the CRL in force for the current signer: relying parties reject it after this.",
+                next_update,
+            );
+        }
+        self.anchor.render(&mut out, now_unix);
         if let Some((hits, misses)) = snap.token_cache {
             let _ = writeln!(out, "# HELP meshca_token_cache_requests_total TokenReview cache lookups.\n# TYPE meshca_token_cache_requests_total counter\nmeshca_token_cache_requests_total{{result=\"hit\"}} {hits}\nmeshca_token_cache_requests_total{{result=\"miss\"}} {misses}");
             let ratio = if hits + misses == 0 {
@@ -843,5 +935,201 @@ mod cluster_tests {
             !text.contains("meshca_clusters{cluster=\"east\"}"),
             "removed cluster still exported"
         );
+    }
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct NodeReasonLabels {
+    pub node: String,
+    pub reason: &'static str,
+}
+
+/// Most distinct `node` label values; further nodes are counted under
+/// [`OVERFLOW_NODE`]. A node name only ever comes from verified data (the
+/// API server's pod binding of the caller's token, or the pod index), so
+/// this is a cluster's node count; the cap is defence in depth.
+pub const MAX_NODE_LABELS: usize = 4096;
+
+/// The `node` label once [`MAX_NODE_LABELS`] nodes have been seen.
+pub const OVERFLOW_NODE: &str = "overflow";
+
+/// Refusals that say something about a caller rather than about meshca's
+/// health: a node proxy asking for identities it may not have, a
+/// denylisted or revoked credential, an identity over its issuance cap, a
+/// CSR for another identity. Retryable availability refusals (index not
+/// synced or stale) are not in it.
+pub fn is_security_refusal(reason: &str) -> bool {
+    match reason {
+        "impersonation_index_not_ready" | "impersonation_index_stale" => false,
+        "admission_identity_cap" | "mtls_cert_revoked" | "csr_san_not_authorized" => true,
+        r => r.starts_with("impersonation_") || r.starts_with("denylist_"),
+    }
+}
+
+/// `meshca_node_refusals_total{node,reason}`: security refusals
+/// ([`is_security_refusal`]) of callers whose node is known, so a security
+/// team sees which node proxy asks for identities it may not have.
+#[derive(Debug, Default)]
+pub struct NodeRefusalMetrics {
+    pub refusals: Family<NodeReasonLabels, Counter>,
+    nodes: std::sync::Mutex<std::collections::HashSet<String>>,
+}
+
+impl NodeRefusalMetrics {
+    fn register(registry: &mut Registry) -> Self {
+        let m = Self::default();
+        registry.register(
+            "meshca_node_refusals",
+            "Security refusals (impersonation, denylist, revoked certificate, identity cap, CSR for another identity) of callers whose node is known, by node and reason",
+            m.refusals.clone(),
+        );
+        m
+    }
+
+    /// Counts one refusal of a caller on `node` (ignored unless it is a security refusal).
+    pub fn count(&self, reason: &'static str, node: &str) {
+        if !is_security_refusal(reason) {
+            return;
+        }
+        let node = {
+            let mut nodes = self.nodes.lock().unwrap_or_else(|p| p.into_inner());
+            if nodes.contains(node) {
+                node.to_string()
+            } else if nodes.len() < MAX_NODE_LABELS {
+                nodes.insert(node.to_string());
+                node.to_string()
+            } else {
+                OVERFLOW_NODE.to_string()
+            }
+        };
+        self.refusals
+            .get_or_create(&NodeReasonLabels { node, reason })
+            .inc();
+    }
+}
+
+/// The anchor writer's state, exported at scrape time once anchoring is on
+/// ([`Metrics::enable_anchor`]). Its write and coalesce counters are
+/// registry families beside the other audit metrics.
+#[derive(Debug, Default)]
+pub struct AnchorStats {
+    /// `--audit-anchor-interval` in milliseconds (0: anchoring is off).
+    interval_ms: AtomicU64,
+    /// Unix seconds when the oldest checkpoint that no written anchor
+    /// covers was handed to the anchor writer (0: every one is covered).
+    uncovered_since: AtomicU64,
+}
+
+impl AnchorStats {
+    fn render(&self, out: &mut String, now_unix: i64) {
+        let interval_ms = self.interval_ms.load(Ordering::Relaxed);
+        if interval_ms == 0 {
+            return;
+        }
+        let interval = interval_ms as f64 / 1000.0;
+        let _ = writeln!(out, "# HELP meshca_audit_anchor_interval_seconds At most one periodic checkpoint is anchored this often (MESHCA_AUDIT_ANCHOR_INTERVAL): a checkpoint may wait this long to be anchored.\n# TYPE meshca_audit_anchor_interval_seconds gauge\nmeshca_audit_anchor_interval_seconds {interval}");
+        let since = self.uncovered_since.load(Ordering::Relaxed);
+        let pending = if since == 0 {
+            0
+        } else {
+            (now_unix - i64::try_from(since).unwrap_or(now_unix)).max(0)
+        };
+        let _ = writeln!(out, "# HELP meshca_audit_anchor_pending_seconds How long the oldest audit checkpoint that no written anchor covers has waited (0: all are anchored); up to meshca_audit_anchor_interval_seconds is normal.\n# TYPE meshca_audit_anchor_pending_seconds gauge\nmeshca_audit_anchor_pending_seconds {pending}");
+    }
+}
+
+impl Metrics {
+    /// Anchoring is on: export its gauges, and every write result from zero
+    /// so that a rate sees the first failure.
+    pub fn enable_anchor(&self, interval: Duration) {
+        for result in crate::audit::anchor::WRITE_RESULTS {
+            let _ = self.audit_anchor_writes.get_or_create(&ResultLabels {
+                result: result.into(),
+            });
+        }
+        let ms = u64::try_from(interval.as_millis()).unwrap_or(u64::MAX);
+        self.anchor.interval_ms.store(ms.max(1), Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod ops_tests {
+    use super::*;
+
+    #[test_case::test_case("impersonation_no_pod_on_node", true)]
+    #[test_case::test_case("impersonation_caller_not_trusted", true)]
+    #[test_case::test_case("impersonation_index_not_ready", false ; "retryable, not a signal")]
+    #[test_case::test_case("impersonation_index_stale", false ; "stale, not a signal")]
+    #[test_case::test_case("denylist_node", true)]
+    #[test_case::test_case("mtls_cert_revoked", true)]
+    #[test_case::test_case("admission_identity_cap", true)]
+    #[test_case::test_case("csr_san_not_authorized", true)]
+    #[test_case::test_case("admission_queue_full", false)]
+    #[test_case::test_case("token_local_bad_signature", false ; "no verified node")]
+    fn security_refusals(reason: &str, yes: bool) {
+        assert_eq!(is_security_refusal(reason), yes);
+    }
+
+    #[test]
+    fn node_label_is_bounded() {
+        let m = Metrics::new();
+        for i in 0..MAX_NODE_LABELS + 3 {
+            m.node_refusals
+                .count("impersonation_no_pod_on_node", &format!("node-{i}"));
+        }
+        m.node_refusals
+            .count("impersonation_no_pod_on_node", "node-0");
+        m.node_refusals.count("admission_queue_full", "node-0");
+        let text = m.render(&Snapshot::default(), 0);
+        let line = |node: &str| {
+            format!("meshca_node_refusals_total{{node=\"{node}\",reason=\"impersonation_no_pod_on_node\"}} ")
+        };
+        assert!(
+            text.contains(&format!("{}2", line("node-0"))),
+            "{text:.2000}"
+        );
+        assert!(text.contains(&format!("{}3", line(OVERFLOW_NODE))));
+        assert!(!text.contains(&format!("node=\"node-{MAX_NODE_LABELS}\"")));
+        assert!(!text.contains("admission_queue_full\"}} 1\nmeshca_node"));
+    }
+
+    #[test]
+    fn anchor_metrics_appear_with_anchoring_and_pending_counts_from_the_oldest_uncovered() {
+        use crate::audit::anchor::AnchorMetrics;
+        let at = |secs| Some(std::time::UNIX_EPOCH + Duration::from_secs(secs));
+        let m = Metrics::new();
+        let off = m.render(&Snapshot::default(), 100);
+        assert!(!off.contains("meshca_audit_anchor_pending_seconds"));
+        assert!(!off.contains("meshca_audit_anchor_writes_total{"));
+        m.enable_anchor(Duration::from_secs(60));
+        m.anchor_pending(at(100));
+        m.anchor_written(Some("audit_anchor_write_failed"));
+        let text = m.render(&Snapshot::default(), 400);
+        for line in [
+            "meshca_audit_anchor_interval_seconds 60",
+            "meshca_audit_anchor_pending_seconds 300",
+            "meshca_audit_anchor_writes_total{result=\"written\"} 0",
+            "meshca_audit_anchor_writes_total{result=\"audit_anchor_write_failed\"} 1",
+            "meshca_audit_anchor_writes_total{result=\"audit_anchor_conflict\"} 0",
+        ] {
+            assert!(
+                text.lines().any(|l| l == line),
+                "missing {line:?} in\n{text}"
+            );
+        }
+        m.anchor_written(None);
+        m.anchor_pending(None);
+        m.anchor_coalesced(3);
+        let text = m.render(&Snapshot::default(), 500);
+        for line in [
+            "meshca_audit_anchor_pending_seconds 0",
+            "meshca_audit_anchor_writes_total{result=\"written\"} 1",
+            "meshca_audit_anchor_coalesced_total 3",
+        ] {
+            assert!(
+                text.lines().any(|l| l == line),
+                "missing {line:?} in\n{text}"
+            );
+        }
     }
 }

@@ -43,4 +43,7 @@ pub trait OutcomeObserver: Send + Sync + std::fmt::Debug {
     /// A request was turned away because the audit writer could not take its
     /// record in time (`reason` is the refusal's reason code).
     fn audit_shed(&self, _reason: &'static str) {}
+    /// A refused request whose caller's node is known from verified data
+    /// (the token's pod binding, or the pod index).
+    fn node_refusal(&self, _reason: &'static str, _node: &str) {}
 }

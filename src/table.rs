@@ -2,6 +2,12 @@
 
 /// Left-aligned columns separated by at least three spaces.
 pub fn render_table(rows: &[Vec<String>]) -> String {
+    render_table_padded(rows, 3)
+}
+
+/// Left-aligned columns, each as wide as its widest cell plus `padding`
+/// spaces; the last column is not padded (Go's tabwriter with flags 0).
+pub fn render_table_padded(rows: &[Vec<String>], padding: usize) -> String {
     let cols = rows.iter().map(Vec::len).max().unwrap_or(0);
     let widths: Vec<usize> = (0..cols)
         .map(|c| {
@@ -19,7 +25,7 @@ pub fn render_table(rows: &[Vec<String>]) -> String {
             .enumerate()
             .map(|(i, cell)| format!("{cell:<w$}", w = widths[i]))
             .collect();
-        out.push_str(cells.join("   ").trim_end());
+        out.push_str(cells.join(&" ".repeat(padding)).trim_end());
         out.push('\n');
     }
     out

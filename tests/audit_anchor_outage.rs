@@ -64,7 +64,9 @@ async fn start(
         .arg("--kubeconfig")
         .arg(k.meshca_kubeconfig())
         .env("POD_NAME", "meshca-0")
-        .env("MESHCA_AUDIT_CHECKPOINT_KEY", key);
+        .env("MESHCA_AUDIT_CHECKPOINT_KEY", key)
+        // Only start and shutdown checkpoints: nothing else waits for the interval.
+        .env("MESHCA_AUDIT_CHECKPOINT_INTERVAL", "1h");
     meshca::testing::spawn_listening(cmd).await
 }
 
@@ -98,6 +100,25 @@ async fn stop(mut child: tokio::process::Child) {
         .unwrap()
         .unwrap();
     assert!(status.success(), "{status}");
+}
+
+fn scrape(admin: std::net::SocketAddr) -> String {
+    let out = std::process::Command::new("curl")
+        .args(["-sf", &format!("http://{admin}/metrics")])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "scraping {admin}");
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// The value of the sample named exactly `series` (name and labels).
+fn sample(text: &str, series: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
+        .unwrap_or_else(|| panic!("no {series} in\n{text}"))
+        .trim()
+        .parse()
+        .unwrap()
 }
 
 async fn anchored_lines(k: &common::Kte, ns: &str) -> Vec<String> {
@@ -139,6 +160,18 @@ async fn a_start_during_an_api_outage_is_anchored_when_it_returns() {
     let (child, addr, admin) = start(&k, &ns, &data, &key, &log).await;
     issue_one(&data, addr).await;
     tokio::time::sleep(Duration::from_secs(2)).await;
+    // The start has waited since the run began: the lag the alert reads.
+    let during = scrape(admin);
+    let pending = sample(&during, "meshca_audit_anchor_pending_seconds");
+    assert!(
+        pending >= 2.0,
+        "pending {pending} during the outage:\n{during}"
+    );
+    assert_eq!(
+        sample(&during, "meshca_audit_anchor_interval_seconds"),
+        60.0,
+        "{during}"
+    );
     common::kte_script("start-apiserver", &k.dir);
     let run2_start = std::fs::read_to_string(&log)
         .unwrap()
@@ -151,16 +184,17 @@ async fn a_start_during_an_api_outage_is_anchored_when_it_returns() {
         assert!(Instant::now() < until, "run 2's start was never anchored");
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    let metrics = std::process::Command::new("curl")
-        .args(["-sf", &format!("http://{admin}/metrics")])
-        .output()
-        .unwrap();
-    let metrics = String::from_utf8_lossy(&metrics.stdout);
-    assert!(
-        metrics.lines().any(|l| l
-            .starts_with("meshca_audit_anchor_writes_total{result=\"audit_anchor_write_failed\"}")),
-        "failed attempts are counted: {metrics}"
+    let failed = sample(
+        &scrape(admin),
+        "meshca_audit_anchor_writes_total{result=\"audit_anchor_write_failed\"}",
     );
+    assert!(failed >= 1.0, "failed attempts are counted: {failed}");
+    // Once the start is written nothing waits.
+    let until = Instant::now() + Duration::from_secs(10);
+    while sample(&scrape(admin), "meshca_audit_anchor_pending_seconds") != 0.0 {
+        assert!(Instant::now() < until, "the anchor lag never returned to 0");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
     issue_one(&data, addr).await;
     stop(child).await;
 

@@ -853,3 +853,187 @@ fn cluster_trust_bundle_adds_exactly_the_publisher_rules() {
     expected.sort();
     assert_eq!(chart_rules(&moved), expected);
 }
+
+/// Every document of the whole chart rendered with `flags`.
+fn render_all(flags: &[&str]) -> Vec<Value> {
+    let out = Command::new(helm())
+        .args(["template", "meshca"])
+        .arg(repo().join("charts/meshca"))
+        .args(["--namespace", "istio-system"])
+        .args(flags)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "helm template {flags:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    docs(&String::from_utf8(out.stdout).unwrap())
+}
+
+fn of_kind<'a>(docs: &'a [Value], kind: &str) -> Vec<&'a Value> {
+    docs.iter()
+        .filter(|d| d["kind"].as_str() == Some(kind))
+        .collect()
+}
+
+fn dashboard_maps(docs: &[Value]) -> Vec<&Value> {
+    of_kind(docs, "ConfigMap")
+        .into_iter()
+        .filter(|d| d["data"].get("meshca.json").is_some())
+        .collect()
+}
+
+#[test]
+fn alerts_and_dashboard_are_off_by_default() {
+    let all = render_all(&[]);
+    assert!(of_kind(&all, "PrometheusRule").is_empty());
+    assert!(dashboard_maps(&all).is_empty());
+}
+
+#[test]
+fn alerts_are_one_prometheus_rule_with_one_value() {
+    let all = render_all(&["--set", "alerts.enabled=true"]);
+    let rules = of_kind(&all, "PrometheusRule");
+    assert_eq!(rules.len(), 1);
+    let r = rules[0];
+    assert_eq!(r["apiVersion"], "monitoring.coreos.com/v1");
+    assert_eq!(r["metadata"]["namespace"], "istio-system");
+    let groups: Vec<&str> = r["spec"]["groups"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|g| g["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        groups,
+        [
+            "meshca.ca",
+            "meshca.serving",
+            "meshca.audit",
+            "meshca.security"
+        ]
+    );
+    // The dashboard stays off.
+    assert!(dashboard_maps(&all).is_empty());
+
+    // Object labels, alert labels and thresholds come from values.
+    let all = render_all(&[
+        "--set",
+        "alerts.enabled=true",
+        "--set",
+        "alerts.labels.release=prometheus",
+        "--set",
+        "alerts.alertLabels.team=mesh",
+        "--set",
+        "alerts.ca.signingWarningDays=45",
+    ]);
+    let r = of_kind(&all, "PrometheusRule")[0];
+    assert_eq!(r["metadata"]["labels"]["release"], "prometheus");
+    let rules: Vec<&Value> = r["spec"]["groups"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .flat_map(|g| g["rules"].as_sequence().unwrap())
+        .collect();
+    assert!(rules.iter().all(|r| r["labels"]["team"] == "mesh"));
+    assert!(rules
+        .iter()
+        .any(|r| r["alert"] == "MeshcaSigningCertificateExpiring"
+            && r["expr"].as_str().unwrap().ends_with("< 45")));
+}
+
+#[test]
+fn dashboard_is_a_configmap_the_grafana_sidecar_picks_up() {
+    let all = render_all(&["--set", "dashboard.enabled=true"]);
+    let maps = dashboard_maps(&all);
+    assert_eq!(maps.len(), 1);
+    let cm = maps[0];
+    assert_eq!(cm["metadata"]["name"], "meshca-dashboard");
+    assert_eq!(cm["metadata"]["namespace"], "istio-system");
+    assert_eq!(cm["metadata"]["labels"]["grafana_dashboard"], "1");
+    // Shipped as is: the ConfigMap holds exactly the JSON file.
+    let shipped: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(repo().join("charts/meshca/dashboards/meshca.json")).unwrap(),
+    )
+    .unwrap();
+    let held: serde_json::Value =
+        serde_json::from_str(cm["data"]["meshca.json"].as_str().unwrap()).unwrap();
+    assert_eq!(held, shipped);
+    assert!(of_kind(&all, "PrometheusRule").is_empty());
+
+    // Label key and value, namespace and annotations are values.
+    let all = render_all(&[
+        "--set",
+        "dashboard.enabled=true",
+        "--set",
+        "dashboard.labelKey=dashboards.example.com/grafana",
+        "--set",
+        "dashboard.labelValue=mesh",
+        "--set",
+        "dashboard.namespace=monitoring",
+        "--set",
+        "dashboard.annotations.grafana_folder=Mesh",
+    ]);
+    let cm = dashboard_maps(&all)[0];
+    assert_eq!(cm["metadata"]["namespace"], "monitoring");
+    assert_eq!(
+        cm["metadata"]["labels"]["dashboards.example.com/grafana"],
+        "mesh"
+    );
+    assert!(cm["metadata"]["labels"].get("grafana_dashboard").is_none());
+    assert_eq!(cm["metadata"]["annotations"]["grafana_folder"], "Mesh");
+}
+
+/// The anchor lag alert is measured in anchor intervals: a checkpoint
+/// normally waits up to one (`audit.anchor.interval`), so the threshold is
+/// a multiple of the interval meshca exports, never a fixed time that a
+/// longer interval would trip in normal operation; a multiple of one or
+/// less would fire on every periodic checkpoint and is refused.
+#[test]
+fn anchor_lag_alert_is_counted_in_anchor_intervals() {
+    let expr = |flags: &[&str]| {
+        let mut all = vec!["--set", "alerts.enabled=true"];
+        all.extend_from_slice(flags);
+        let docs = render_all(&all);
+        let r = of_kind(&docs, "PrometheusRule")[0];
+        r["spec"]["groups"]
+            .as_sequence()
+            .unwrap()
+            .iter()
+            .flat_map(|g| g["rules"].as_sequence().unwrap())
+            .find(|r| r["alert"] == "MeshcaAuditAnchorLagging")
+            .unwrap()["expr"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    assert_eq!(
+        expr(&[]),
+        "meshca_audit_anchor_pending_seconds > 3 * meshca_audit_anchor_interval_seconds"
+    );
+    assert_eq!(
+        expr(&["--set-json", "alerts.audit.anchorLagIntervals=1.5"]),
+        "meshca_audit_anchor_pending_seconds > 1.5 * meshca_audit_anchor_interval_seconds"
+    );
+    for bad in ["1", "0.5"] {
+        let out = Command::new(helm())
+            .args(["template", "meshca"])
+            .arg(repo().join("charts/meshca"))
+            .args([
+                "--set",
+                "alerts.enabled=true",
+                "--set-json",
+                &format!("alerts.audit.anchorLagIntervals={bad}"),
+            ])
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success()
+                && stderr.contains("anchorLagIntervals")
+                && !stderr.contains("want number"),
+            "anchorLagIntervals={bad} was accepted: {stderr}"
+        );
+    }
+}

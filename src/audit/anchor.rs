@@ -14,7 +14,7 @@
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use k8s_openapi::api::core::v1::{ConfigMap, Event, ObjectReference};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
@@ -296,15 +296,29 @@ pub async fn read_head(
     Ok(newest.map(|(cp, a)| (cp.seq, line_hash(&a.line))))
 }
 
-/// What an anchor writer does next with the checkpoints handed to it.
+/// Every value of `meshca_audit_anchor_writes_total{result}`: `written`,
+/// or the reason of an [`AnchorError`] that writing an anchor can end in.
+pub const WRITE_RESULTS: [&str; 4] = [
+    "written",
+    "audit_anchor_write_failed",
+    "audit_anchor_read_failed",
+    "audit_anchor_conflict",
+];
+
+/// What an anchor writer does next with the checkpoints handed to it. Each
+/// queued line carries when the oldest checkpoint it covers was handed
+/// over: an anchor pins every checkpoint before it through the chain.
 #[derive(Debug, Default)]
 pub struct Pending {
     /// Always-anchored lines, oldest first.
-    urgent: VecDeque<String>,
+    urgent: VecDeque<(String, SystemTime)>,
     /// The newest other checkpoint, waiting for the interval.
-    latest: Option<String>,
+    latest: Option<(String, SystemTime)>,
     /// Periodic checkpoints replaced by a newer one before being anchored.
     pub coalesced: u64,
+    /// When the oldest checkpoint that no written anchor covers yet was
+    /// handed over.
+    uncovered_since: Option<SystemTime>,
 }
 
 /// The next step of the anchor writer.
@@ -319,20 +333,42 @@ pub enum Next {
 }
 
 impl Pending {
-    /// Takes a checkpoint line from the writer. An always-anchored one
-    /// supersedes a pending periodic one (it is newer and covers it).
-    pub fn push(&mut self, line: String) {
+    /// Takes a checkpoint line the writer handed over `at`. An
+    /// always-anchored one supersedes a pending periodic one (it is newer
+    /// and covers it).
+    pub fn push(&mut self, line: String, at: SystemTime) {
         let urgent = serde_json::from_str::<Checkpoint>(&line)
             .map(|cp| always_anchored(&cp.reason))
             .unwrap_or(false);
-        if urgent {
-            if self.latest.take().is_some() {
-                self.coalesced += 1;
-            }
-            self.urgent.push_back(line);
-        } else if self.latest.replace(line).is_some() {
+        self.uncovered_since.get_or_insert(at);
+        let mut covers = at;
+        if let Some((_, t)) = self.latest.take() {
             self.coalesced += 1;
+            covers = covers.min(t);
         }
+        if urgent {
+            self.urgent.push_back((line, covers));
+        } else {
+            self.latest = Some((line, covers));
+        }
+    }
+
+    /// The line last taken by [`Pending::next`] was written: what is still
+    /// queued was handed over after it, everything before is covered.
+    pub fn anchored(&mut self) {
+        self.uncovered_since = self
+            .urgent
+            .iter()
+            .chain(&self.latest)
+            .map(|(_, t)| *t)
+            .min();
+    }
+
+    /// When the oldest checkpoint that no written anchor covers was handed
+    /// over (`None`: every one is covered). A failed write leaves it as it
+    /// was: the next written anchor covers the lost line.
+    pub fn uncovered_since(&self) -> Option<SystemTime> {
+        self.uncovered_since
     }
 
     /// What to do at `now`, given when the last anchor was written. With
@@ -344,7 +380,7 @@ impl Pending {
         interval: Duration,
         flush: bool,
     ) -> Next {
-        if let Some(l) = self.urgent.pop_front() {
+        if let Some((l, _)) = self.urgent.pop_front() {
             return Next::Write(l, true);
         }
         if self.latest.is_none() {
@@ -354,7 +390,7 @@ impl Pending {
         if flush || due <= now {
             self.latest
                 .take()
-                .map_or(Next::Idle, |l| Next::Write(l, false))
+                .map_or(Next::Idle, |(l, _)| Next::Write(l, false))
         } else {
             Next::WaitUntil(due)
         }
@@ -365,7 +401,7 @@ impl Pending {
 /// them, so a slow API server never holds the writer.
 #[derive(Debug)]
 pub struct KubeAnchor {
-    tx: mpsc::UnboundedSender<String>,
+    tx: mpsc::UnboundedSender<(String, SystemTime)>,
     latest: std::sync::Mutex<Option<String>>,
 }
 
@@ -374,7 +410,13 @@ impl CheckpointObserver for KubeAnchor {
         if let Ok(mut l) = self.latest.lock() {
             *l = Some(line.to_string());
         }
-        let _ = self.tx.send(line.to_string());
+        let _ = self.tx.send((line.to_string(), SystemTime::now()));
+    }
+}
+
+fn report(metrics: &Option<Arc<dyn AnchorMetrics>>, p: &Pending) {
+    if let Some(m) = metrics {
+        m.anchor_pending(p.uncovered_since());
     }
 }
 
@@ -393,7 +435,8 @@ impl KubeAnchor {
         public_key: Option<(String, String)>,
         metrics: Option<Arc<dyn AnchorMetrics>>,
     ) -> (Arc<Self>, tokio::task::JoinHandle<()>) {
-        let (tx, mut rx) = mpsc::unbounded_channel::<String>();
+        let (tx, mut rx) = mpsc::unbounded_channel::<(String, SystemTime)>();
+
         let task = tokio::spawn(async move {
             if let Some((id, pem)) = public_key {
                 if let Err(e) = create_once(&client, &key_object(&s, &id, &pem), DATA_KEY).await {
@@ -404,16 +447,17 @@ impl KubeAnchor {
             let mut last_write: Option<Instant> = None;
             let mut closed = false;
             loop {
-                while let Ok(l) = rx.try_recv() {
-                    pending.push(l);
+                while let Ok((l, at)) = rx.try_recv() {
+                    pending.push(l, at);
                 }
+                report(&metrics, &pending);
                 let (line, urgent) =
                     match pending.next(Instant::now(), last_write, s.interval, closed) {
                         Next::Write(l, u) => (l, u),
                         Next::Idle if closed => return,
                         Next::Idle => match rx.recv().await {
-                            Some(l) => {
-                                pending.push(l);
+                            Some((l, at)) => {
+                                pending.push(l, at);
                                 continue;
                             }
                             None => {
@@ -424,7 +468,7 @@ impl KubeAnchor {
                         Next::WaitUntil(t) => {
                             tokio::select! {
                                 l = rx.recv() => match l {
-                                    Some(l) => pending.push(l),
+                                    Some((l, at)) => pending.push(l, at),
                                     None => closed = true,
                                 },
                                 _ = tokio::time::sleep_until(t) => {}
@@ -453,7 +497,7 @@ impl KubeAnchor {
                             loop {
                                 tokio::select! {
                                     l = rx.recv(), if !closed => match l {
-                                        Some(l) => pending.push(l),
+                                        Some((l, at)) => pending.push(l, at),
                                         None => closed = true,
                                     },
                                     _ = &mut sleep => break,
@@ -465,9 +509,13 @@ impl KubeAnchor {
                     }
                 };
                 last_write = Some(Instant::now());
-                if let Err(e) = result {
-                    tracing::error!(error = %e, reason = e.reason(), set = %s.set, "audit anchor not written");
+                match result {
+                    Ok(()) => pending.anchored(),
+                    Err(e) => {
+                        tracing::error!(error = %e, reason = e.reason(), set = %s.set, "audit anchor not written");
+                    }
                 }
+                report(&metrics, &pending);
             }
         });
         (
@@ -485,13 +533,16 @@ impl KubeAnchor {
     }
 }
 
-/// Counts anchor writes (implemented by the metrics).
+/// What the anchor writer reports (implemented by the metrics).
 pub trait AnchorMetrics: Send + Sync + std::fmt::Debug {
     /// One attempt at writing an anchor: written (`None`) or failed (the
-    /// error's reason).
+    /// error's reason, one of [`WRITE_RESULTS`]).
     fn anchor_written(&self, failed: Option<&'static str>);
     /// Periodic checkpoints superseded before they were anchored.
     fn anchor_coalesced(&self, n: u64);
+    /// When the oldest checkpoint that no written anchor covers yet was
+    /// handed over (`None`: all are covered). Up to one interval is normal.
+    fn anchor_pending(&self, since: Option<SystemTime>);
 }
 
 /// Creates `obj`; when it exists already (a retry whose first response was
@@ -731,14 +782,14 @@ mod tests {
         let t0 = Instant::now();
         let iv = Duration::from_secs(60);
         let mut p = Pending::default();
-        p.push(cp("start", 0));
+        p.push(cp("start", 0), at(0));
         assert_eq!(
             p.next(t0, None, iv, false),
             Next::Write(cp("start", 0), true)
         );
         let written = Some(t0);
-        p.push(cp("periodic", 5));
-        p.push(cp("periodic", 9));
+        p.push(cp("periodic", 5), at(0));
+        p.push(cp("periodic", 9), at(0));
         assert_eq!(p.coalesced, 1);
         assert_eq!(p.next(t0, written, iv, false), Next::WaitUntil(t0 + iv));
         assert_eq!(
@@ -747,8 +798,8 @@ mod tests {
         );
         assert_eq!(p.next(t0 + iv, written, iv, false), Next::Idle);
         // A shutdown goes at once and supersedes a waiting periodic one.
-        p.push(cp("periodic", 12));
-        p.push(cp("shutdown", 13));
+        p.push(cp("periodic", 12), at(0));
+        p.push(cp("shutdown", 13), at(0));
         assert_eq!(p.coalesced, 2);
         assert_eq!(
             p.next(t0, written, iv, false),
@@ -756,14 +807,14 @@ mod tests {
         );
         assert_eq!(p.next(t0, written, iv, false), Next::Idle);
         // Stopping flushes a waiting periodic line.
-        p.push(cp("periodic", 20));
+        p.push(cp("periodic", 20), at(0));
         assert_eq!(
             p.next(t0, written, iv, true),
             Next::Write(cp("periodic", 20), false)
         );
         // Starts and recoveries are never coalesced, and keep their order.
-        p.push(cp("recovery", 30));
-        p.push(cp("start", 31));
+        p.push(cp("recovery", 30), at(0));
+        p.push(cp("start", 31), at(0));
         assert_eq!(
             p.next(t0, written, iv, false),
             Next::Write(cp("recovery", 30), true)
@@ -772,6 +823,57 @@ mod tests {
             p.next(t0, written, iv, false),
             Next::Write(cp("start", 31), true)
         );
+    }
+
+    fn at(secs: u64) -> SystemTime {
+        SystemTime::UNIX_EPOCH + Duration::from_secs(secs)
+    }
+
+    #[test]
+    fn uncovered_since_is_the_oldest_checkpoint_no_written_anchor_covers() {
+        let (t0, iv) = (Instant::now(), Duration::from_secs(60));
+        let mut p = Pending::default();
+        assert_eq!(p.uncovered_since(), None);
+        p.push(cp("start", 0), at(100));
+        assert_eq!(
+            p.next(t0, None, iv, false),
+            Next::Write(cp("start", 0), true)
+        );
+        // Handed over while the start was being written: not covered by it.
+        p.push(cp("periodic", 1), at(105));
+        p.push(cp("periodic", 2), at(130));
+        assert_eq!(p.uncovered_since(), Some(at(100)));
+        p.anchored();
+        assert_eq!(
+            p.uncovered_since(),
+            Some(at(105)),
+            "the coalesced line still waits"
+        );
+        // A failed write leaves the wait running: the lost line is covered
+        // only by the next anchor written.
+        assert_eq!(
+            p.next(t0 + iv, Some(t0), iv, false),
+            Next::Write(cp("periodic", 2), false)
+        );
+        p.push(cp("periodic", 3), at(170));
+        assert_eq!(p.uncovered_since(), Some(at(105)));
+        assert_eq!(
+            p.next(t0 + iv * 2, Some(t0 + iv), iv, false),
+            Next::Write(cp("periodic", 3), false)
+        );
+        p.anchored();
+        assert_eq!(p.uncovered_since(), None);
+        // A shutdown superseding a waiting line covers from the older one.
+        p.push(cp("periodic", 4), at(200));
+        p.push(cp("shutdown", 5), at(210));
+        p.push(cp("start", 6), at(220));
+        assert_eq!(
+            p.next(t0, None, iv, false),
+            Next::Write(cp("shutdown", 5), true)
+        );
+        assert_eq!(p.uncovered_since(), Some(at(200)));
+        p.anchored();
+        assert_eq!(p.uncovered_since(), Some(at(220)));
     }
 
     fn cand(name: &str, created: i64, replica: Option<&str>, seq: u64) -> PruneCandidate {

@@ -404,6 +404,11 @@ impl AuditGuard {
         // The record moves to the sink (no copy of its ~20 strings per
         // request); what `observe` reads afterwards stays behind.
         let decision = self.record.decision;
+        // A refusal's node is counted after the record has gone to the sink.
+        let node = match decision {
+            Decision::Deny => self.record.node.clone(),
+            Decision::Allow => None,
+        };
         let record = std::mem::replace(
             &mut self.record,
             AuditRecord::new(
@@ -414,6 +419,7 @@ impl AuditGuard {
             ),
         );
         self.record.request_id.clone_from(&record.request_id);
+        self.record.node = node;
         let result = match self.sink.submit(Box::new(record)) {
             Ok(Ack::Written) => Ok(()),
             Ok(Ack::Pending(rx)) => match rx.await {
@@ -444,7 +450,12 @@ impl AuditGuard {
             return;
         };
         match refused {
-            None => m.outcome(self.record.decision, self.reason, self.class, elapsed),
+            None => {
+                m.outcome(self.record.decision, self.reason, self.class, elapsed);
+                if let (Decision::Deny, Some(node)) = (self.record.decision, &self.record.node) {
+                    m.node_refusal(self.reason, node);
+                }
+            }
             Some(e) => {
                 match e {
                     AuditRefusal::Shed(r) => m.audit_shed(r),

@@ -165,6 +165,12 @@ impl RotationMetrics {
             "Rotation evaluations that could not proceed, by reason",
             m.blocked.clone(),
         );
+        // The phase's own reasons are exported from the start, so a rate() sees the first one.
+        for r in phase::BLOCKED_REASONS {
+            let _ = m
+                .blocked
+                .get_or_create(&crate::metrics::ReasonLabels { reason: r.into() });
+        }
         m
     }
 }

@@ -43,6 +43,13 @@ impl Phase {
     }
 }
 
+/// Why [`settle`] can block a rotation (`Decision::blocked`).
+pub const BLOCKED_REASONS: [&str; 3] = [
+    "rotation_old_material_missing",
+    "rotation_new_material_missing",
+    "rotation_third_generation_staged",
+];
+
 /// A step an operator may force before its gate opens.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]

@@ -367,6 +367,24 @@ pub fn until_unix(not_after: i64, now: time::OffsetDateTime) -> Duration {
         .unwrap_or(Duration::ZERO)
 }
 
+/// Counts a rejected handshake by reason and hands it to the audit table.
+fn rejected(
+    metrics: Option<&Metrics>,
+    table: Option<&rejects::HandshakeRejects>,
+    remote: SocketAddr,
+    reason: &'static str,
+) {
+    let overflow = table.is_some_and(|t| t.add(remote.ip(), reason));
+    if let Some(m) = metrics {
+        m.handshake_rejects
+            .get_or_create(&crate::metrics::RefusalLabels { reason })
+            .inc();
+        if overflow {
+            m.handshake_rejects_overflow.inc();
+        }
+    }
+}
+
 /// The hard end of a connection opened now, if connections age out.
 pub fn hard_deadline(limits: &TransportLimits) -> Option<Duration> {
     (!limits.max_connection_age.is_zero())
@@ -442,16 +460,22 @@ pub fn tls_incoming(
                     Ok(Err(e)) => {
                         tracing::debug!(peer = %remote_addr, error = %e, "TLS handshake failed");
                         refuse(metrics.as_deref(), Refusal::HandshakeFailed, remote_addr);
-                        if let Some(r) = &rejects {
-                            r.add(remote_addr.ip(), rejects::handshake_reason(&e));
-                        }
+                        rejected(
+                            metrics.as_deref(),
+                            rejects.as_deref(),
+                            remote_addr,
+                            rejects::handshake_reason(&e),
+                        );
                         return;
                     }
                     Err(_) => {
                         refuse(metrics.as_deref(), Refusal::HandshakeTimeout, remote_addr);
-                        if let Some(r) = &rejects {
-                            r.add(remote_addr.ip(), Refusal::HandshakeTimeout.reason());
-                        }
+                        rejected(
+                            metrics.as_deref(),
+                            rejects.as_deref(),
+                            remote_addr,
+                            Refusal::HandshakeTimeout.reason(),
+                        );
                         return;
                     }
                 };

@@ -64,18 +64,20 @@ pub struct RejectCounts {
 }
 
 impl RejectCounts {
-    pub fn add(&mut self, ip: IpAddr, reason: &'static str, max_keys: usize) {
-        self.add_n(ip, reason, 1, max_keys);
+    /// Counts one rejection; true when it could only be counted under overflow.
+    pub fn add(&mut self, ip: IpAddr, reason: &'static str, max_keys: usize) -> bool {
+        self.add_n(ip, reason, 1, max_keys)
     }
 
-    fn add_n(&mut self, ip: IpAddr, reason: &'static str, n: u64, max_keys: usize) {
-        let slot = if self.by_source.contains_key(&(ip, reason)) || self.by_source.len() < max_keys
-        {
+    fn add_n(&mut self, ip: IpAddr, reason: &'static str, n: u64, max_keys: usize) -> bool {
+        let keyed = self.by_source.contains_key(&(ip, reason)) || self.by_source.len() < max_keys;
+        let slot = if keyed {
             self.by_source.entry((ip, reason)).or_default()
         } else {
             self.overflow.entry(reason).or_default()
         };
         *slot = slot.saturating_add(n);
+        !keyed
     }
 
     pub fn is_empty(&self) -> bool {
@@ -134,9 +136,10 @@ impl HandshakeRejects {
         })
     }
 
-    pub fn add(&self, ip: IpAddr, reason: &'static str) {
+    /// Counts one rejection; true when it went under overflow.
+    pub fn add(&self, ip: IpAddr, reason: &'static str) -> bool {
         let mut c = self.current.lock().unwrap_or_else(|p| p.into_inner());
-        c.1.add(ip, reason, self.max_keys);
+        c.1.add(ip, reason, self.max_keys)
     }
 
     /// Writes one record per key of the interval so far and starts a new
@@ -159,7 +162,9 @@ impl HandshakeRejects {
                 let n = r.count.unwrap_or(0);
                 let reason = reason_code(&r.reason);
                 match r.peer.as_deref().and_then(|p| p.parse::<IpAddr>().ok()) {
-                    Some(ip) => kept.add_n(ip, reason, n, usize::MAX),
+                    Some(ip) => {
+                        kept.add_n(ip, reason, n, usize::MAX);
+                    }
                     None => *kept.overflow.entry(reason).or_default() += n,
                 }
             }
@@ -169,7 +174,7 @@ impl HandshakeRejects {
             c.0 = since;
             for ((ip, reason), n) in kept.by_source {
                 // Re-adding may spill to overflow: the count is kept either way.
-                c.1.add_n(ip, reason, n, self.max_keys);
+                let _ = c.1.add_n(ip, reason, n, self.max_keys);
             }
             for (reason, n) in kept.overflow {
                 let e = c.1.overflow.entry(reason).or_default();
@@ -258,13 +263,13 @@ mod tests {
     fn counts_are_per_source_and_reason_and_capped() {
         let mut c = RejectCounts::default();
         for _ in 0..3 {
-            c.add(ip("10.0.0.1"), "tls_unknown_ca", 2);
+            assert!(!c.add(ip("10.0.0.1"), "tls_unknown_ca", 2));
         }
-        c.add(ip("10.0.0.1"), "mtls_not_spiffe", 2);
-        // Over the cap: counted per reason under overflow, existing keys still grow.
-        c.add(ip("10.0.0.2"), "tls_unknown_ca", 2);
-        c.add(ip("10.0.0.3"), "tls_unknown_ca", 2);
-        c.add(ip("10.0.0.1"), "tls_unknown_ca", 2);
+        assert!(!c.add(ip("10.0.0.1"), "mtls_not_spiffe", 2));
+        // Over the cap: counted per reason under overflow (and said so), existing keys still grow.
+        assert!(c.add(ip("10.0.0.2"), "tls_unknown_ca", 2));
+        assert!(c.add(ip("10.0.0.3"), "tls_unknown_ca", 2));
+        assert!(!c.add(ip("10.0.0.1"), "tls_unknown_ca", 2));
         assert_eq!(c.by_source.len(), 2);
         assert_eq!(c.by_source[&(ip("10.0.0.1"), "tls_unknown_ca")], 4);
         assert_eq!(c.overflow["tls_unknown_ca"], 2);
