@@ -1213,6 +1213,14 @@ impl Config {
         v
     }
 
+    /// The mesh trust domain and its aliases, for matching identities.
+    pub fn trust_domain_set(&self) -> crate::identity::TrustDomains {
+        crate::identity::TrustDomains::new(
+            self.trust_domain.clone(),
+            self.trust_domain_aliases.clone(),
+        )
+    }
+
     /// Parses flags. `ca_dir` is resolved by the caller (--dev uses its data
     /// dir); `in_cluster` says whether KUBERNETES_SERVICE_HOST is set.
     pub fn from_args(
@@ -1495,6 +1503,29 @@ fn review_limits(a: &ServeArgs) -> Result<ReviewLimits, ConfigError> {
 
 fn list(s: &str) -> impl Iterator<Item = &str> {
     s.split(',').map(str::trim).filter(|s| !s.is_empty())
+}
+
+/// The trust domains of the offline tools (`meshca revoke`, `meshca audit
+/// query`), from the same flags and environment as `serve`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct TrustDomainArgs {
+    /// Mesh trust domain.
+    #[arg(long, env = "TRUST_DOMAIN", default_value = "cluster.local")]
+    pub trust_domain: String,
+    /// Trust domains that name the same workloads as the mesh one (comma-separated).
+    #[arg(long, env = "TRUST_DOMAIN_ALIASES", default_value = "")]
+    pub trust_domain_aliases: String,
+}
+
+impl TrustDomainArgs {
+    pub fn parse(&self) -> Result<crate::identity::TrustDomains, ConfigError> {
+        let mesh = TrustDomain::new(&self.trust_domain)
+            .map_err(|e| err("TRUST_DOMAIN", &self.trust_domain, e.to_string()))?;
+        let aliases = list(&self.trust_domain_aliases)
+            .map(|s| TrustDomain::new(s).map_err(|e| err("TRUST_DOMAIN_ALIASES", s, e.to_string())))
+            .collect::<Result<_, _>>()?;
+        Ok(crate::identity::TrustDomains::new(mesh, aliases))
+    }
 }
 
 /// Parses `CA_TRUSTED_NODE_ACCOUNTS`. istiod skips malformed entries with a

@@ -31,7 +31,7 @@ pub fn start(
     client: Option<kube::Client>,
     ca: Arc<CaStore>,
     pod_index: Option<Arc<PodIndex>>,
-    remote_pods: Option<Arc<dyn crate::renewal::LivePods>>,
+    registry: Option<Arc<crate::cluster::ClusterRegistry>>,
     audit: Arc<dyn AuditSink>,
     metrics: Arc<Metrics>,
 ) -> anyhow::Result<Started> {
@@ -41,7 +41,10 @@ pub fn start(
         policy: ks.renewal,
         // Only an index started for renewals (or node authorization) counts.
         index: pod_index.filter(|_| ks.renewal_pod_check),
-        remote: remote_pods.filter(|_| ks.renewal_pod_check),
+        remote: registry
+            .clone()
+            .filter(|_| ks.renewal_pod_check)
+            .map(|r| r as Arc<dyn crate::renewal::LivePods>),
         sync_wait: cfg
             .kube
             .as_ref()
@@ -49,7 +52,7 @@ pub fn start(
     }));
 
     let denylist = if ks.denylist.enabled() {
-        let live = Arc::new(LiveDenylist::new());
+        let live = Arc::new(LiveDenylist::with_trust_domains(cfg.trust_domain_set()));
         if let Some(path) = &ks.denylist.file {
             // A file that does not exist yet is an empty list (the chart's state
             // volume starts empty; `meshca revoke --deny-file` creates it). One
@@ -115,6 +118,10 @@ pub fn start(
             renewal,
             denylist,
             revocations,
+            clusters: Some(match registry {
+                Some(r) => r as Arc<dyn crate::cluster::ClusterDirectory>,
+                None => Arc::new(crate::cluster::LocalCluster(cfg.cluster_id.clone())),
+            }),
         },
         tasks,
     })

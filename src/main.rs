@@ -87,13 +87,16 @@ enum Command {
 #[derive(clap::Args)]
 #[command(group(clap::ArgGroup::new("target").required(true).args(["serial", "identity", "node"])))]
 struct RevokeArgs {
-    /// Serial(s) to revoke (hex; as the audit log and istioctl show them).
+    /// Serial(s) to revoke (hex; as the audit log and istioctl show them),
+    /// and every unexpired certificate renewed from them over mTLS.
     #[arg(long, num_args = 1..)]
     serial: Vec<String>,
-    /// Revoke every unexpired certificate issued for this SPIFFE identity.
+    /// Revoke every unexpired certificate issued for this SPIFFE identity
+    /// (in the mesh trust domain or an alias), and its renewals.
     #[arg(long)]
     identity: Option<String>,
-    /// Revoke every unexpired certificate issued through, or to a caller on, this node.
+    /// Revoke every unexpired certificate issued through, or to a caller on,
+    /// this node, and every certificate renewed from one of them over mTLS.
     #[arg(long)]
     node: Option<String>,
     /// RFC 5280 reason: unspecified, key-compromise, ca-compromise,
@@ -116,6 +119,9 @@ struct RevokeArgs {
     /// Audit log files, oldest first (audit.log.2 audit.log.1 audit.log), or - for stdin.
     #[arg(required = true)]
     audit_files: Vec<PathBuf>,
+    /// `--identity` matches the identity under the mesh trust domain and every alias.
+    #[command(flatten)]
+    trust_domains: meshca::config::TrustDomainArgs,
 }
 
 #[derive(Subcommand)]
@@ -166,6 +172,7 @@ enum AuditCommand {
         /// Requested identity, caller identity or a SAN of the CSR.
         #[arg(long)]
         identity: Option<String>,
+        /// The node, and the certificates renewed over mTLS from one issued on it.
         #[arg(long)]
         node: Option<String>,
         /// Caller identity or caller pod (ns/name).
@@ -184,6 +191,9 @@ enum AuditCommand {
         output: String,
         #[arg(required = true)]
         files: Vec<PathBuf>,
+        /// `--identity` matches the identity under the mesh trust domain and every alias.
+        #[command(flatten)]
+        trust_domains: meshca::config::TrustDomainArgs,
     },
     /// Generate an ECDSA P-256 checkpoint signing key; prints its public key.
     Keygen {
@@ -603,8 +613,10 @@ fn audit(cmd: AuditCommand) -> anyhow::Result<()> {
             until,
             output,
             files,
+            trust_domains,
         } => {
             let q = verify::Query {
+                trust_domains: Some(trust_domains.parse()?),
                 identity,
                 node,
                 caller,
@@ -672,7 +684,15 @@ fn revoke(a: RevokeArgs) -> anyhow::Result<()> {
         );
     }
     let now = OffsetDateTime::now_utc();
-    let found = revocation::select(&records, &target, &a.reason, a.by.as_deref(), now);
+    let tds = a.trust_domains.parse()?;
+    let found = revocation::select_in(
+        &records,
+        &target,
+        &a.reason,
+        a.by.as_deref(),
+        now,
+        Some(&tds),
+    );
     for r in &found {
         println!(
             "{}\t{}\t{}\t{}",

@@ -293,6 +293,7 @@ pub enum Target {
 /// certificates still valid at `now` (an expired one needs no revocation),
 /// one entry per serial. A serial given explicitly but absent from the log
 /// is still revoked (the log may have been rotated away), without details.
+/// Identities are compared as written; see [`select_in`].
 pub fn select(
     records: &[crate::audit::AuditRecord],
     target: &Target,
@@ -300,32 +301,70 @@ pub fn select(
     by: Option<&str>,
     now: OffsetDateTime,
 ) -> Vec<Revocation> {
-    let issued = records.iter().filter(|r| {
-        r.decision == Decision::Allow
-            && r.reason == "issued"
-            && r.serial.is_some()
-            && r.not_after.is_none_or(|t| t > now)
-    });
-    let matches = |r: &&crate::audit::AuditRecord| match target {
-        Target::Serials(s) => r.serial.as_ref().is_some_and(|x| s.contains(x)),
-        Target::Identity(id) => r.requested_identity.as_deref() == Some(id.as_str()),
-        Target::Node(n) => r.node.as_deref() == Some(n.as_str()),
+    select_in(records, target, reason, by, now, None)
+}
+
+/// [`select`], with identities compared in canonical form (`trust_domains`:
+/// an alias trust domain is the mesh one, as authorization treats it).
+///
+/// Every certificate issued to the holder of a selected one is selected
+/// too, transitively: an mTLS record names the certificate its caller
+/// presented (`presented_serial`), so a leaf issued on a node leads to each
+/// renewal of it, wherever the renewal came from. A descendant whose own
+/// record names no node carries its ancestor's.
+pub fn select_in(
+    records: &[crate::audit::AuditRecord],
+    target: &Target,
+    reason: &str,
+    by: Option<&str>,
+    now: OffsetDateTime,
+    trust_domains: Option<&crate::identity::TrustDomains>,
+) -> Vec<Revocation> {
+    let canon = |s: &str| match trust_domains {
+        Some(tds) => tds.canonical_str(s),
+        None => s.to_string(),
+    };
+    let wanted_identity = match target {
+        Target::Identity(id) => Some(canon(id)),
+        _ => None,
+    };
+    let lineage = crate::audit::verify::Lineage::new(records);
+    let roots: Vec<&str> = match target {
+        Target::Serials(s) => s.iter().map(String::as_str).collect(),
+        _ => records
+            .iter()
+            .filter(|r| r.decision == Decision::Allow && r.reason == "issued")
+            .filter(|r| match target {
+                Target::Serials(_) => false,
+                Target::Identity(_) => {
+                    r.requested_identity.as_deref().map(canon) == wanted_identity
+                }
+                Target::Node(n) => r.node.as_deref() == Some(n.as_str()),
+            })
+            .filter_map(|r| r.serial.as_deref())
+            .collect(),
     };
     let mut out: BTreeMap<String, Revocation> = BTreeMap::new();
-    for r in issued.filter(matches) {
-        let serial = r.serial.clone().unwrap_or_default();
-        out.entry(serial.clone()).or_insert(Revocation {
-            serial,
+    for d in lineage.descendants(roots) {
+        let Some(r) = d.record else { continue };
+        if r.not_after.is_some_and(|t| t <= now) {
+            continue;
+        }
+        out.entry(d.serial.to_string()).or_insert(Revocation {
+            serial: d.serial.to_string(),
             reason: reason.to_string(),
             revoked_at: now,
             identity: r.requested_identity.clone(),
-            node: r.node.clone(),
+            node: d.node.map(str::to_string),
             not_after: r.not_after,
             by: by.map(str::to_string),
         });
     }
     if let Target::Serials(serials) = target {
         for s in serials {
+            if lineage.issued(s).is_some() {
+                continue;
+            }
             out.entry(s.clone()).or_insert(Revocation {
                 serial: s.clone(),
                 reason: reason.to_string(),
@@ -659,6 +698,180 @@ mod tests {
             "details come from the log"
         );
         assert_eq!(r[0].reason, "superseded");
+    }
+
+    /// The store may be deleted, emptied, cut short or rewritten without an
+    /// entry: none of those lifts a revocation (only an explicit un-revoke
+    /// does), and each is audited.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_missing_emptied_or_shrunk_store_lifts_nothing() {
+        let pki = crate::testing::TestPki::new(crate::ca::generate::KeyType::EcdsaP256);
+        let ca = Arc::new(CaStore::from_dir(pki.path(), false).unwrap());
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("revoked.jsonl");
+        let now = OffsetDateTime::now_utc();
+        let later = Some(now + time::Duration::hours(1));
+        append_store(&file, &[rev("aa", now, later), rev("bb", now, later)]).unwrap();
+        let live = Arc::new(LiveRevocations::new());
+        let audit = Arc::new(crate::audit::MemorySink::default());
+        let (tx, _rx) = tokio::sync::watch::channel(String::new());
+        let task = tokio::spawn(follow(
+            RevocationSettings {
+                file: file.clone(),
+                poll: Duration::from_millis(20),
+                crl_validity: Duration::from_secs(3600),
+                publish: None,
+            },
+            ca,
+            live.clone(),
+            audit.clone(),
+            None,
+            tx,
+        ));
+        let wait = |what: &str| {
+            let live = live.clone();
+            let what = what.to_string();
+            async move {
+                let deadline = std::time::Instant::now() + Duration::from_secs(5);
+                while !(live.is_revoked("aa") && live.is_revoked("bb")) {
+                    assert!(std::time::Instant::now() < deadline, "{what}: never loaded");
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            }
+        };
+        wait("start").await;
+        let shrunk = serde_json::to_string(&rev("aa", now, later)).unwrap() + "\n";
+        for (what, change) in [
+            ("deleted", None),
+            ("emptied", Some(String::new())),
+            ("cut short", Some("{\"serial\":".to_string())),
+            ("shrunk", Some(shrunk)),
+        ] {
+            match change {
+                None => std::fs::remove_file(&file).unwrap(),
+                Some(text) => std::fs::write(&file, text).unwrap(),
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            assert!(
+                live.is_revoked("aa") && live.is_revoked("bb"),
+                "{what}: a revocation was lifted"
+            );
+        }
+        task.abort();
+    }
+
+    /// Lineage: each mTLS record names the certificate presented, so a
+    /// selection reaches every renewal of a selected leaf, transitively,
+    /// carrying the node forward; identities match through aliases.
+    #[test]
+    fn select_follows_renewals_and_matches_identities_through_aliases() {
+        use crate::audit::AuditRecord;
+        use crate::identity::{TrustDomain, TrustDomains};
+        let now = datetime!(2026-06-01 00:00 UTC);
+        let later = datetime!(2026-06-02 00:00 UTC);
+        let issued = |serial: &str, id: &str, node: Option<&str>, parent: Option<&str>| {
+            let mut r = AuditRecord::new(now, "x".into(), Decision::Allow, "issued".into());
+            r.serial = Some(serial.into());
+            r.requested_identity = Some(id.into());
+            r.node = node.map(str::to_string);
+            r.presented_serial = parent.map(str::to_string);
+            r.not_after = Some(later);
+            r
+        };
+        let app = "spiffe://cluster.local/ns/a/sa/app";
+        let alias_app = "spiffe://alias.local/ns/a/sa/app";
+        let zt = "spiffe://cluster.local/ns/istio-system/sa/ztunnel";
+        let mut expired = issued("e1", app, None, Some("w2"));
+        expired.not_after = Some(datetime!(2026-05-01 00:00 UTC));
+        let mut refused = issued("x1", app, None, Some("w1"));
+        refused.decision = Decision::Deny;
+        refused.reason = "renewal_no_live_pod".into();
+        let log = vec![
+            // ztunnel on n1 gets w1 for app; w1 renewed twice (w2, w3); w2
+            // also renewed into e1, expired, which was renewed into w4.
+            issued("w1", app, Some("n1"), None),
+            issued("w2", app, None, Some("w1")),
+            issued("w3", app, None, Some("w2")),
+            expired,
+            issued("w4", app, None, Some("e1")),
+            refused,
+            // An alias-spelled leaf on another node, renewed once.
+            issued("a1", alias_app, Some("n2"), None),
+            issued("a2", alias_app, None, Some("a1")),
+            // A renewal of a leaf the log no longer has (rotated away).
+            issued("r2", zt, None, Some("gone")),
+            issued("z1", zt, Some("n2"), None),
+        ];
+        let tds = TrustDomains::new(
+            TrustDomain::new("cluster.local").unwrap(),
+            vec![TrustDomain::new("alias.local").unwrap()],
+        );
+        let run = |t: Target, aliases: bool| -> Vec<(String, Option<String>)> {
+            select_in(
+                &log,
+                &t,
+                "key-compromise",
+                None,
+                now,
+                aliases.then_some(&tds),
+            )
+            .into_iter()
+            .map(|r| (r.serial, r.node))
+            .collect()
+        };
+        let n1 = Some("n1".to_string());
+        let n2 = Some("n2".to_string());
+        type Want<'a> = Vec<(&'a str, Option<String>)>;
+        let cases: Vec<(Target, bool, Want<'_>)> = vec![
+            (
+                Target::Node("n1".into()),
+                true,
+                vec![
+                    ("w1", n1.clone()),
+                    ("w2", n1.clone()),
+                    ("w3", n1.clone()),
+                    ("w4", n1.clone()),
+                ],
+            ),
+            (
+                Target::Serials(vec!["w2".into()]),
+                true,
+                vec![("w2", n1.clone()), ("w3", n1.clone()), ("w4", n1.clone())],
+            ),
+            (
+                Target::Serials(vec!["gone".into()]),
+                true,
+                vec![("gone", None), ("r2", None)],
+            ),
+            (
+                Target::Node("n2".into()),
+                true,
+                vec![("a1", n2.clone()), ("a2", n2.clone()), ("z1", n2.clone())],
+            ),
+            (
+                Target::Identity(app.into()),
+                true,
+                vec![
+                    ("a1", n2.clone()),
+                    ("a2", n2.clone()),
+                    ("w1", n1.clone()),
+                    ("w2", n1.clone()),
+                    ("w3", n1.clone()),
+                    ("w4", n1.clone()),
+                ],
+            ),
+            (
+                Target::Identity(alias_app.into()),
+                false,
+                vec![("a1", n2.clone()), ("a2", n2.clone())],
+            ),
+            (Target::Node("n3".into()), true, vec![]),
+        ];
+        for (target, aliases, want) in cases {
+            let want: Vec<(String, Option<String>)> =
+                want.into_iter().map(|(s, n)| (s.to_string(), n)).collect();
+            assert_eq!(run(target.clone(), aliases), want, "{target:?}");
+        }
     }
 
     #[test]

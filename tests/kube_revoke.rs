@@ -846,3 +846,159 @@ async fn revoked_serial_is_in_a_crl_openssl_verifies_and_in_the_configmap() {
     assert_eq!(e.code(), Code::Unauthenticated);
     assert_eq!(srv.last_reason(), "mtls_cert_revoked");
 }
+
+/// The runbook's step 2 against a stolen leaf that was renewed: ztunnel on
+/// node-a gets W1 for app (the record names node-a), then W1's holder
+/// renews it over mTLS twice (W1 -> W2 -> W3; those records name no node).
+/// `meshca revoke --node node-a` (the release CLI, over the server's own
+/// chained audit file) must list all three, and `--serial W1` must follow
+/// the renewals too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn revoke_node_follows_certificates_renewed_over_mtls() {
+    let k = kte().await;
+    let zt_ns = k.namespace("zt").await;
+    k.service_account(&zt_ns, "ztunnel").await;
+    let zt_uid = k.pod(&zt_ns, "ztunnel-a", "ztunnel", "node-a").await;
+    let zt_token = k
+        .token(&zt_ns, "ztunnel", Some(("ztunnel-a", &zt_uid)), "istio-ca")
+        .await;
+    let ns = k.namespace("app").await;
+    k.service_account(&ns, "app").await;
+    k.pod(&ns, "app-0", "app", "node-a").await;
+    let id = spiffe(&ns, "app");
+
+    let dir = tempfile::tempdir().unwrap();
+    let audit = dir.path().join("audit.log");
+    let pki = TestPki::new(KeyType::EcdsaP256);
+    let mut cfg = common::kube_config(&pki, k.meshca_kubeconfig(), &[format!("{zt_ns}/ztunnel")]);
+    cfg.kill_switch.renewal_pod_check = true;
+    cfg.audit.sink = meshca::config::AuditSinkKind::File;
+    cfg.audit.file = audit.clone();
+    let app = meshca::app::App::start(&cfg, Default::default())
+        .await
+        .unwrap();
+    let index = app.pod_index.clone().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !(index.is_synced()
+        && index.read(|s| s.get(&ns, "app-0").is_some() && s.get(&zt_ns, "ztunnel-a").is_some()))
+    {
+        assert!(Instant::now() < deadline, "pod index never showed the pods");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    // W1: ztunnel impersonates app on node-a.
+    let key1 = rcgen::KeyPair::generate().unwrap();
+    let mut c = meshca::testing::client(app.addr, &pki.ca.root_cert, None)
+        .await
+        .unwrap();
+    let mut req = tonic::Request::new(meshca::testing::request(
+        meshca::testing::csr_for(&key1, &id),
+        0,
+        &[("ImpersonatedIdentity", meshca::testing::string_value(&id))],
+    ));
+    req.metadata_mut().insert(
+        "authorization",
+        format!("Bearer {zt_token}").parse().unwrap(),
+    );
+    req.metadata_mut()
+        .insert("clusterid", "Kubernetes".parse().unwrap());
+    let w1 = c
+        .create_certificate(req)
+        .await
+        .unwrap()
+        .into_inner()
+        .cert_chain;
+
+    // W1 -> W2 -> W3 over mTLS, each presenting the previous leaf and its key.
+    let serial_of = |pem: &str| {
+        let der = CertificateDer::from_pem_slice(pem.as_bytes()).unwrap();
+        let (_, c) = x509_parser::parse_x509_certificate(&der).unwrap();
+        meshca::ca::serial_hex(c.raw_serial())
+    };
+    let mut serials = vec![serial_of(&w1[0])];
+    let (mut chain, mut key) = (w1, key1);
+    for _ in 0..2 {
+        let presented = (chain[..chain.len() - 1].concat(), key.serialize_pem());
+        let mut c = meshca::testing::client(
+            app.addr,
+            &pki.ca.root_cert,
+            Some((&presented.0, &presented.1)),
+        )
+        .await
+        .unwrap();
+        let next = rcgen::KeyPair::generate().unwrap();
+        let req = meshca::testing::request(meshca::testing::csr_for(&next, &id), 0, &[]);
+        chain = c
+            .create_certificate(req)
+            .await
+            .unwrap()
+            .into_inner()
+            .cert_chain;
+        key = next;
+        serials.push(serial_of(&chain[0]));
+    }
+    app.shutdown().await.unwrap();
+    let mut want = serials.clone();
+    want.sort();
+
+    let audit_s = audit.to_str().unwrap();
+    let store = dir.path().join("revoked.jsonl");
+    let revoke = |target: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_meshca"))
+            .arg("revoke")
+            .args(target)
+            .args([
+                "--reason",
+                "key-compromise",
+                "--dry-run",
+                "--revocation-file",
+            ])
+            .arg(&store)
+            .arg(audit_s)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let mut got: Vec<String> = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(|l| l.split('\t').next().unwrap().to_string())
+            .collect();
+        got.sort();
+        got
+    };
+    assert_eq!(revoke(&["--node", "node-a"]), want, "--node node-a");
+    assert_eq!(
+        revoke(&["--serial", &serials[0]]),
+        want,
+        "--serial W1 and its renewals"
+    );
+    assert_eq!(
+        revoke(&["--serial", &serials[1]]),
+        want[..]
+            .iter()
+            .filter(|s| **s != serials[0])
+            .cloned()
+            .collect::<Vec<_>>(),
+        "--serial W2: itself and W3, not its parent"
+    );
+    assert!(revoke(&["--node", "node-b"]).is_empty());
+    // `audit query --node` shows the renewals as well.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_meshca"))
+        .args([
+            "audit", "query", "--node", "node-a", "--reason", "issued", "-o", "json", audit_s,
+        ])
+        .output()
+        .unwrap();
+    let mut issued: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            v["serial"].as_str().unwrap().to_string()
+        })
+        .collect();
+    issued.sort();
+    assert_eq!(issued, want, "audit query --node node-a");
+}

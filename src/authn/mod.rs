@@ -138,6 +138,16 @@ pub enum AuthnError {
     /// Refused by local token verification (see [`local::LocalError`]).
     #[error("local token verification: {0}")]
     Local(#[from] local::LocalError),
+    /// The client certificate's serial is marked for a cluster meshca does
+    /// not serve (removed, or never registered).
+    #[error(
+        "client certificate was issued for cluster tag {0}, which names no registered cluster"
+    )]
+    MtlsClusterUnknown(String),
+    /// The `clusterid` header names another cluster than the one the client
+    /// certificate was issued for.
+    #[error("clusterid header names cluster {header:?}, the client certificate was issued for cluster {verified:?}")]
+    MtlsClusterMismatch { header: String, verified: String },
 }
 
 impl AuthnError {
@@ -152,6 +162,8 @@ impl AuthnError {
             Self::TokenTooLarge { .. } => "authn_token_too_large",
             Self::ClusterIdTooLarge { .. } => "authn_clusterid_too_large",
             Self::Local(e) => e.reason(),
+            Self::MtlsClusterUnknown(_) => "mtls_cluster_unknown",
+            Self::MtlsClusterMismatch { .. } => "mtls_cluster_mismatch",
         }
     }
 
