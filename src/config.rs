@@ -339,9 +339,14 @@ pub struct KillSwitchArgs {
     /// Denylist ConfigMap `namespace/name` (key `denylist`), watched when Kubernetes is on.
     #[arg(long, env = "MESHCA_DENYLIST_CONFIGMAP")]
     pub denylist_configmap: Option<String>,
-    /// Revoked serials (JSON lines, appended by `meshca revoke`); enables the CRL.
+    /// Revoked serials (JSON lines, appended by `meshca revoke`); enables the
+    /// CRL. Per process: for `serve --dev` and runs without a cluster.
     #[arg(long, env = "MESHCA_REVOCATION_FILE")]
     pub revocation_file: Option<PathBuf>,
+    /// Revocations shared by every replica: ConfigMap `namespace/name` (key
+    /// `revocations`), read every MESHCA_REVOCATION_POLL; enables the CRL.
+    #[arg(long, env = "MESHCA_REVOCATION_CONFIGMAP")]
+    pub revocation_configmap: Option<String>,
     #[arg(long, env = "MESHCA_REVOCATION_POLL", default_value = "2s")]
     pub revocation_poll: String,
     /// CRL validity (nextUpdate - thisUpdate); re-signed at half.
@@ -408,25 +413,42 @@ impl KillSwitchArgs {
             )?,
             configmap,
         };
+        let revocation_configmap = match self.revocation_configmap.as_deref().map(str::trim) {
+            None | Some("") => None,
+            Some(v) => {
+                let (ns, name) = v
+                    .split_once('/')
+                    .filter(|(n, m)| !n.is_empty() && !m.is_empty() && !m.contains('/'))
+                    .ok_or_else(|| {
+                        err("MESHCA_REVOCATION_CONFIGMAP", v, "expected namespace/name")
+                    })?;
+                if !kube_on {
+                    return Err(err("MESHCA_REVOCATION_CONFIGMAP", v, "needs Kubernetes"));
+                }
+                Some((ns.to_string(), name.to_string()))
+            }
+        };
+        let revocation_on = self.revocation_file.is_some() || revocation_configmap.is_some();
         let publish = if self.publish_crl {
             if !kube_on {
                 return Err(err("MESHCA_PUBLISH_CRL", "true", "needs Kubernetes"));
             }
-            if self.revocation_file.is_none() {
+            if !revocation_on {
                 return Err(err(
                     "MESHCA_PUBLISH_CRL",
                     "true",
-                    "needs MESHCA_REVOCATION_FILE",
+                    "needs MESHCA_REVOCATION_CONFIGMAP or MESHCA_REVOCATION_FILE",
                 ));
             }
             Some(a.publisher(crate::revocation::CRL_CONFIGMAP.into())?)
         } else {
             None
         };
-        let revocation = match &self.revocation_file {
-            None => None,
-            Some(file) => Some(crate::revocation::RevocationSettings {
-                file: file.clone(),
+        let revocation = match revocation_on {
+            false => None,
+            true => Some(crate::revocation::RevocationSettings {
+                file: self.revocation_file.clone(),
+                configmap: revocation_configmap,
                 poll: bounded_duration(
                     "MESHCA_REVOCATION_POLL",
                     &self.revocation_poll,

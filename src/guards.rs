@@ -87,21 +87,41 @@ pub fn start(
     let revocations = match &ks.revocation {
         None => None,
         Some(settings) => {
-            // An unreadable store stops startup rather than serving without it.
-            crate::revocation::read_store(&settings.file)?;
             let live = Arc::new(LiveRevocations::new());
+            // An unreadable file stops startup rather than serving without
+            // it; a file alone is in force before the first request.
+            if let Some(file) = &settings.file {
+                let entries = crate::revocation::read_store(file)?;
+                if settings.configmap.is_none() {
+                    live.seed(&entries);
+                }
+            }
             let (tx, rx) = tokio::sync::watch::channel(String::new());
             if let Some(publish) = settings.publish.clone() {
                 let client = client
                     .clone()
                     .context("MESHCA_PUBLISH_CRL needs Kubernetes")?;
-                tasks.push(tokio::spawn(crate::rootpub::run_keyed(
+                // Replicas share the ConfigMaps: merged, never replaced by an older CRL.
+                let merge = crate::revocation::publish::CrlMerge {
+                    ca: ca.clone(),
+                    live: live.clone(),
+                };
+                tasks.push(tokio::spawn(crate::rootpub::run_merged(
                     client,
                     publish,
                     crate::revocation::CRL_KEY,
                     rx,
+                    Some(Arc::new(merge)),
                 )));
             }
+            let kube = match &settings.configmap {
+                Some(_) => Some(
+                    client
+                        .clone()
+                        .context("MESHCA_REVOCATION_CONFIGMAP needs Kubernetes")?,
+                ),
+                None => client.clone(),
+            };
             tasks.push(tokio::spawn(crate::revocation::follow(
                 settings.clone(),
                 ca,
@@ -109,6 +129,7 @@ pub fn start(
                 audit,
                 Some(metrics),
                 tx,
+                kube,
             )));
             Some(live)
         }

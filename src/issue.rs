@@ -223,9 +223,15 @@ impl IssueGuards {
     }
 
     fn revocation_check(&self, creds: &Credentials) -> Result<(), IssueError> {
-        let Some(r) = self.revocations.as_ref().filter(|r| r.any()) else {
+        let Some(r) = &self.revocations else {
             return Ok(());
         };
+        if !r.is_loaded() {
+            return Err(AuthnError::RevocationsNotLoaded.into());
+        }
+        if !r.any() {
+            return Ok(());
+        }
         let Some(leaf) = creds.leaf() else {
             return Ok(());
         };

@@ -38,7 +38,8 @@ async fn revoke_finds_serials_in_the_audit_log_and_the_server_enforces_them() {
         configmap: None,
     };
     cfg.kill_switch.revocation = Some(meshca::revocation::RevocationSettings {
-        file: store.clone(),
+        file: Some(store.clone()),
+        configmap: None,
         poll: Duration::from_millis(100),
         crl_validity: Duration::from_secs(3600),
         publish: None,

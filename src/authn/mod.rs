@@ -148,6 +148,10 @@ pub enum AuthnError {
     /// certificate was issued for.
     #[error("clusterid header names cluster {header:?}, the client certificate was issued for cluster {verified:?}")]
     MtlsClusterMismatch { header: String, verified: String },
+    /// The revocation store has not been read yet: a client certificate
+    /// cannot be checked against it.
+    #[error("revocations not loaded yet")]
+    RevocationsNotLoaded,
 }
 
 impl AuthnError {
@@ -164,13 +168,14 @@ impl AuthnError {
             Self::Local(e) => e.reason(),
             Self::MtlsClusterUnknown(_) => "mtls_cluster_unknown",
             Self::MtlsClusterMismatch { .. } => "mtls_cluster_mismatch",
+            Self::RevocationsNotLoaded => "revocations_not_loaded",
         }
     }
 
     /// Worth retrying: no verdict on the credentials was reached.
     pub fn is_retryable(&self) -> bool {
         match self {
-            Self::Unavailable(_) | Self::Overloaded { .. } => true,
+            Self::Unavailable(_) | Self::Overloaded { .. } | Self::RevocationsNotLoaded => true,
             Self::Local(e) => e.is_retryable(),
             _ => false,
         }

@@ -3,25 +3,42 @@
 //! every unexpired issuing CA it replaced), and the request-path check that
 //! refuses a revoked client certificate.
 //!
-//! **Where revoked serials persist.** One JSON object per line in the
-//! revocation file (`MESHCA_REVOCATION_FILE`, default
-//! `<data dir>/revoked-serials.jsonl`): `meshca revoke` appends, the server
-//! polls it. It is append-only and survives restarts as long as the file's
-//! volume does (in Kubernetes: a PersistentVolume, not an emptyDir). The
-//! server is the only writer of the audit log, so it records each entry it
-//! has not seen before as an audit record (`reason: "revoked"`); at startup
-//! it records one `revocation_list_loaded` record naming how many serials are
-//! in force and the file's SHA-256.
+//! **Where revocations are kept** ([`store`]): in a ConfigMap every
+//! replica reads (`MESHCA_REVOCATION_CONFIGMAP`, the chart's default), or
+//! in a file (`MESHCA_REVOCATION_FILE`, for `serve --dev` and runs without
+//! a cluster); both may be set, and the union is in force. `meshca revoke`
+//! appends; the server only reads, every `MESHCA_REVOCATION_POLL`.
 //!
-//! The CRL lists every stored serial whose certificate has not expired yet
-//! (an expired certificate needs no CRL entry, RFC 5280 3.3), is re-signed
-//! when the file or the CA changes and at half of its validity, and is
-//! published as the `istio-ca-crl` ConfigMap (`ca-crl.pem`) and on the admin
-//! port (`/ca-crl.pem`).
+//! **Append-only** ([`ledger`]): each replica keeps every entry it has
+//! read. A source that goes missing, becomes unreadable or loses entries
+//! lifts nothing; each such change is audited once as a decision of its
+//! own (`revocation_source_missing`, `revocation_source_unreadable`,
+//! `revocation_removal_refused`). Only an explicit un-revocation
+//! (`meshca revoke --undo`, an `unrevoke` entry) lifts a revocation, and is
+//! audited (`unrevoked`). The server is the only writer of the audit log,
+//! so it records each entry it has not seen before (`revoked`); at startup
+//! one `revocation_list_loaded` record per source names how many entries it
+//! held. Until every source has been read once, mTLS callers are refused
+//! (`revocations_not_loaded`, retryable) and `/readyz` says so.
+//!
+//! **One CRL** ([`publish`]): the CRL lists every serial in force whose
+//! certificate has not expired yet (an expired certificate needs no CRL
+//! entry, RFC 5280 3.3), is re-signed when the set or the CA changes and at
+//! half of its validity, and is served on the admin port (`/ca-crl.pem`) and
+//! published as the `istio-ca-crl` ConfigMap (`ca-crl.pem`). Replicas share
+//! that ConfigMap: a replica replaces the published CRL only with one
+//! numbered higher that lists every serial it lists (unless it knows the
+//! serial was un-revoked or expired), so the published CRL number only
+//! grows and no serial leaves it because a replica lags.
+
+pub mod ledger;
+pub mod publish;
+pub mod store;
+
+pub use store::{append_store, read_store};
 
 use std::collections::{BTreeMap, HashSet};
-use std::io::Write as _;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -61,6 +78,19 @@ pub struct Revocation {
     /// Who ran `meshca revoke` (free text, e.g. an incident id).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub by: Option<String>,
+    /// `unrevoke`: lifts every earlier revocation of the serial (`meshca
+    /// revoke --undo`). Absent: a revocation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub action: Option<String>,
+}
+
+/// The `action` of an un-revocation entry.
+pub const UNREVOKE: &str = "unrevoke";
+
+impl Revocation {
+    pub fn is_unrevoke(&self) -> bool {
+        self.action.as_deref() == Some(UNREVOKE)
+    }
 }
 
 /// Accepted `--reason` values and their RFC 5280 codes.
@@ -127,51 +157,6 @@ pub fn normalize_serial(s: &str) -> Result<String, RevocationError> {
     Ok(crate::ca::serial_hex(&bytes))
 }
 
-/// Reads the store; a missing file is an empty store. Unreadable lines are
-/// an error (never silently drop a revocation).
-pub fn read_store(path: &Path) -> Result<Vec<Revocation>, RevocationError> {
-    let err = |detail: String| RevocationError::Store {
-        path: path.display().to_string(),
-        detail,
-    };
-    let text = match std::fs::read_to_string(path) {
-        Ok(t) => t,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(e) => return Err(err(e.to_string())),
-    };
-    text.lines()
-        .enumerate()
-        .filter(|(_, l)| !l.trim().is_empty())
-        .map(|(i, l)| {
-            serde_json::from_str::<Revocation>(l).map_err(|e| err(format!("line {}: {e}", i + 1)))
-        })
-        .collect()
-}
-
-/// Appends entries durably (fsync) to the store.
-pub fn append_store(path: &Path, entries: &[Revocation]) -> Result<(), RevocationError> {
-    let err = |detail: String| RevocationError::Store {
-        path: path.display().to_string(),
-        detail,
-    };
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).map_err(|e| err(e.to_string()))?;
-    }
-    let mut f = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(path)
-        .map_err(|e| err(e.to_string()))?;
-    let mut buf = String::new();
-    for e in entries {
-        buf.push_str(&serde_json::to_string(e).map_err(|e| err(e.to_string()))?);
-        buf.push('\n');
-    }
-    f.write_all(buf.as_bytes())
-        .and_then(|_| f.sync_all())
-        .map_err(|e| err(e.to_string()))
-}
-
 /// The entries a CRL signed at `now` lists: one per serial (the earliest
 /// revocation wins), certificates not yet expired, ordered by serial.
 pub fn crl_entries(store: &[Revocation], now: OffsetDateTime) -> Vec<Revocation> {
@@ -205,6 +190,7 @@ pub fn sign_crl(
         entries,
         now,
         validity,
+        u64::try_from(now.unix_timestamp()).unwrap_or(0),
     )
 }
 
@@ -219,9 +205,17 @@ pub fn sign_crls(
     entries: &[Revocation],
     now: OffsetDateTime,
     validity: Duration,
+    crl_number: u64,
 ) -> Result<String, RevocationError> {
     let (current, retired) = ca.crl_issuers();
-    let mut pem = sign_crl(&current, entries, now, validity)?;
+    let mut pem = sign_crl_with(
+        current.issuer(),
+        current.signing_not_after(),
+        entries,
+        now,
+        validity,
+        crl_number,
+    )?;
     for r in retired {
         pem.push_str(&sign_crl_with(
             &r.issuer,
@@ -229,9 +223,20 @@ pub fn sign_crls(
             entries,
             now,
             validity,
+            crl_number,
         )?);
     }
     Ok(pem)
+}
+
+/// The number of the next CRL: seconds since the epoch (they grow across
+/// restarts), and always above the last one signed here and the highest
+/// one published by any replica.
+pub fn next_crl_number(now: OffsetDateTime, last: u64, published: u64) -> u64 {
+    u64::try_from(now.unix_timestamp())
+        .unwrap_or(0)
+        .max(last.saturating_add(1))
+        .max(published.saturating_add(1))
 }
 
 /// Signs a CRL over `entries` with `issuer`, whose certificate ends at `not_after`.
@@ -241,6 +246,7 @@ pub fn sign_crl_with(
     entries: &[Revocation],
     now: OffsetDateTime,
     validity: Duration,
+    crl_number: u64,
 ) -> Result<String, RevocationError> {
     let revoked_certs = entries
         .iter()
@@ -260,10 +266,7 @@ pub fn sign_crl_with(
         })
         .collect::<Result<Vec<_>, RevocationError>>()?;
     let next = now + validity;
-    // The number only has to grow: seconds since the epoch do, across restarts.
-    let number = u64::try_from(now.unix_timestamp())
-        .unwrap_or(0)
-        .to_be_bytes();
+    let number = crl_number.to_be_bytes();
     let params = CertificateRevocationListParams {
         this_update: now - time::Duration::minutes(2),
         next_update: next.min(not_after.max(now + time::Duration::minutes(1))),
@@ -358,6 +361,7 @@ pub fn select_in(
             node: d.node.map(str::to_string),
             not_after: r.not_after,
             by: by.map(str::to_string),
+            action: None,
         });
     }
     if let Target::Serials(serials) = target {
@@ -373,6 +377,7 @@ pub fn select_in(
                 node: None,
                 not_after: None,
                 by: by.map(str::to_string),
+                action: None,
             });
         }
     }
@@ -384,6 +389,20 @@ pub fn select_in(
 pub struct LiveRevocations {
     serials: ArcSwap<HashSet<String>>,
     crl: ArcSwap<String>,
+    /// Every source has been read once.
+    loaded: std::sync::atomic::AtomicBool,
+    /// What the follower's ledger knows, for the CRL publisher.
+    view: ArcSwap<publish::LedgerView>,
+    /// What the CRL publisher saw published, for the follower.
+    published: std::sync::Mutex<Published>,
+}
+
+/// Fed back from the published `istio-ca-crl` documents.
+#[derive(Debug, Default)]
+struct Published {
+    number: u64,
+    unknown: Vec<Revocation>,
+    resign: bool,
 }
 
 impl LiveRevocations {
@@ -395,6 +414,7 @@ impl LiveRevocations {
     pub fn with_serials(serials: impl IntoIterator<Item = String>) -> Self {
         let live = Self::default();
         live.serials.store(Arc::new(serials.into_iter().collect()));
+        live.set_loaded();
         live
     }
 
@@ -407,9 +427,64 @@ impl LiveRevocations {
         !self.serials.load().is_empty()
     }
 
+    /// The serials in force in `entries`, before the follower's first read
+    /// (a file store read at startup).
+    pub fn seed(&self, entries: &[Revocation]) {
+        let mut l = ledger::Ledger::new();
+        l.apply(
+            ledger::StoreSource::File,
+            ledger::SourceRead::Entries(entries.to_vec()),
+            OffsetDateTime::now_utc(),
+        );
+        self.serials.store(Arc::new(
+            l.in_force().into_iter().map(|r| r.serial).collect(),
+        ));
+        self.set_loaded();
+    }
+
+    /// Every source has been read once: a client certificate can be checked.
+    pub fn is_loaded(&self) -> bool {
+        self.loaded.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    fn set_loaded(&self) {
+        self.loaded
+            .store(true, std::sync::atomic::Ordering::Release);
+    }
+
     /// The current CRL PEM (empty until the first one is signed).
     pub fn crl_pem(&self) -> Arc<String> {
         self.crl.load_full()
+    }
+
+    /// What the ledger knows (for merging with the published CRL).
+    pub fn view(&self) -> Arc<publish::LedgerView> {
+        self.view.load_full()
+    }
+
+    /// The publisher's findings in one published document.
+    pub fn observe_published(&self, number: Option<u128>, unknown: Vec<Revocation>, resign: bool) {
+        let mut p = self.published.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = number {
+            p.number = p.number.max(u64::try_from(n).unwrap_or(u64::MAX));
+        }
+        for r in unknown {
+            if !p.unknown.iter().any(|u| u.serial == r.serial) {
+                p.unknown.push(r);
+            }
+        }
+        p.resign |= resign;
+    }
+
+    /// Takes what the publisher found: the highest published number,
+    /// serials to adopt, and whether to sign again.
+    fn take_published(&self) -> (u64, Vec<Revocation>, bool) {
+        let mut p = self.published.lock().unwrap_or_else(|e| e.into_inner());
+        (
+            p.number,
+            std::mem::take(&mut p.unknown),
+            std::mem::take(&mut p.resign),
+        )
     }
 }
 
@@ -417,7 +492,9 @@ impl LiveRevocations {
 #[derive(Debug, Clone)]
 pub struct RevocationSettings {
     /// `MESHCA_REVOCATION_FILE`.
-    pub file: PathBuf,
+    pub file: Option<PathBuf>,
+    /// `MESHCA_REVOCATION_CONFIGMAP` (`namespace/name`): shared by every replica.
+    pub configmap: Option<(String, String)>,
     /// `MESHCA_REVOCATION_POLL`.
     pub poll: Duration,
     /// `MESHCA_CRL_VALIDITY`: nextUpdate - thisUpdate; re-signed at half.
@@ -426,34 +503,93 @@ pub struct RevocationSettings {
     pub publish: Option<crate::rootpub::RootPublisherSettings>,
 }
 
-fn audit_revocation(sink: &dyn AuditSink, r: &Revocation, reason: &str) {
-    let mut rec = AuditRecord::new(
-        OffsetDateTime::now_utc(),
-        crate::audit::random_id(),
-        Decision::Deny,
-        reason.into(),
-    );
-    rec.serial = Some(r.serial.clone());
-    rec.requested_identity = r.identity.clone();
-    rec.node = r.node.clone();
-    rec.not_after = r.not_after;
-    rec.detail = Some(format!(
-        "revoked at {} ({}){}",
-        r.revoked_at,
-        r.reason,
-        r.by.as_deref()
-            .map(|b| format!(" by {b}"))
-            .unwrap_or_default()
-    ));
-    rec.revocation_reason = Some(r.reason.clone());
-    rec.bound();
-    if let Err(e) = sink.emit(&rec) {
-        tracing::error!(error = %e, serial = %r.serial, "revocation audit record lost");
+impl RevocationSettings {
+    /// Settings reading only `file` (tests, no cluster).
+    pub fn file(file: PathBuf, poll: Duration) -> Self {
+        Self {
+            file: Some(file),
+            configmap: None,
+            poll,
+            crl_validity: Duration::from_secs(3600),
+            publish: None,
+        }
     }
 }
 
-/// Follows the store: keeps the revoked set and the CRL current, audits new
-/// entries, and feeds `crl_tx` (the ConfigMap publisher) on every new CRL.
+/// The audit record of one ledger event.
+fn event_record(e: &ledger::LedgerEvent, now: OffsetDateTime) -> AuditRecord {
+    use ledger::LedgerEvent as E;
+    let decision = match e {
+        E::Loaded { .. } | E::Unrevoked(_) => Decision::Allow,
+        _ => Decision::Deny,
+    };
+    let mut rec = AuditRecord::new(now, crate::audit::random_id(), decision, e.reason().into());
+    let entry = match e {
+        E::Revoked(r) | E::Unrevoked(r) | E::Adopted(r) | E::RemovalRefused { entry: r, .. } => {
+            Some(r)
+        }
+        _ => None,
+    };
+    if let Some(r) = entry {
+        rec.serial = Some(r.serial.clone());
+        rec.requested_identity = r.identity.clone();
+        rec.node = r.node.clone();
+        rec.not_after = r.not_after;
+        rec.revocation_reason = Some(r.reason.clone());
+    }
+    let by = |r: &Revocation| {
+        r.by.as_deref()
+            .map(|b| format!(" by {b}"))
+            .unwrap_or_default()
+    };
+    rec.detail = Some(match e {
+        E::Loaded { source, entries } => {
+            format!("{entries} revocation entr(ies) in the {} store", source.as_str())
+        }
+        E::Revoked(r) | E::Adopted(r) => {
+            format!("revoked at {} ({}){}", r.revoked_at, r.reason, by(r))
+        }
+        E::Unrevoked(r) => format!("un-revoked at {}{}", r.revoked_at, by(r)),
+        E::RemovalRefused { source, entry } => format!(
+            "the {} store no longer holds the entry revoked at {}; it stays in force (lift a revocation with `meshca revoke --undo`)",
+            source.as_str(),
+            entry.revoked_at
+        ),
+        E::SourceMissing(source) => format!(
+            "the {} store is gone; every revocation stays in force",
+            source.as_str()
+        ),
+        E::SourceUnreadable(source, why) => format!(
+            "the {} store cannot be read ({why}); every revocation stays in force",
+            source.as_str()
+        ),
+    });
+    rec.bound();
+    rec
+}
+
+/// Reads each configured source once.
+async fn read_sources(
+    settings: &RevocationSettings,
+    client: Option<&kube::Client>,
+) -> Vec<(ledger::StoreSource, ledger::SourceRead)> {
+    let mut reads = Vec::new();
+    if let Some(file) = &settings.file {
+        reads.push((ledger::StoreSource::File, store::read_file(file)));
+    }
+    if let Some((ns, name)) = &settings.configmap {
+        let read = match client {
+            Some(c) => store::read_configmap(c, ns, name).await,
+            None => ledger::SourceRead::Unreadable("no Kubernetes client".into()),
+        };
+        reads.push((ledger::StoreSource::ConfigMap, read));
+    }
+    reads
+}
+
+/// Follows the stores: keeps the revoked set and the CRL current, audits
+/// every change of the ledger, and feeds `crl_tx` (the ConfigMap
+/// publisher) on every new CRL.
 pub async fn follow(
     settings: RevocationSettings,
     ca: Arc<CaStore>,
@@ -461,93 +597,102 @@ pub async fn follow(
     audit: Arc<dyn AuditSink>,
     metrics: Option<Arc<Metrics>>,
     crl_tx: tokio::sync::watch::Sender<String>,
+    client: Option<kube::Client>,
 ) {
     let mut generations = ca.subscribe();
-    let mut known: Option<HashSet<(String, String)>> = None;
-    let mut last_bytes: Option<Vec<u8>> = None;
+    let mut ledger = ledger::Ledger::new();
+    let mut last_set: Option<Vec<Revocation>> = None;
     let mut signed_at: Option<std::time::Instant> = None;
+    let mut last_number = 0u64;
     loop {
-        let bytes = std::fs::read(&settings.file).unwrap_or_default();
+        let now = OffsetDateTime::now_utc();
+        let mut events = Vec::new();
+        for (source, read) in read_sources(&settings, client.as_ref()).await {
+            if let ledger::SourceRead::Unreadable(why) = &read {
+                tracing::warn!(source = source.as_str(), error = %why, "revocation store unreadable; keeping every revocation in force");
+            }
+            events.extend(ledger.apply(source, read, now));
+        }
+        let (published, unknown, resign) = live.take_published();
+        events.extend(ledger.adopt(unknown));
+        for e in &events {
+            if let ledger::LedgerEvent::RemovalRefused { .. }
+            | ledger::LedgerEvent::SourceMissing(_)
+            | ledger::LedgerEvent::Adopted(_) = e
+            {
+                tracing::warn!(
+                    reason = e.reason(),
+                    "revocation store changed; nothing lifted"
+                );
+            }
+            if let Err(err) = audit.emit(&event_record(e, now)) {
+                tracing::error!(error = %err, reason = e.reason(), "revocation audit record lost");
+            }
+            if let Some(m) = &metrics {
+                m.kill_switch
+                    .revocation_events
+                    .get_or_create(&crate::metrics::ReasonLabels {
+                        reason: e.reason().into(),
+                    })
+                    .inc();
+            }
+        }
+        let all_loaded = settings.file.is_none() || ledger.loaded(ledger::StoreSource::File);
+        let all_loaded = all_loaded
+            && (settings.configmap.is_none() || ledger.loaded(ledger::StoreSource::ConfigMap));
+        let in_force = ledger.in_force();
+        live.serials.store(Arc::new(
+            in_force.iter().map(|r| r.serial.clone()).collect(),
+        ));
+        let mut view = publish::LedgerView {
+            lifted: ledger.lifted(now),
+            ..Default::default()
+        };
+        for r in ledger.in_force() {
+            view.known.insert(r.serial);
+        }
+        view.known.extend(view.lifted.iter().cloned());
+        live.view.store(Arc::new(view));
+        if all_loaded && !live.is_loaded() {
+            live.set_loaded();
+        }
         let ca_changed = generations.has_changed().unwrap_or(false);
         if ca_changed {
             generations.borrow_and_update();
         }
         let stale = signed_at.is_none_or(|t| t.elapsed() >= settings.crl_validity / 2);
-        if last_bytes.as_deref() != Some(&bytes[..]) || ca_changed || stale {
-            match read_store(&settings.file) {
-                Ok(store) => {
-                    let now = OffsetDateTime::now_utc();
-                    let keys: HashSet<(String, String)> = store
-                        .iter()
-                        .map(|r| (r.serial.clone(), r.revoked_at.to_string()))
-                        .collect();
-                    match &known {
-                        None => {
-                            let sha = hex::encode(
-                                aws_lc_rs::digest::digest(&aws_lc_rs::digest::SHA256, &bytes)
-                                    .as_ref(),
-                            );
-                            let mut r = AuditRecord::new(
-                                now,
-                                crate::audit::random_id(),
-                                Decision::Allow,
-                                "revocation_list_loaded".into(),
-                            );
-                            r.detail = Some(format!(
-                                "{} revocation(s) in {}, sha256 {sha}",
-                                store.len(),
-                                settings.file.display(),
-                            ));
-                            r.bound();
-                            if let Err(e) = audit.emit(&r) {
-                                tracing::error!(error = %e, "revocation audit record lost");
-                            }
-                        }
-                        Some(old) => {
-                            for r in store.iter().filter(|r| {
-                                !old.contains(&(r.serial.clone(), r.revoked_at.to_string()))
-                            }) {
-                                audit_revocation(audit.as_ref(), r, "revoked");
-                            }
-                        }
+        let changed = last_set.as_ref() != Some(&in_force);
+        if all_loaded && (changed || ca_changed || stale || resign) {
+            let entries = crl_entries(&in_force, now);
+            let number = next_crl_number(now, last_number, published);
+            match sign_crls(&ca, &entries, now, settings.crl_validity, number) {
+                Ok(pem) => {
+                    last_number = number;
+                    live.crl.store(Arc::new(pem.clone()));
+                    crl_tx.send_replace(pem);
+                    signed_at = Some(std::time::Instant::now());
+                    last_set = Some(in_force);
+                    if let Some(m) = &metrics {
+                        m.kill_switch
+                            .crl_signed
+                            .get_or_create(&crate::metrics::ResultLabels {
+                                result: "ok".into(),
+                            })
+                            .inc();
+                        m.kill_switch.revoked_serials.set(entries.len() as i64);
                     }
-                    known = Some(keys);
-                    let entries = crl_entries(&store, now);
-                    live.serials
-                        .store(Arc::new(store.iter().map(|r| r.serial.clone()).collect()));
-                    match sign_crls(&ca, &entries, now, settings.crl_validity) {
-                        Ok(pem) => {
-                            live.crl.store(Arc::new(pem.clone()));
-                            crl_tx.send_replace(pem);
-                            signed_at = Some(std::time::Instant::now());
-                            if let Some(m) = &metrics {
-                                m.kill_switch
-                                    .crl_signed
-                                    .get_or_create(&crate::metrics::ResultLabels {
-                                        result: "ok".into(),
-                                    })
-                                    .inc();
-                                m.kill_switch.revoked_serials.set(entries.len() as i64);
-                            }
-                            tracing::info!(serials = entries.len(), "CRL signed");
-                        }
-                        Err(e) => {
-                            tracing::error!(reason = e.reason(), error = %e, "CRL not signed; keeping the previous one");
-                            if let Some(m) = &metrics {
-                                m.kill_switch
-                                    .crl_signed
-                                    .get_or_create(&crate::metrics::ResultLabels {
-                                        result: "error".into(),
-                                    })
-                                    .inc();
-                            }
-                        }
-                    }
-                    last_bytes = Some(bytes);
+                    tracing::info!(serials = entries.len(), crl_number = number, "CRL signed");
                 }
                 Err(e) => {
-                    // Keep what is in force: a torn write must not lift revocations.
-                    tracing::error!(reason = e.reason(), error = %e, "revocation file unreadable; keeping the list in force");
+                    tracing::error!(reason = e.reason(), error = %e, "CRL not signed; keeping the previous one");
+                    if let Some(m) = &metrics {
+                        m.kill_switch
+                            .crl_signed
+                            .get_or_create(&crate::metrics::ResultLabels {
+                                result: "error".into(),
+                            })
+                            .inc();
+                    }
                 }
             }
         }
@@ -558,6 +703,7 @@ pub async fn follow(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::path::Path;
     use test_case::test_case;
     use time::macros::datetime;
 
@@ -570,6 +716,7 @@ mod tests {
             node: None,
             not_after,
             by: None,
+            action: None,
         }
     }
 
@@ -606,27 +753,6 @@ mod tests {
         let serials: Vec<_> = got.iter().map(|r| r.serial.as_str()).collect();
         assert_eq!(serials, ["aa", "cc"], "bb expired");
         assert_eq!(got[0].revoked_at, datetime!(2026-05-01 00:00 UTC));
-    }
-
-    #[test]
-    fn store_round_trips_and_a_torn_line_is_an_error() {
-        let dir = tempfile::tempdir().unwrap();
-        let p = dir.path().join("r.jsonl");
-        assert!(read_store(&p).unwrap().is_empty(), "missing = empty");
-        let a = rev("aa", datetime!(2026-05-01 00:00 UTC), None);
-        append_store(&p, std::slice::from_ref(&a)).unwrap();
-        append_store(&p, std::slice::from_ref(&a)).unwrap();
-        assert_eq!(read_store(&p).unwrap(), vec![a.clone(), a]);
-        std::fs::OpenOptions::new()
-            .append(true)
-            .open(&p)
-            .unwrap()
-            .write_all(b"{\"serial\":")
-            .unwrap();
-        assert_eq!(
-            read_store(&p).unwrap_err().reason(),
-            "revocation_store_failed"
-        );
     }
 
     #[test]
@@ -716,17 +842,13 @@ mod tests {
         let audit = Arc::new(crate::audit::MemorySink::default());
         let (tx, _rx) = tokio::sync::watch::channel(String::new());
         let task = tokio::spawn(follow(
-            RevocationSettings {
-                file: file.clone(),
-                poll: Duration::from_millis(20),
-                crl_validity: Duration::from_secs(3600),
-                publish: None,
-            },
+            RevocationSettings::file(file.clone(), Duration::from_millis(20)),
             ca,
             live.clone(),
             audit.clone(),
             None,
             tx,
+            None,
         ));
         let wait = |what: &str| {
             let live = live.clone();
@@ -999,7 +1121,7 @@ mod tests {
         let new_chain = chain_of(&store);
         assert_ne!(old_chain[0], new_chain[0], "a new issuing CA");
         let entries = [rev(&old_serial, now, None), rev(&new_serial, now, None)];
-        let crls = sign_crls(&store, &entries, now, Duration::from_secs(3600)).unwrap();
+        let crls = sign_crls(&store, &entries, now, Duration::from_secs(3600), 7).unwrap();
         assert_eq!(crls.matches("BEGIN X509 CRL").count(), 2);
         let dir = tempfile::tempdir().unwrap();
         let root = &pki.ca.root_cert;
