@@ -79,8 +79,9 @@ enum Command {
     /// token) and print the chain.
     Request(Box<meshca::certs::RequestArgs>),
     /// Revoke certificates found in the audit log (by serial, identity or
-    /// node): append them to the revocation file the server signs its CRL
-    /// from, and optionally deny the identity or node from now on.
+    /// node, and their mTLS renewals): append them to the revocation store
+    /// every replica signs its CRL from, and optionally deny the identity or
+    /// node from now on. `--undo` lifts revocations.
     Revoke(Box<RevokeArgs>),
 }
 

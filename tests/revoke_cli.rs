@@ -177,7 +177,66 @@ async fn revoke_finds_serials_in_the_audit_log_and_the_server_enforces_them() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     ask(b).await.unwrap();
+
+    // `--undo` lifts one revocation, and only it: the CRL drops that serial.
+    let out = meshca(&[
+        "revoke",
+        "--undo",
+        "--serial",
+        &serials_a[0],
+        "--by",
+        "INC-1",
+        "--revocation-file",
+        store_s,
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // Without --by an un-revocation is refused (who lifted it is recorded).
+    let out = meshca(&[
+        "revoke",
+        "--undo",
+        "--serial",
+        &serials_a[1],
+        "--revocation-file",
+        store_s,
+    ]);
+    assert!(!out.status.success());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (_, body) = testing::http_get(app.admin_addr, "/ca-crl.pem").await;
+        let der = rustls_pki_types::CertificateRevocationListDer::from_pem_slice(body.as_bytes())
+            .unwrap();
+        let (_, crl) = x509_parser::parse_x509_crl(&der).unwrap();
+        let listed: Vec<String> = crl
+            .iter_revoked_certificates()
+            .map(|r| meshca::ca::serial_hex(r.raw_serial()))
+            .collect();
+        if listed == [serials_a[1].clone()] {
+            break;
+        }
+        assert!(Instant::now() < deadline, "CRL after --undo: {listed:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     app.shutdown().await.unwrap();
+    let out = meshca(&[
+        "audit",
+        "query",
+        "--reason",
+        "unrevoked",
+        "-o",
+        "json",
+        audit_s,
+    ]);
+    let un: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(un.len(), 1, "{un:?}");
+    assert_eq!(un[0]["serial"], serials_a[0].as_str());
+    assert!(un[0]["detail"].as_str().unwrap().contains("INC-1"));
 
     // The audit log: still one intact chain, with one `revoked` record per serial.
     let out = meshca(&["audit", "verify", "--strict", audit_s]);

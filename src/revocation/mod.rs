@@ -114,7 +114,7 @@ pub enum RevocationError {
     UnknownReason(String),
     #[error("serial {0:?} is not hex")]
     BadSerial(String),
-    #[error("revocation file {path}: {detail}")]
+    #[error("revocation store {path}: {detail}")]
     Store { path: String, detail: String },
     #[error("signing the CRL: {0}")]
     Sign(String),
