@@ -293,6 +293,47 @@ mod tests {
         assert_eq!(capped_ttl(requested, &ttl, S(cap)), want);
     }
 
+    /// What the registry says for each cluster.
+    #[derive(Debug)]
+    struct Clusters(Vec<(&'static str, IndexView)>);
+
+    impl LivePods for Clusters {
+        fn view_in(&self, cluster: &str, _: &str, _: &str) -> Option<IndexView> {
+            self.0.iter().find(|(c, _)| *c == cluster).map(|(_, v)| *v)
+        }
+    }
+
+    /// A renewal is judged by the index of its certificate's cluster only.
+    #[test_case(None, true, Err("renewal_index_not_ready") ; "no cluster: the local index")]
+    #[test_case(Some("east"), true, Ok("pod_live") ; "east's index")]
+    #[test_case(Some("west"), true, Err("renewal_no_live_pod") ; "west has no pod")]
+    #[test_case(Some("gone"), true, Err("renewal_no_live_pod") ; "unregistered cluster")]
+    #[test_case(Some("east"), false, Err("renewal_index_not_ready") ; "no registry: the local index")]
+    fn renewal_in_the_certificates_cluster(
+        cluster: Option<&str>,
+        registry: bool,
+        want: Result<&str, &str>,
+    ) {
+        let g = RenewalGuard {
+            policy: policy(),
+            // The local index has not listed yet.
+            index: Some(Arc::new(PodIndex::new())),
+            remote: registry.then(|| {
+                Arc::new(Clusters(vec![
+                    ("east", synced(None, true)),
+                    ("west", synced(None, false)),
+                ])) as Arc<dyn LivePods>
+            }),
+            sync_wait: Duration::ZERO,
+        };
+        let id: SpiffeId = "spiffe://td/ns/a/sa/b".parse().unwrap();
+        let got = g
+            .check_in(&id, cluster)
+            .map(RenewalBasis::as_str)
+            .map_err(|e| e.reason());
+        assert_eq!(got, want);
+    }
+
     #[test_case(None, true ; "connected")]
     #[test_case(Some(10), true ; "briefly disconnected")]
     #[test_case(Some(31), false ; "stale")]

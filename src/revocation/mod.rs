@@ -996,6 +996,54 @@ mod tests {
         }
     }
 
+    /// Until the store has been read once, a client certificate cannot be
+    /// checked against it: mTLS callers are refused, retryably.
+    #[tokio::test]
+    async fn mtls_callers_wait_for_the_first_read_of_the_store() {
+        use crate::issue::{CertificateIssuer, IssueRequest};
+        let pki = crate::testing::TestPki::new(crate::ca::generate::KeyType::EcdsaP256);
+        let ca = Arc::new(CaStore::from_dir(pki.path(), false).unwrap());
+        let id = "spiffe://cluster.local/ns/a/sa/b";
+        let (chain, _) = crate::testing::client_identity(
+            &ca.snapshot(),
+            id,
+            &crate::testing::validity_hours(-1, 1),
+        );
+        let peer_chain: Vec<rustls_pki_types::CertificateDer<'static>> =
+            rustls_pki_types::pem::PemObject::pem_slice_iter(chain.as_bytes())
+                .collect::<Result<_, _>>()
+                .unwrap();
+        let creds = crate::authn::Credentials {
+            peer_chain: Some(peer_chain.into()),
+            ..Default::default()
+        };
+        let live = Arc::new(LiveRevocations::new());
+        let issuer = CertificateIssuer {
+            ca,
+            ttl: Default::default(),
+            csr_policy: Default::default(),
+            tokens: None,
+            node_authz: None,
+            audit: Arc::new(crate::audit::MemorySink::default()),
+            metrics: None,
+            admission: None,
+            guards: crate::issue::IssueGuards {
+                revocations: Some(live.clone()),
+                ..Default::default()
+            },
+        };
+        let req = || IssueRequest {
+            csr: crate::testing::csr_for(&rcgen::KeyPair::generate().unwrap(), id),
+            validity_secs: 0,
+            impersonate: None,
+        };
+        let e = issuer.issue(&creds, Ok(req())).await.unwrap_err();
+        assert_eq!(e.reason(), "revocations_not_loaded");
+        assert_eq!(tonic::Status::from(e).code(), tonic::Code::Unavailable);
+        live.seed(&[]);
+        issuer.issue(&creds, Ok(req())).await.unwrap();
+    }
+
     #[test]
     fn every_reason_parses_and_unknown_is_refused() {
         for (name, _) in REASONS {
