@@ -608,22 +608,24 @@ pub async fn follow(
         let now = OffsetDateTime::now_utc();
         let mut events = Vec::new();
         for (source, read) in read_sources(&settings, client.as_ref()).await {
-            if let ledger::SourceRead::Unreadable(why) = &read {
-                tracing::warn!(source = source.as_str(), error = %why, "revocation store unreadable; keeping every revocation in force");
-            }
             events.extend(ledger.apply(source, read, now));
         }
         let (published, unknown, resign) = live.take_published();
         events.extend(ledger.adopt(unknown));
         for e in &events {
-            if let ledger::LedgerEvent::RemovalRefused { .. }
-            | ledger::LedgerEvent::SourceMissing(_)
-            | ledger::LedgerEvent::Adopted(_) = e
-            {
-                tracing::warn!(
-                    reason = e.reason(),
-                    "revocation store changed; nothing lifted"
-                );
+            match e {
+                ledger::LedgerEvent::SourceUnreadable(source, why) => {
+                    tracing::warn!(source = source.as_str(), error = %why, reason = e.reason(), "revocation store unreadable; keeping every revocation in force");
+                }
+                ledger::LedgerEvent::RemovalRefused { .. }
+                | ledger::LedgerEvent::SourceMissing(_)
+                | ledger::LedgerEvent::Adopted(_) => {
+                    tracing::warn!(
+                        reason = e.reason(),
+                        "revocation store changed; nothing lifted"
+                    );
+                }
+                _ => {}
             }
             if let Err(err) = audit.emit(&event_record(e, now)) {
                 tracing::error!(error = %err, reason = e.reason(), "revocation audit record lost");

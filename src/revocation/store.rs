@@ -91,7 +91,10 @@ pub fn append_store(path: &Path, entries: &[Revocation]) -> Result<(), Revocatio
 }
 
 /// The entries of `new` that change something over `existing`: a
-/// revocation of a serial not in force, an un-revocation of one in force.
+/// revocation of a serial not in force there, an un-revocation of a serial
+/// whose last entry there is not already one (a replica may hold a serial
+/// the store lost). Each is timed after every entry of its serial in
+/// `existing`, so the order of the log decides, not the writers' clocks.
 pub fn plan(existing: &[Revocation], new: Vec<Revocation>) -> Vec<Revocation> {
     let mut ledger = Ledger::new();
     ledger.apply(
@@ -101,10 +104,25 @@ pub fn plan(existing: &[Revocation], new: Vec<Revocation>) -> Vec<Revocation> {
     );
     let in_force: std::collections::BTreeSet<String> =
         ledger.in_force().into_iter().map(|r| r.serial).collect();
+    let last = |serial: &str| {
+        existing
+            .iter()
+            .filter(|r| r.serial == serial)
+            .max_by_key(|r| (r.revoked_at, !r.is_unrevoke()))
+    };
     let mut seen = std::collections::BTreeSet::new();
     new.into_iter()
-        .filter(|r| r.is_unrevoke() == in_force.contains(&r.serial))
+        .filter(|r| match r.is_unrevoke() {
+            false => !in_force.contains(&r.serial),
+            true => last(&r.serial).is_none_or(|l| !l.is_unrevoke()),
+        })
         .filter(|r| seen.insert(r.serial.clone()))
+        .map(|mut r| {
+            if let Some(l) = last(&r.serial).filter(|l| l.revoked_at >= r.revoked_at) {
+                r.revoked_at = l.revoked_at + time::Duration::milliseconds(1);
+            }
+            r
+        })
         .collect()
 }
 
@@ -247,20 +265,38 @@ mod tests {
     }
 
     #[test]
-    fn plan_drops_what_changes_nothing() {
-        let existing = vec![rev("aa", false, None)];
+    fn plan_drops_what_changes_nothing_and_orders_by_the_log() {
+        let mut lifted = rev("ee", true, None);
+        lifted.revoked_at += time::Duration::minutes(1);
+        let existing = vec![rev("aa", false, None), rev("ee", false, None), lifted];
         let new = vec![
             rev("aa", false, None), // already revoked
             rev("bb", false, None),
             rev("bb", false, None), // twice in one call
-            rev("cc", true, None),  // not revoked: nothing to lift
+            rev("ee", true, None),  // already lifted
+            rev("cc", true, None),  // unknown to the store: a replica may hold it
             rev("aa", true, None),
         ];
-        let got: Vec<(String, bool)> = plan(&existing, new)
-            .into_iter()
-            .map(|r| (r.serial.clone(), r.is_unrevoke()))
+        let got = plan(&existing, new);
+        let kinds: Vec<(&str, bool)> = got
+            .iter()
+            .map(|r| (r.serial.as_str(), r.is_unrevoke()))
             .collect();
-        assert_eq!(got, [("bb".into(), false), ("aa".into(), true)]);
+        assert_eq!(kinds, [("bb", false), ("cc", true), ("aa", true)]);
+        // The undo of aa was written with a clock at (or behind) aa's
+        // revocation: it is timed after it, so it lifts it.
+        let aa = got.iter().find(|r| r.serial == "aa").unwrap();
+        assert!(aa.revoked_at > existing[0].revoked_at);
+        let mut l = Ledger::new();
+        let mut all = existing.clone();
+        all.extend(got);
+        l.apply(
+            StoreSource::File,
+            SourceRead::Entries(all),
+            datetime!(2026-06-01 12:00 UTC),
+        );
+        let in_force: Vec<String> = l.in_force().into_iter().map(|r| r.serial).collect();
+        assert_eq!(in_force, ["bb"]);
     }
 
     #[test]
