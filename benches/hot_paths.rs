@@ -377,7 +377,10 @@ fn bench_guards(c: &mut Criterion) {
         }));
     }
     index.apply(IndexEvent::InitDone);
-    let denylist = LiveDenylist::new();
+    // As the server builds it: identities matched in canonical form.
+    let denylist = LiveDenylist::with_trust_domains(meshca::identity::TrustDomains::mesh_only(
+        meshca::identity::TrustDomain::new("cluster.local").unwrap(),
+    ));
     let text: String = (0..10_000)
         .map(|i| match i % 3 {
             0 => format!("identity spiffe://cluster.local/ns/x{i}/sa/y\n"),
@@ -397,6 +400,7 @@ fn bench_guards(c: &mut Criterion) {
         revocations: Some(Arc::new(LiveRevocations::with_serials(
             (0..10_000u32).map(|i| format!("{:x}", 0xdead_0000u64 + u64::from(i))),
         ))),
+        clusters: Some(Arc::new(meshca::cluster::LocalCluster("Kubernetes".into()))),
     };
     let mut g = c.benchmark_group("issue_mtls_guards");
     for (name, guards) in [("off", IssueGuards::default()), ("on", on)] {

@@ -311,9 +311,7 @@ impl App {
             kube_client_opt.clone(),
             ca.clone(),
             pod_index.clone(),
-            clusters
-                .clone()
-                .map(|c| c as Arc<dyn crate::renewal::LivePods>),
+            clusters.clone(),
             audit.clone(),
             metrics.clone(),
         )?;

@@ -46,6 +46,11 @@ pub enum ImpersonationError {
     /// its bound: the IP may belong to a pod long gone.
     #[error("source-IP impersonation refused: {0}")]
     IndexStale(String),
+    /// An mTLS caller's `clusterid` header disagrees with its certificate's
+    /// cluster, or the certificate's cluster is not served (the reason code
+    /// of [`crate::authn::AuthnError`] that says which).
+    #[error("{1}")]
+    MtlsCluster(&'static str, String),
 }
 
 impl ImpersonationError {
@@ -66,6 +71,7 @@ impl ImpersonationError {
             Self::CallerPodAmbiguous(_) => "impersonation_caller_pod_ambiguous",
             Self::NoPodOnNode(..) => "impersonation_no_pod_on_node",
             Self::IndexStale(_) => "impersonation_index_stale",
+            Self::MtlsCluster(reason, _) => reason,
         }
     }
 

@@ -345,9 +345,14 @@ pub struct KillSwitchArgs {
     /// Denylist ConfigMap `namespace/name` (key `denylist`), watched when Kubernetes is on.
     #[arg(long, env = "MESHCA_DENYLIST_CONFIGMAP")]
     pub denylist_configmap: Option<String>,
-    /// Revoked serials (JSON lines, appended by `meshca revoke`); enables the CRL.
+    /// Revoked serials (JSON lines, appended by `meshca revoke`); enables the
+    /// CRL. Per process: for `serve --dev` and runs without a cluster.
     #[arg(long, env = "MESHCA_REVOCATION_FILE")]
     pub revocation_file: Option<PathBuf>,
+    /// Revocations shared by every replica: ConfigMap `namespace/name` (key
+    /// `revocations`), read every MESHCA_REVOCATION_POLL; enables the CRL.
+    #[arg(long, env = "MESHCA_REVOCATION_CONFIGMAP")]
+    pub revocation_configmap: Option<String>,
     #[arg(long, env = "MESHCA_REVOCATION_POLL", default_value = "2s")]
     pub revocation_poll: String,
     /// CRL validity (nextUpdate - thisUpdate); re-signed at half.
@@ -414,25 +419,42 @@ impl KillSwitchArgs {
             )?,
             configmap,
         };
+        let revocation_configmap = match self.revocation_configmap.as_deref().map(str::trim) {
+            None | Some("") => None,
+            Some(v) => {
+                let (ns, name) = v
+                    .split_once('/')
+                    .filter(|(n, m)| !n.is_empty() && !m.is_empty() && !m.contains('/'))
+                    .ok_or_else(|| {
+                        err("MESHCA_REVOCATION_CONFIGMAP", v, "expected namespace/name")
+                    })?;
+                if !kube_on {
+                    return Err(err("MESHCA_REVOCATION_CONFIGMAP", v, "needs Kubernetes"));
+                }
+                Some((ns.to_string(), name.to_string()))
+            }
+        };
+        let revocation_on = self.revocation_file.is_some() || revocation_configmap.is_some();
         let publish = if self.publish_crl {
             if !kube_on {
                 return Err(err("MESHCA_PUBLISH_CRL", "true", "needs Kubernetes"));
             }
-            if self.revocation_file.is_none() {
+            if !revocation_on {
                 return Err(err(
                     "MESHCA_PUBLISH_CRL",
                     "true",
-                    "needs MESHCA_REVOCATION_FILE",
+                    "needs MESHCA_REVOCATION_CONFIGMAP or MESHCA_REVOCATION_FILE",
                 ));
             }
             Some(a.publisher(crate::revocation::CRL_CONFIGMAP.into())?)
         } else {
             None
         };
-        let revocation = match &self.revocation_file {
-            None => None,
-            Some(file) => Some(crate::revocation::RevocationSettings {
-                file: file.clone(),
+        let revocation = match revocation_on {
+            false => None,
+            true => Some(crate::revocation::RevocationSettings {
+                file: self.revocation_file.clone(),
+                configmap: revocation_configmap,
                 poll: bounded_duration(
                     "MESHCA_REVOCATION_POLL",
                     &self.revocation_poll,
@@ -1229,6 +1251,14 @@ impl Config {
         v
     }
 
+    /// The mesh trust domain and its aliases, for matching identities.
+    pub fn trust_domain_set(&self) -> crate::identity::TrustDomains {
+        crate::identity::TrustDomains::new(
+            self.trust_domain.clone(),
+            self.trust_domain_aliases.clone(),
+        )
+    }
+
     /// Parses flags. `ca_dir` is resolved by the caller (--dev uses its data
     /// dir); `in_cluster` says whether KUBERNETES_SERVICE_HOST is set.
     pub fn from_args(
@@ -1534,6 +1564,29 @@ fn review_limits(a: &ServeArgs) -> Result<ReviewLimits, ConfigError> {
 
 fn list(s: &str) -> impl Iterator<Item = &str> {
     s.split(',').map(str::trim).filter(|s| !s.is_empty())
+}
+
+/// The trust domains of the offline tools (`meshca revoke`, `meshca audit
+/// query`), from the same flags and environment as `serve`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct TrustDomainArgs {
+    /// Mesh trust domain.
+    #[arg(long, env = "TRUST_DOMAIN", default_value = "cluster.local")]
+    pub trust_domain: String,
+    /// Trust domains that name the same workloads as the mesh one (comma-separated).
+    #[arg(long, env = "TRUST_DOMAIN_ALIASES", default_value = "")]
+    pub trust_domain_aliases: String,
+}
+
+impl TrustDomainArgs {
+    pub fn parse(&self) -> Result<crate::identity::TrustDomains, ConfigError> {
+        let mesh = TrustDomain::new(&self.trust_domain)
+            .map_err(|e| err("TRUST_DOMAIN", &self.trust_domain, e.to_string()))?;
+        let aliases = list(&self.trust_domain_aliases)
+            .map(|s| TrustDomain::new(s).map_err(|e| err("TRUST_DOMAIN_ALIASES", s, e.to_string())))
+            .collect::<Result<_, _>>()?;
+        Ok(crate::identity::TrustDomains::new(mesh, aliases))
+    }
 }
 
 /// Parses `CA_TRUSTED_NODE_ACCOUNTS`. istiod skips malformed entries with a

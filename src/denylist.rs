@@ -28,7 +28,7 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use base64::Engine;
 
-use crate::identity::SpiffeId;
+use crate::identity::{SpiffeId, TrustDomains};
 use crate::metrics::Metrics;
 
 /// Data key of the denylist in its ConfigMap.
@@ -272,6 +272,9 @@ impl Source {
 pub struct LiveDenylist {
     current: ArcSwap<Denylist>,
     sources: Mutex<[Denylist; 2]>,
+    /// Identities are matched in canonical form (alias trust domains
+    /// resolved to the mesh one), as authorization treats them.
+    trust_domains: Option<TrustDomains>,
 }
 
 impl LiveDenylist {
@@ -279,6 +282,17 @@ impl LiveDenylist {
         Self::default()
     }
 
+    /// A list whose `identity` entries match every spelling authorization
+    /// accepts: an entry in the mesh trust domain or an alias catches the
+    /// same workload under any of them.
+    pub fn with_trust_domains(trust_domains: TrustDomains) -> Self {
+        Self {
+            trust_domains: Some(trust_domains),
+            ..Self::default()
+        }
+    }
+
+    /// The list in force; its `identity` entries are canonical.
     pub fn current(&self) -> Arc<Denylist> {
         self.current.load_full()
     }
@@ -287,11 +301,30 @@ impl LiveDenylist {
     pub fn set(&self, source: Source, list: Denylist) {
         let mut s = self.sources.lock().unwrap_or_else(|p| p.into_inner());
         s[source as usize] = list;
-        self.current.store(Arc::new(s[0].union(&s[1])));
+        let mut union = s[0].union(&s[1]);
+        if let Some(tds) = &self.trust_domains {
+            union.identities = union
+                .identities
+                .iter()
+                .map(|i| tds.canonical_str(i))
+                .collect();
+        }
+        self.current.store(Arc::new(union));
     }
 
     pub fn check(&self, subject: &Subject<'_>) -> Result<(), DenyHit> {
-        check(&self.current.load(), subject)
+        let list = self.current.load();
+        let Some(tds) = self.trust_domains.as_ref().filter(|_| !list.is_empty()) else {
+            return check(&list, subject);
+        };
+        let caller = subject.caller_identity.map(|i| tds.canonical(i));
+        let requested = subject.requested_identity.map(|i| tds.canonical(i));
+        let canonical = Subject {
+            caller_identity: caller.as_ref(),
+            requested_identity: requested.as_ref(),
+            ..subject.clone()
+        };
+        check(&list, &canonical)
     }
 }
 
@@ -569,6 +602,108 @@ mod tests {
         live.set(Source::ConfigMap, Denylist::default());
         assert!(live.check(&node("a")).is_err());
         assert!(live.check(&node("b")).is_ok());
+    }
+
+    /// Aliases: an entry in either spelling matches the identity in
+    /// either spelling; a foreign trust domain is never folded in.
+    #[test]
+    fn identity_entries_match_through_trust_domain_aliases() {
+        use crate::identity::TrustDomain;
+        let tds = TrustDomains::new(
+            TrustDomain::new("cluster.local").unwrap(),
+            vec![TrustDomain::new("alias.local").unwrap()],
+        );
+        let mesh = id("spiffe://cluster.local/ns/shop/sa/cart");
+        let alias = id("spiffe://alias.local/ns/shop/sa/cart");
+        let foreign = id("spiffe://other.mesh/ns/shop/sa/cart");
+        let cases: [(&str, &SpiffeId, bool, Result<(), &str>); 10] = [
+            (
+                "identity spiffe://cluster.local/ns/shop/sa/cart",
+                &mesh,
+                true,
+                Err("denylist_identity"),
+            ),
+            (
+                "identity spiffe://cluster.local/ns/shop/sa/cart",
+                &alias,
+                true,
+                Err("denylist_identity"),
+            ),
+            (
+                "identity spiffe://alias.local/ns/shop/sa/cart",
+                &mesh,
+                true,
+                Err("denylist_identity"),
+            ),
+            (
+                "identity spiffe://alias.local/ns/shop/sa/cart",
+                &alias,
+                false,
+                Err("denylist_identity"),
+            ),
+            (
+                "identity spiffe://cluster.local/ns/shop/sa/cart",
+                &foreign,
+                true,
+                Ok(()),
+            ),
+            (
+                "identity spiffe://other.mesh/ns/shop/sa/cart",
+                &mesh,
+                true,
+                Ok(()),
+            ),
+            (
+                "identity spiffe://other.mesh/ns/shop/sa/cart",
+                &foreign,
+                true,
+                Err("denylist_identity"),
+            ),
+            // As requested identities (impersonation) too.
+            (
+                "identity spiffe://cluster.local/ns/shop/sa/cart",
+                &alias,
+                false,
+                Err("denylist_identity"),
+            ),
+            (
+                "identity spiffe://cluster.local/ns/shop/sa/web",
+                &alias,
+                true,
+                Ok(()),
+            ),
+            // Without aliases configured the spellings differ (the old behaviour).
+            (
+                "identity spiffe://cluster.local/ns/shop/sa/cart",
+                &alias,
+                true,
+                Ok(()),
+            ),
+        ];
+        for (i, (entry, who, as_caller, want)) in cases.into_iter().enumerate() {
+            let live = if i == 9 {
+                LiveDenylist::new()
+            } else {
+                LiveDenylist::with_trust_domains(tds.clone())
+            };
+            live.set(Source::ConfigMap, Denylist::parse(entry).unwrap());
+            let s = if as_caller {
+                Subject {
+                    caller_identity: Some(who),
+                    ..Default::default()
+                }
+            } else {
+                Subject {
+                    requested_identity: Some(who),
+                    ..Default::default()
+                }
+            };
+            assert_eq!(
+                live.check(&s).map_err(|h| h.reason()),
+                want,
+                "{entry} vs {who}"
+            );
+        }
     }
 
     #[test_case("eyJhbGciOiJSUzI1NiIsImtpZCI6ImFiYyJ9.e30.sig", Some("abc") ; "kid present")]

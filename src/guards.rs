@@ -31,7 +31,7 @@ pub fn start(
     client: Option<kube::Client>,
     ca: Arc<CaStore>,
     pod_index: Option<Arc<PodIndex>>,
-    remote_pods: Option<Arc<dyn crate::renewal::LivePods>>,
+    registry: Option<Arc<crate::cluster::ClusterRegistry>>,
     audit: Arc<dyn AuditSink>,
     metrics: Arc<Metrics>,
 ) -> anyhow::Result<Started> {
@@ -41,7 +41,10 @@ pub fn start(
         policy: ks.renewal,
         // Only an index started for renewals (or node authorization) counts.
         index: pod_index.filter(|_| ks.renewal_pod_check),
-        remote: remote_pods.filter(|_| ks.renewal_pod_check),
+        remote: registry
+            .clone()
+            .filter(|_| ks.renewal_pod_check)
+            .map(|r| r as Arc<dyn crate::renewal::LivePods>),
         sync_wait: cfg
             .kube
             .as_ref()
@@ -49,7 +52,7 @@ pub fn start(
     }));
 
     let denylist = if ks.denylist.enabled() {
-        let live = Arc::new(LiveDenylist::new());
+        let live = Arc::new(LiveDenylist::with_trust_domains(cfg.trust_domain_set()));
         if let Some(path) = &ks.denylist.file {
             // A file that does not exist yet is an empty list (the chart's state
             // volume starts empty; `meshca revoke --deny-file` creates it). One
@@ -84,21 +87,41 @@ pub fn start(
     let revocations = match &ks.revocation {
         None => None,
         Some(settings) => {
-            // An unreadable store stops startup rather than serving without it.
-            crate::revocation::read_store(&settings.file)?;
             let live = Arc::new(LiveRevocations::new());
+            // An unreadable file stops startup rather than serving without
+            // it; a file alone is in force before the first request.
+            if let Some(file) = &settings.file {
+                let entries = crate::revocation::read_store(file)?;
+                if settings.configmap.is_none() {
+                    live.seed(&entries);
+                }
+            }
             let (tx, rx) = tokio::sync::watch::channel(String::new());
             if let Some(publish) = settings.publish.clone() {
                 let client = client
                     .clone()
                     .context("MESHCA_PUBLISH_CRL needs Kubernetes")?;
-                tasks.push(tokio::spawn(crate::rootpub::run_keyed(
+                // Replicas share the ConfigMaps: merged, never replaced by an older CRL.
+                let merge = crate::revocation::publish::CrlMerge {
+                    ca: ca.clone(),
+                    live: live.clone(),
+                };
+                tasks.push(tokio::spawn(crate::rootpub::run_merged(
                     client,
                     publish,
                     crate::revocation::CRL_KEY,
                     rx,
+                    Some(Arc::new(merge)),
                 )));
             }
+            let kube = match &settings.configmap {
+                Some(_) => Some(
+                    client
+                        .clone()
+                        .context("MESHCA_REVOCATION_CONFIGMAP needs Kubernetes")?,
+                ),
+                None => client.clone(),
+            };
             tasks.push(tokio::spawn(crate::revocation::follow(
                 settings.clone(),
                 ca,
@@ -106,6 +129,7 @@ pub fn start(
                 audit,
                 Some(metrics),
                 tx,
+                kube,
             )));
             Some(live)
         }
@@ -115,6 +139,10 @@ pub fn start(
             renewal,
             denylist,
             revocations,
+            clusters: Some(match registry {
+                Some(r) => r as Arc<dyn crate::cluster::ClusterDirectory>,
+                None => Arc::new(crate::cluster::LocalCluster(cfg.cluster_id.clone())),
+            }),
         },
         tasks,
     })

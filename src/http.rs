@@ -50,6 +50,9 @@ impl Health {
         if time::OffsetDateTime::now_utc() >= self.ca.snapshot().signing_not_after() {
             return Err("signing certificate expired");
         }
+        if self.crl.as_ref().is_some_and(|c| !c.is_loaded()) {
+            return Err("revocations not loaded");
+        }
         match &self.index {
             Some(i) if !i.is_synced() => Err("pod index not synced"),
             _ => self.clusters.as_ref().map_or(Ok(()), |c| c.readiness()),

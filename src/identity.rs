@@ -136,6 +136,50 @@ impl fmt::Display for SpiffeId {
     }
 }
 
+/// The mesh trust domain and its aliases (`TRUST_DOMAIN`,
+/// `TRUST_DOMAIN_ALIASES`). Authorization accepts an identity in any of
+/// them as the same workload, so every place that matches identities (the
+/// denylist, `meshca revoke`, `meshca audit query`) compares them in the
+/// canonical form: the trust domain resolved to the mesh one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TrustDomains {
+    pub mesh: TrustDomain,
+    pub aliases: Vec<TrustDomain>,
+}
+
+impl TrustDomains {
+    pub fn new(mesh: TrustDomain, aliases: Vec<TrustDomain>) -> Self {
+        Self { mesh, aliases }
+    }
+
+    /// Only the mesh trust domain: nothing is an alias.
+    pub fn mesh_only(mesh: TrustDomain) -> Self {
+        Self::new(mesh, Vec::new())
+    }
+
+    /// `id` with an alias trust domain replaced by the mesh trust domain;
+    /// any other trust domain is left as it is (it names another mesh).
+    pub fn canonical(&self, id: &SpiffeId) -> SpiffeId {
+        if self.aliases.contains(id.trust_domain()) && *id.trust_domain() != self.mesh {
+            SpiffeId {
+                trust_domain: self.mesh.clone(),
+                ..id.clone()
+            }
+        } else {
+            id.clone()
+        }
+    }
+
+    /// [`Self::canonical`] of a string that parses as a workload identity;
+    /// anything else is returned unchanged (compared as written).
+    pub fn canonical_str(&self, s: &str) -> String {
+        match s.parse::<SpiffeId>() {
+            Ok(id) => self.canonical(&id).to_string(),
+            Err(_) => s.to_string(),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -165,5 +209,23 @@ mod tests {
     #[test]
     fn trust_domain_sanitised_like_istiod() {
         assert_eq!(TrustDomain::new("Foo@Bar").unwrap().as_str(), "foo.bar");
+    }
+
+    #[test_case("spiffe://cluster.local/ns/a/sa/b", "spiffe://cluster.local/ns/a/sa/b" ; "mesh")]
+    #[test_case("spiffe://alias.local/ns/a/sa/b", "spiffe://cluster.local/ns/a/sa/b" ; "alias")]
+    #[test_case("spiffe://old.example/ns/a/sa/b", "spiffe://cluster.local/ns/a/sa/b" ; "second alias")]
+    #[test_case("spiffe://other.mesh/ns/a/sa/b", "spiffe://other.mesh/ns/a/sa/b" ; "foreign stays")]
+    #[test_case("spiffe://alias.local/ns/a", "spiffe://alias.local/ns/a" ; "not an identity stays")]
+    fn canonical_identities(input: &str, want: &str) {
+        let tds = TrustDomains::new(
+            TrustDomain::new("cluster.local").unwrap(),
+            vec![
+                TrustDomain::new("alias.local").unwrap(),
+                TrustDomain::new("old.example").unwrap(),
+            ],
+        );
+        assert_eq!(tds.canonical_str(input), want);
+        let none = TrustDomains::mesh_only(TrustDomain::new("cluster.local").unwrap());
+        assert_eq!(none.canonical_str(input), input, "no aliases: unchanged");
     }
 }

@@ -147,9 +147,43 @@ pub struct IssueGuards {
     pub renewal: Option<Arc<crate::renewal::RenewalGuard>>,
     pub denylist: Option<Arc<crate::denylist::LiveDenylist>>,
     pub revocations: Option<Arc<crate::revocation::LiveRevocations>>,
+    /// The clusters served: binds an mTLS caller to the cluster its
+    /// certificate was issued for, and marks leaves of remote clusters.
+    pub clusters: Option<Arc<dyn crate::cluster::ClusterDirectory>>,
 }
 
 impl IssueGuards {
+    /// mTLS callers: puts the presented certificate's serial and the cluster
+    /// it was issued for on the record (whatever the outcome), and returns
+    /// the binding ([`crate::cluster::mtls_cluster`]) to enforce once the
+    /// caller is authenticated. `None` for other callers.
+    fn mtls_binding(
+        &self,
+        creds: &Credentials,
+        record: &mut crate::audit::AuditRecord,
+    ) -> Option<Result<String, AuthnError>> {
+        let leaf = creds.leaf()?;
+        if let Ok(l) = &leaf {
+            record.presented_serial = Some(l.serial_hex.clone());
+        }
+        let binding = crate::cluster::mtls_cluster(self.clusters.as_deref()?, creds)?;
+        record.cluster_id = match &binding {
+            Ok(c) | Err(AuthnError::MtlsClusterMismatch { verified: c, .. }) => Some(c.clone()),
+            Err(AuthnError::MtlsClusterUnknown(tag)) => Some(format!("tag:{tag}")),
+            Err(_) => None,
+        };
+        Some(binding)
+    }
+
+    /// The mark for a leaf issued to a caller of `cluster`: remote clusters
+    /// only (an unmarked serial is the local cluster's).
+    fn leaf_mark(&self, cluster: Option<&str>) -> Option<crate::ca::serial::ClusterTag> {
+        let local = self.clusters.as_deref()?.local_id();
+        cluster
+            .filter(|c| *c != local && !c.is_empty())
+            .map(crate::ca::serial::ClusterTag::of)
+    }
+
     fn deny_check(
         &self,
         creds: &Credentials,
@@ -189,9 +223,15 @@ impl IssueGuards {
     }
 
     fn revocation_check(&self, creds: &Credentials) -> Result<(), IssueError> {
-        let Some(r) = self.revocations.as_ref().filter(|r| r.any()) else {
+        let Some(r) = &self.revocations else {
             return Ok(());
         };
+        if !r.is_loaded() {
+            return Err(AuthnError::RevocationsNotLoaded.into());
+        }
+        if !r.any() {
+            return Ok(());
+        }
         let Some(leaf) = creds.leaf() else {
             return Ok(());
         };
@@ -314,7 +354,9 @@ impl CertificateIssuer {
             let f = authn::familiarity(creds, self.tokens.as_deref());
             a.pre_auth(creds.peer_addr.map(|p| p.ip()), f)?;
         }
+        let binding = self.guards.mtls_binding(creds, audit.record());
         let caller = authn::authenticate(creds, self.tokens.as_deref()).await?;
+        let mtls_cluster = binding.transpose()?;
         {
             let r = audit.record();
             r.authn_method = Some(caller.method.as_str().to_string());
@@ -392,7 +434,7 @@ impl CertificateIssuer {
                     if let Some((index, within)) = g.unsynced_index() {
                         index.wait_synced(within).await;
                     }
-                    check.push(g.check(&identity)?.as_str());
+                    check.push(g.check_in(&identity, mtls_cluster.as_deref())?.as_str());
                 }
             }
             if let Some(g) = &self.guards.renewal {
@@ -428,7 +470,11 @@ impl CertificateIssuer {
                 .and(timing.timeout)
                 .and_then(|t| timing.arrived.checked_add(t)),
         };
+        let issued_for = mtls_cluster
+            .as_deref()
+            .or(caller.kube.as_ref().and_then(|k| k.cluster_id.as_deref()));
         let job = SignJob {
+            cluster: self.guards.leaf_mark(issued_for),
             csr_pem: req.csr,
             validity_secs,
             identity,
@@ -530,6 +576,8 @@ struct SignJob {
     ttl: TtlPolicy,
     bundle: Arc<crate::ca::CaBundle>,
     gate: SignGate,
+    /// The serial's cluster mark (a remote cluster's leaf).
+    cluster: Option<crate::ca::serial::ClusterTag>,
 }
 
 /// What the signing step learned for the audit record, and its result.
@@ -589,11 +637,12 @@ impl SignJob {
             self.bundle.leaf_not_after_limit(),
             ttl::random_draw(),
         )?;
-        let leaf = self.bundle.sign_leaf(
+        let leaf = self.bundle.sign_leaf_for(
             &csr.spki_der,
             &self.identity,
             csr.has_common_name,
             &validity,
+            self.cluster,
         )?;
         Ok(Signed {
             choice,
@@ -749,6 +798,12 @@ mod tests {
         assert_eq!(err.reason(), "csr_san_not_authorized");
         let r = &sink.records()[0];
         assert_eq!(r.csr_sans.as_deref(), Some(&[other.to_string()][..]));
+        // A refusal names the certificate presented, as an issuance does.
+        let presented =
+            crate::authn::mtls::leaf_of(&mtls_creds(&chain).peer_chain.unwrap()[0], None)
+                .unwrap()
+                .serial_hex;
+        assert_eq!(r.presented_serial.as_deref(), Some(presented.as_str()));
         let q = |id: &str| crate::audit::verify::Query {
             identity: Some(id.into()),
             ..Default::default()
@@ -929,6 +984,7 @@ mod tests {
                 ttl: TtlPolicy::default(),
                 bundle: ca.snapshot(),
                 gate: SignGate { deadline },
+                cluster: None,
             }
             .run();
             // The CSR was verified in every case (the check comes after).

@@ -79,33 +79,52 @@ enum Command {
     /// token) and print the chain.
     Request(Box<meshca::certs::RequestArgs>),
     /// Revoke certificates found in the audit log (by serial, identity or
-    /// node): append them to the revocation file the server signs its CRL
-    /// from, and optionally deny the identity or node from now on.
+    /// node, and their mTLS renewals): append them to the revocation store
+    /// every replica signs its CRL from, and optionally deny the identity or
+    /// node from now on. `--undo` lifts revocations.
     Revoke(Box<RevokeArgs>),
 }
 
 #[derive(clap::Args)]
 #[command(group(clap::ArgGroup::new("target").required(true).args(["serial", "identity", "node"])))]
 struct RevokeArgs {
-    /// Serial(s) to revoke (hex; as the audit log and istioctl show them).
+    /// Serial(s) to revoke (hex; as the audit log and istioctl show them),
+    /// and every unexpired certificate renewed from them over mTLS.
     #[arg(long, num_args = 1..)]
     serial: Vec<String>,
-    /// Revoke every unexpired certificate issued for this SPIFFE identity.
+    /// Revoke every unexpired certificate issued for this SPIFFE identity
+    /// (in the mesh trust domain or an alias), and its renewals.
     #[arg(long)]
     identity: Option<String>,
-    /// Revoke every unexpired certificate issued through, or to a caller on, this node.
+    /// Revoke every unexpired certificate issued through, or to a caller on,
+    /// this node, and every certificate renewed from one of them over mTLS.
     #[arg(long)]
     node: Option<String>,
     /// RFC 5280 reason: unspecified, key-compromise, ca-compromise,
     /// affiliation-changed, superseded, cessation-of-operation, privilege-withdrawn.
-    #[arg(long)]
-    reason: String,
-    /// Who revokes, or the incident id (recorded).
-    #[arg(long)]
+    #[arg(long, required_unless_present = "undo")]
+    reason: Option<String>,
+    /// Who revokes, or the incident id (recorded; required with --undo).
+    #[arg(long, required_if_eq("undo", "true"))]
     by: Option<String>,
-    /// The server's revocation file.
-    #[arg(long, env = "MESHCA_REVOCATION_FILE")]
-    revocation_file: PathBuf,
+    /// Lift the revocation of each --serial instead: appends an un-revocation
+    /// (the servers audit it as `unrevoked` and drop the serial from the CRL).
+    #[arg(long, requires = "serial", conflicts_with_all = ["identity", "node", "deny_file"])]
+    undo: bool,
+    /// The revocation file (MESHCA_REVOCATION_FILE of a server without a cluster).
+    #[arg(
+        long,
+        env = "MESHCA_REVOCATION_FILE",
+        required_unless_present = "revocation_configmap"
+    )]
+    revocation_file: Option<PathBuf>,
+    /// The revocation ConfigMap `namespace/name` every replica reads
+    /// (MESHCA_REVOCATION_CONFIGMAP); written with --kubeconfig's credentials.
+    #[arg(long, env = "MESHCA_REVOCATION_CONFIGMAP")]
+    revocation_configmap: Option<String>,
+    /// Kubeconfig for --revocation-configmap (default: KUBECONFIG, else in-cluster).
+    #[arg(long, env = "KUBECONFIG")]
+    kubeconfig: Option<PathBuf>,
     /// Also add the --identity or --node to this denylist file (the server's
     /// MESHCA_DENYLIST_FILE), so nothing new is issued for it.
     #[arg(long)]
@@ -114,8 +133,11 @@ struct RevokeArgs {
     #[arg(long)]
     dry_run: bool,
     /// Audit log files, oldest first (audit.log.2 audit.log.1 audit.log), or - for stdin.
-    #[arg(required = true)]
+    #[arg(required_unless_present = "undo")]
     audit_files: Vec<PathBuf>,
+    /// `--identity` matches the identity under the mesh trust domain and every alias.
+    #[command(flatten)]
+    trust_domains: meshca::config::TrustDomainArgs,
 }
 
 #[derive(Subcommand)]
@@ -171,6 +193,7 @@ enum AuditCommand {
         /// Requested identity, caller identity or a SAN of the CSR.
         #[arg(long)]
         identity: Option<String>,
+        /// The node, and the certificates renewed over mTLS from one issued on it.
         #[arg(long)]
         node: Option<String>,
         /// Caller identity or caller pod (ns/name).
@@ -189,6 +212,9 @@ enum AuditCommand {
         output: String,
         #[arg(required = true)]
         files: Vec<PathBuf>,
+        /// `--identity` matches the identity under the mesh trust domain and every alias.
+        #[command(flatten)]
+        trust_domains: meshca::config::TrustDomainArgs,
     },
     /// Remove anchors older than the retention (an administrator's step:
     /// needs list and delete on ConfigMaps, which meshca itself lacks).
@@ -280,7 +306,7 @@ async fn main() -> anyhow::Result<()> {
         Command::Audit(cmd) => audit(cmd),
         Command::Certs(args) => certs(args).await,
         Command::Request(args) => meshca::certs::request(&args).await,
-        Command::Revoke(args) => revoke(*args),
+        Command::Revoke(args) => revoke(*args).await,
         Command::Rotate(cmd) => rotate(cmd),
         Command::Init {
             out,
@@ -670,8 +696,10 @@ fn audit(cmd: AuditCommand) -> anyhow::Result<()> {
             until,
             output,
             files,
+            trust_domains,
         } => {
             let q = verify::Query {
+                trust_domains: Some(trust_domains.parse()?),
                 identity,
                 node,
                 caller,
@@ -754,34 +782,94 @@ fn audit(cmd: AuditCommand) -> anyhow::Result<()> {
     }
 }
 
-fn revoke(a: RevokeArgs) -> anyhow::Result<()> {
-    use meshca::revocation::{self, Target};
-    revocation::parse_reason(&a.reason)?;
-    let target = if let Some(id) = &a.identity {
-        id.parse::<meshca::identity::SpiffeId>()
-            .with_context(|| format!("--identity {id}"))?;
-        Target::Identity(id.clone())
-    } else if let Some(n) = &a.node {
-        Target::Node(n.clone())
-    } else {
-        Target::Serials(
-            a.serial
-                .iter()
-                .map(|s| revocation::normalize_serial(s))
-                .collect::<Result<_, _>>()?,
-        )
-    };
-    let lines = meshca::audit::verify::read_lines(&a.audit_files)?;
-    let (records, unreadable) =
-        meshca::audit::verify::query(&lines, &meshca::audit::verify::Query::default());
-    if !unreadable.is_empty() {
-        eprintln!(
-            "warning: {} audit line(s) could not be read; run `meshca audit verify`",
-            unreadable.len()
-        );
-    }
+async fn revoke(a: RevokeArgs) -> anyhow::Result<()> {
+    use meshca::revocation::{self, Revocation, Target};
     let now = OffsetDateTime::now_utc();
-    let found = revocation::select(&records, &target, &a.reason, a.by.as_deref(), now);
+    let configmap = match a.revocation_configmap.as_deref().map(str::trim) {
+        None | Some("") => None,
+        Some(v) => Some(
+            v.split_once('/')
+                .filter(|(n, m)| !n.is_empty() && !m.is_empty() && !m.contains('/'))
+                .map(|(n, m)| (n.to_string(), m.to_string()))
+                .with_context(|| format!("--revocation-configmap {v}: expected namespace/name"))?,
+        ),
+    };
+    let client = match &configmap {
+        Some(_) => Some(app::kube_client(a.kubeconfig.as_deref()).await?),
+        None => None,
+    };
+    let found: Vec<Revocation> = if a.undo {
+        // What each store holds in force for these serials.
+        let serials: Vec<String> = a
+            .serial
+            .iter()
+            .map(|s| revocation::normalize_serial(s))
+            .collect::<Result<_, _>>()?;
+        let mut held = Vec::new();
+        if let Some(f) = &a.revocation_file {
+            held.extend(revocation::read_store(f)?);
+        }
+        if let (Some(c), Some((ns, name))) = (&client, &configmap) {
+            match revocation::store::read_configmap(c, ns, name).await {
+                revocation::ledger::SourceRead::Entries(e) => held.extend(e),
+                revocation::ledger::SourceRead::Missing => {}
+                revocation::ledger::SourceRead::Unreadable(e) => {
+                    anyhow::bail!("reading {ns}/{name}: {e}")
+                }
+            }
+        }
+        let mut l = revocation::ledger::Ledger::new();
+        l.apply(
+            revocation::ledger::StoreSource::File,
+            revocation::ledger::SourceRead::Entries(held),
+            now,
+        );
+        let in_force = l.in_force();
+        serials
+            .into_iter()
+            .map(|s| {
+                let held = in_force.iter().find(|r| r.serial == s);
+                Revocation {
+                    serial: s.clone(),
+                    reason: "remove-from-crl".into(),
+                    revoked_at: now,
+                    identity: held.and_then(|r| r.identity.clone()),
+                    node: held.and_then(|r| r.node.clone()),
+                    not_after: held.and_then(|r| r.not_after),
+                    by: a.by.clone(),
+                    action: Some(revocation::UNREVOKE.into()),
+                }
+            })
+            .collect()
+    } else {
+        let reason = a.reason.clone().unwrap_or_default();
+        revocation::parse_reason(&reason)?;
+        let target = if let Some(id) = &a.identity {
+            id.parse::<meshca::identity::SpiffeId>()
+                .with_context(|| format!("--identity {id}"))?;
+            Target::Identity(id.clone())
+        } else if let Some(n) = &a.node {
+            Target::Node(n.clone())
+        } else {
+            Target::Serials(
+                a.serial
+                    .iter()
+                    .map(|s| revocation::normalize_serial(s))
+                    .collect::<Result<_, _>>()?,
+            )
+        };
+        let lines = meshca::audit::verify::read_lines(&a.audit_files)?;
+        let (records, unreadable) =
+            meshca::audit::verify::query(&lines, &meshca::audit::verify::Query::default());
+        if !unreadable.is_empty() {
+            eprintln!(
+                "warning: {} audit line(s) could not be read; run `meshca audit verify`",
+                unreadable.len()
+            );
+        }
+        let tds = a.trust_domains.parse()?;
+        revocation::select_in(&records, &target, &reason, a.by.as_deref(), now, Some(&tds))
+    };
     for r in &found {
         println!(
             "{}\t{}\t{}\t{}",
@@ -793,23 +881,37 @@ fn revoke(a: RevokeArgs) -> anyhow::Result<()> {
                 .unwrap_or_else(|| "-".into())
         );
     }
+    let verb = if a.undo { "un-revoked" } else { "revoked" };
     let deny_line = match (&a.identity, &a.node) {
         (Some(id), _) => Some(format!("identity {id}")),
         (_, Some(n)) => Some(format!("node {n}")),
         _ => None,
     };
     if a.dry_run {
-        eprintln!("dry run: {} serial(s) would be revoked", found.len());
+        eprintln!("dry run: {} serial(s) would be {verb}", found.len());
         return Ok(());
     }
-    if !found.is_empty() {
-        revocation::append_store(&a.revocation_file, &found)?;
+    if let Some(f) = &a.revocation_file {
+        let held = revocation::read_store(f)?;
+        let add = revocation::store::plan(&held, found.clone());
+        if !add.is_empty() {
+            revocation::append_store(f, &add)?;
+        }
+        eprintln!(
+            "{verb} {} serial(s) into {} ({} already so; the server audits each and re-signs its CRL within MESHCA_REVOCATION_POLL)",
+            add.len(),
+            f.display(),
+            found.len() - add.len()
+        );
     }
-    eprintln!(
-        "revoked {} serial(s) into {} (the server audits each and re-signs its CRL within MESHCA_REVOCATION_POLL)",
-        found.len(),
-        a.revocation_file.display()
-    );
+    if let (Some(c), Some((ns, name))) = (&client, &configmap) {
+        let add = revocation::store::append_configmap(c, ns, name, found.clone(), now).await?;
+        eprintln!(
+            "{verb} {} serial(s) into configmap {ns}/{name} ({} already so; every replica audits each and re-signs its CRL within MESHCA_REVOCATION_POLL)",
+            add.len(),
+            found.len() - add.len()
+        );
+    }
     if let (Some(file), Some(line)) = (&a.deny_file, deny_line) {
         use std::io::Write as _;
         let mut f = std::fs::OpenOptions::new()
@@ -820,7 +922,7 @@ fn revoke(a: RevokeArgs) -> anyhow::Result<()> {
         writeln!(
             f,
             "\n{line}  # meshca revoke {} {}",
-            a.reason,
+            a.reason.as_deref().unwrap_or(""),
             a.by.as_deref().unwrap_or("")
         )?;
         f.sync_all()?;

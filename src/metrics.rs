@@ -733,6 +733,10 @@ pub struct KillSwitchMetrics {
     pub denylist_reloads: Family<SourceResultLabels, Counter>,
     pub crl_signed: Family<ResultLabels, Counter>,
     pub revoked_serials: Gauge,
+    /// Revocation decisions by reason: revocations and un-revocations
+    /// applied, and changes of the store that were refused (removals,
+    /// missing or unreadable sources).
+    pub revocation_events: Family<ReasonLabels, Counter>,
 }
 
 impl KillSwitchMetrics {
@@ -768,6 +772,11 @@ impl KillSwitchMetrics {
             "meshca_revoked_serials",
             "Serials in the CRL in force",
             m.revoked_serials.clone(),
+        );
+        registry.register(
+            "meshca_revocation_events",
+            "Revocation store changes applied or refused, by reason",
+            m.revocation_events.clone(),
         );
         m
     }

@@ -165,13 +165,27 @@ pub fn source_ip_allowed(
     }
 }
 
-/// Live pods outside the local index: the remote clusters of the cluster
-/// registry (an identity is the same in every cluster of the mesh).
+/// The pod indexes of the clusters of the cluster registry, for a renewal
+/// bound to the cluster its certificate was issued for.
 pub trait LivePods: Send + Sync + std::fmt::Debug {
-    /// A non-terminal pod runs as `namespace/service_account` in a synced
-    /// index whose watch has not been disconnected longer than `max_staleness`.
-    fn has_live_pod(&self, namespace: &str, service_account: &str, max_staleness: Duration)
-        -> bool;
+    /// What cluster `cluster`'s pod index says about
+    /// `namespace/service_account`; `None` when no such cluster (or no pod
+    /// index for it) is registered.
+    fn view_in(&self, cluster: &str, namespace: &str, service_account: &str) -> Option<IndexView>;
+}
+
+impl IndexView {
+    /// What `index` (none: no pod index runs) says about one service account.
+    pub fn of(index: Option<&PodIndex>, namespace: &str, service_account: &str) -> Self {
+        match index {
+            None => IndexView::Off,
+            Some(i) if !i.is_synced() => IndexView::NotSynced,
+            Some(i) => IndexView::Synced {
+                disconnected_for: i.disconnected_for(),
+                live_pod: i.read(|s| s.has_live_pod(namespace, service_account)),
+            },
+        }
+    }
 }
 
 /// Reads the live index for [`check`].
@@ -179,7 +193,8 @@ pub trait LivePods: Send + Sync + std::fmt::Debug {
 pub struct RenewalGuard {
     pub policy: RenewalPolicy,
     pub index: Option<Arc<PodIndex>>,
-    /// Consulted when the local index shows no live pod.
+    /// Every registered cluster's index, the local one included (Kubernetes
+    /// on); a renewal is judged by the index of its certificate's cluster.
     pub remote: Option<Arc<dyn LivePods>>,
     /// `MESHCA_POD_INDEX_SYNC_WAIT`: how long a renewal waits for the index's first list.
     pub sync_wait: std::time::Duration,
@@ -194,26 +209,35 @@ impl RenewalGuard {
             .map(|i| (i.clone(), self.sync_wait))
     }
 
+    /// What the local index says about `id`.
     pub fn view(&self, id: &SpiffeId) -> IndexView {
-        match &self.index {
-            None => IndexView::Off,
-            Some(i) if !i.is_synced() => IndexView::NotSynced,
-            Some(i) => IndexView::Synced {
-                disconnected_for: i.disconnected_for(),
-                live_pod: i.read(|s| s.has_live_pod(id.namespace(), id.service_account()))
-                    || self.remote.as_ref().is_some_and(|r| {
-                        r.has_live_pod(
-                            id.namespace(),
-                            id.service_account(),
-                            self.policy.max_index_staleness,
-                        )
-                    }),
-            },
-        }
+        IndexView::of(self.index.as_deref(), id.namespace(), id.service_account())
     }
 
+    /// May an mTLS caller renew `id`? Judged by the local index.
     pub fn check(&self, id: &SpiffeId) -> Result<RenewalBasis, RenewalError> {
         check(self.view(id), &id.to_string(), &self.policy)
+    }
+
+    /// May an mTLS caller whose certificate was issued for `cluster` renew
+    /// `id`? Only a live pod in that cluster counts: the same service
+    /// account running in another cluster does not keep a leaf of this one
+    /// alive. Without a cluster registry (or without a cluster), the local
+    /// index decides.
+    pub fn check_in(
+        &self,
+        id: &SpiffeId,
+        cluster: Option<&str>,
+    ) -> Result<RenewalBasis, RenewalError> {
+        let view = match (cluster, &self.remote) {
+            (Some(c), Some(r)) => r
+                .view_in(c, id.namespace(), id.service_account())
+                .ok_or_else(|| {
+                    RenewalError::NoLivePod(format!("{id} (cluster {c:?} has no pod index)"))
+                })?,
+            _ => self.view(id),
+        };
+        check(view, &id.to_string(), &self.policy)
     }
 }
 
@@ -267,6 +291,47 @@ mod tests {
             jitter: None,
         };
         assert_eq!(capped_ttl(requested, &ttl, S(cap)), want);
+    }
+
+    /// What the registry says for each cluster.
+    #[derive(Debug)]
+    struct Clusters(Vec<(&'static str, IndexView)>);
+
+    impl LivePods for Clusters {
+        fn view_in(&self, cluster: &str, _: &str, _: &str) -> Option<IndexView> {
+            self.0.iter().find(|(c, _)| *c == cluster).map(|(_, v)| *v)
+        }
+    }
+
+    /// A renewal is judged by the index of its certificate's cluster only.
+    #[test_case(None, true, Err("renewal_index_not_ready") ; "no cluster: the local index")]
+    #[test_case(Some("east"), true, Ok("pod_live") ; "east's index")]
+    #[test_case(Some("west"), true, Err("renewal_no_live_pod") ; "west has no pod")]
+    #[test_case(Some("gone"), true, Err("renewal_no_live_pod") ; "unregistered cluster")]
+    #[test_case(Some("east"), false, Err("renewal_index_not_ready") ; "no registry: the local index")]
+    fn renewal_in_the_certificates_cluster(
+        cluster: Option<&str>,
+        registry: bool,
+        want: Result<&str, &str>,
+    ) {
+        let g = RenewalGuard {
+            policy: policy(),
+            // The local index has not listed yet.
+            index: Some(Arc::new(PodIndex::new())),
+            remote: registry.then(|| {
+                Arc::new(Clusters(vec![
+                    ("east", synced(None, true)),
+                    ("west", synced(None, false)),
+                ])) as Arc<dyn LivePods>
+            }),
+            sync_wait: Duration::ZERO,
+        };
+        let id: SpiffeId = "spiffe://td/ns/a/sa/b".parse().unwrap();
+        let got = g
+            .check_in(&id, cluster)
+            .map(RenewalBasis::as_str)
+            .map_err(|e| e.reason());
+        assert_eq!(got, want);
     }
 
     #[test_case(None, true ; "connected")]

@@ -348,6 +348,15 @@ fn race_kind(e: &kube::Error) -> Option<&'static str> {
     }
 }
 
+/// How a published document is combined with the one already in a
+/// ConfigMap (the CRL: several replicas publish to the same ConfigMaps and
+/// must never replace a newer document with an older one).
+pub trait ContentMerge: Send + Sync {
+    /// What to write over `existing` (none: the ConfigMap has no such key);
+    /// `None` keeps what is there.
+    fn merge(&self, existing: Option<&str>, ours: &str) -> Option<String>;
+}
+
 /// Publisher state: what the two watches have shown, and what to retry.
 struct State {
     settings: RootPublisherSettings,
@@ -361,6 +370,7 @@ struct State {
     synced: (bool, bool),
     retry: BTreeSet<String>,
     client: Client,
+    merge: Option<std::sync::Arc<dyn ContentMerge>>,
 }
 
 #[derive(Debug, Default)]
@@ -378,13 +388,35 @@ impl State {
         let Some(ns) = self.namespaces.get(ns_name) else {
             return;
         };
+        let existing = self.configmaps.get(ns_name);
+        let merged;
+        let content = match &self.merge {
+            None => root,
+            Some(m) => {
+                let current = existing
+                    .and_then(|c| c.data.as_ref())
+                    .and_then(|d| d.get(self.key))
+                    .map(String::as_str);
+                match m.merge(current, root) {
+                    Some(c) => {
+                        merged = c;
+                        merged.as_str()
+                    }
+                    // What is there stands (the label is left as it is).
+                    None => {
+                        self.retry.remove(ns_name);
+                        return;
+                    }
+                }
+            }
+        };
         let decision = decide_key(
             ns,
             &self.selector,
-            self.configmaps.get(ns_name),
+            existing,
             &self.settings.configmap_name,
             self.key,
-            root,
+            content,
         );
         let api: Api<ConfigMap> = Api::namespaced(self.client.clone(), ns_name);
         let pp = PostParams {
@@ -523,7 +555,18 @@ pub async fn run_keyed(
     client: Client,
     settings: RootPublisherSettings,
     key: &'static str,
+    roots: watch::Receiver<String>,
+) {
+    run_merged(client, settings, key, roots, None).await
+}
+
+/// [`run_keyed`], combining each document with the one in place through `merge`.
+pub async fn run_merged(
+    client: Client,
+    settings: RootPublisherSettings,
+    key: &'static str,
     mut roots: watch::Receiver<String>,
+    merge: Option<std::sync::Arc<dyn ContentMerge>>,
 ) {
     let selector_src = settings.namespace_selector.clone().unwrap_or_default();
     let selector = match parse_selector(&selector_src) {
@@ -562,6 +605,7 @@ pub async fn run_keyed(
         synced: (false, false),
         retry: BTreeSet::new(),
         client,
+        merge,
     };
     let (mut ns_buffer, mut cm_buffer) = (None, None);
     let mut resync =

@@ -350,14 +350,83 @@ fn revocation_mounts_a_writable_state_volume() {
         Some("meshca-state")
     );
     let env = env_of(&d[0]);
+    // Revocations are shared by every replica: the ConfigMap, never a per-pod file.
     assert!(env.contains(&(
-        "MESHCA_REVOCATION_FILE".into(),
-        "/var/lib/meshca/revoked-serials.jsonl".into()
+        "MESHCA_REVOCATION_CONFIGMAP".into(),
+        "istio-system/meshca-revocations".into()
     )));
+    assert!(!env.iter().any(|(k, _)| k == "MESHCA_REVOCATION_FILE"));
     assert!(env.contains(&(
         "MESHCA_DENYLIST_FILE".into(),
         "/var/lib/meshca/denylist".into()
     )));
+}
+
+const REVOCATIONS_RBAC: &str = "tests/fixtures/rbac-revocations.yaml";
+
+#[test]
+fn revocations_role_is_exactly_the_fixture_read_only_and_namespaced() {
+    let on = ["--set", "killSwitch.revocation.enabled=true"];
+    let docs = render("templates/role.yaml", "meshca", "istio-system", &on);
+    let role = docs
+        .iter()
+        .find(|d| {
+            d["kind"].as_str() == Some("Role")
+                && d["metadata"]["name"].as_str() == Some("meshca-revocations")
+        })
+        .expect("revocations Role");
+    assert_eq!(
+        rules_of(std::slice::from_ref(role), "Role"),
+        rules_of(
+            &self::docs(&std::fs::read_to_string(repo().join(REVOCATIONS_RBAC)).unwrap()),
+            "Role"
+        )
+    );
+    let binding = docs
+        .iter()
+        .find(|d| {
+            d["kind"].as_str() == Some("RoleBinding")
+                && d["metadata"]["name"].as_str() == Some("meshca-revocations")
+        })
+        .expect("RoleBinding");
+    assert_eq!(
+        binding["roleRef"]["name"].as_str(),
+        Some("meshca-revocations")
+    );
+    assert_eq!(
+        binding["subjects"][0]["namespace"].as_str(),
+        Some("istio-system")
+    );
+    // No write verb on any ConfigMap by that name, in any role the chart renders.
+    let all = render(
+        "templates/clusterrole.yaml",
+        "meshca",
+        "istio-system",
+        &[
+            "--set",
+            "killSwitch.revocation.enabled=true",
+            "--set",
+            "killSwitch.revocation.publish=true",
+            "--set",
+            "rootPublisher.enabled=true",
+        ],
+    );
+    for r in rules_of(&all, "ClusterRole")
+        .into_iter()
+        .chain(rules_of(&docs, "Role"))
+    {
+        if r.resource_names.contains("meshca-revocations") {
+            assert!(
+                r.verbs
+                    .iter()
+                    .all(|v| ["get", "list", "watch"].contains(&v.as_str())),
+                "{r:?}"
+            );
+        }
+    }
+    // Off: no Role.
+    let off = render("templates/role.yaml", "meshca", "istio-system", &[]);
+    assert!(!role_names(&off).contains("meshca-revocations"));
 }
 
 /// Leaf paths of a values tree; lists and empty maps are leaves.

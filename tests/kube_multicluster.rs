@@ -63,6 +63,8 @@ struct Mc {
     srv: Server,
     secrets_ns: String,
     zt_token: String,
+    /// The remote ztunnel's namespace (its service account is trusted).
+    zt_ns: String,
     app_id: String,
     far_id: String,
     far_ns: String,
@@ -194,6 +196,7 @@ async fn setup_with(
         srv,
         secrets_ns,
         zt_token,
+        zt_ns,
         app_id: spiffe(&app_ns, "app"),
         far_id: spiffe(&app_ns, "far"),
         far_ns: app_ns,
@@ -561,10 +564,15 @@ async fn renew(srv: &Server, id: &str) -> Result<Vec<String>, tonic::Status> {
         .map(|r| r.into_inner().cert_chain)
 }
 
+/// Bounded renewal looks for a live pod in the cluster the certificate was
+/// issued for: app-0 runs only in the remote cluster, so a certificate the
+/// remote ztunnel got for app renews, and one of the primary cluster (no
+/// cluster mark) does not, though the identity is the same.
 #[tokio::test]
-async fn bounded_mtls_renewal_counts_live_pods_in_remote_clusters() {
+async fn bounded_mtls_renewal_counts_live_pods_in_the_certificates_cluster() {
     let Mc {
         srv,
+        zt_token,
         app_id,
         far_ns,
         ..
@@ -572,13 +580,156 @@ async fn bounded_mtls_renewal_counts_live_pods_in_remote_clusters() {
         cfg.kill_switch.renewal_pod_check = true;
     })
     .await;
-    // app-0 runs only in the remote cluster: its identity still renews.
-    renew(&srv, &app_id).await.unwrap();
+    let remote_cert = issued_by_token(&srv, &zt_token, &app_id, Some(&app_id), REMOTE).await;
+    mtls_call(&srv, &remote_cert, &app_id, None, None)
+        .await
+        .unwrap();
     let rec = srv.audit.records().last().cloned().unwrap();
     assert_eq!(rec.renewal_check.as_deref(), Some("pod_live"));
+    assert_eq!(rec.cluster_id.as_deref(), Some(REMOTE));
+    // The same identity from a primary-cluster certificate: no live pod there.
+    let e = renew(&srv, &app_id).await.unwrap_err();
+    assert_eq!(e.code(), Code::Unauthenticated, "{e:?}");
+    assert_eq!(srv.last_reason(), "renewal_no_live_pod");
+    assert_eq!(last_cluster(&srv).as_deref(), Some(LOCAL));
     // An identity with no pod in any cluster does not.
     let ghost = spiffe(&far_ns, "ghost");
     let e = renew(&srv, &ghost).await.unwrap_err();
     assert_eq!(e.code(), Code::Unauthenticated, "{e:?}");
     assert_eq!(srv.last_reason(), "renewal_no_live_pod");
+}
+
+/// An mTLS CreateCertificate presenting `cert` for a CSR of `id`, optionally
+/// impersonating, with an optional `clusterid` header.
+async fn mtls_call(
+    srv: &Server,
+    cert: &(String, String),
+    id: &str,
+    impersonate: Option<&str>,
+    cluster: Option<&str>,
+) -> Result<Vec<String>, tonic::Status> {
+    let mut c = meshca::testing::client(
+        srv.app.addr,
+        &srv.pki.ca.root_cert,
+        Some((&cert.0, &cert.1)),
+    )
+    .await
+    .unwrap();
+    let k = rcgen::KeyPair::generate().unwrap();
+    let meta: Vec<(&str, prost_types::Value)> = impersonate
+        .map(|i| ("ImpersonatedIdentity", meshca::testing::string_value(i)))
+        .into_iter()
+        .collect();
+    let mut req = tonic::Request::new(meshca::testing::request(
+        meshca::testing::csr_for(&k, id),
+        0,
+        &meta,
+    ));
+    if let Some(c) = cluster {
+        req.metadata_mut().insert("clusterid", c.parse().unwrap());
+    }
+    c.create_certificate(req)
+        .await
+        .map(|r| r.into_inner().cert_chain)
+}
+
+/// A certificate the server issued for `id` to a token caller of cluster
+/// `cluster` (optionally impersonating), with its key: what that caller holds.
+async fn issued_by_token(
+    srv: &Server,
+    token: &str,
+    id: &str,
+    impersonate: Option<&str>,
+    cluster: &str,
+) -> (String, String) {
+    let mut c = meshca::testing::client(srv.app.addr, &srv.pki.ca.root_cert, None)
+        .await
+        .unwrap();
+    let k = rcgen::KeyPair::generate().unwrap();
+    let meta: Vec<(&str, prost_types::Value)> = impersonate
+        .map(|i| ("ImpersonatedIdentity", meshca::testing::string_value(i)))
+        .into_iter()
+        .collect();
+    let mut req = tonic::Request::new(meshca::testing::request(
+        meshca::testing::csr_for(&k, id),
+        0,
+        &meta,
+    ));
+    req.metadata_mut()
+        .insert("authorization", format!("Bearer {token}").parse().unwrap());
+    req.metadata_mut()
+        .insert("clusterid", cluster.parse().unwrap());
+    let chain = c
+        .create_certificate(req)
+        .await
+        .unwrap()
+        .into_inner()
+        .cert_chain;
+    (chain[..chain.len() - 1].concat(), k.serialize_pem())
+}
+
+/// An mTLS caller may not pick the cluster whose pod index authorizes it.
+/// Pod networks of two clusters often overlap: here the remote cluster's
+/// ztunnel has the caller's address. A ztunnel certificate of the primary
+/// cluster, sent with `clusterid: remote`, must not impersonate the remote
+/// cluster's workloads; a certificate the remote cluster's ztunnel got
+/// with its own token may, and only with its own cluster in the header.
+/// The record names the certificate's cluster, never the header's.
+#[tokio::test]
+async fn mtls_callers_are_bound_to_the_cluster_their_certificate_was_issued_for() {
+    let Mc {
+        b,
+        srv,
+        zt_token,
+        zt_ns,
+        app_id,
+        ..
+    } = setup_with(TokenVerificationMode::Review, |cfg| {
+        cfg.mtls_impersonation = true;
+    })
+    .await;
+    // The remote ztunnel's pod runs at the caller's address (overlapping pod networks).
+    b.set_pod_ip(&zt_ns, "ztunnel-r", "127.0.0.1").await;
+    let ns = zt_ns.clone();
+    wait_remote(&srv, "ztunnel-r at 127.0.0.1", move |s| {
+        s.with_ip("127.0.0.1".parse().unwrap())
+            .any(|p| *p.namespace == *ns)
+    })
+    .await;
+    let zt_id = spiffe(&zt_ns, "ztunnel");
+
+    // A primary-cluster ztunnel certificate (no cluster mark: the local
+    // cluster, as every certificate issued before the mark existed).
+    let bundle =
+        meshca::ca::CaBundle::load_dir(srv.pki.path(), time::OffsetDateTime::now_utc()).unwrap();
+    let local_cert =
+        meshca::testing::client_identity(&bundle, &zt_id, &meshca::testing::validity_hours(-1, 1));
+    let r = mtls_call(&srv, &local_cert, &app_id, Some(&app_id), Some(REMOTE)).await;
+    denied(r, &srv, Code::Unauthenticated, "mtls_cluster_mismatch");
+    assert_eq!(
+        last_cluster(&srv).as_deref(),
+        Some(LOCAL),
+        "the verified cluster"
+    );
+
+    // The remote ztunnel's own certificate, issued through its token.
+    let remote_cert = issued_by_token(&srv, &zt_token, &zt_id, None, REMOTE).await;
+    assert_eq!(last_cluster(&srv).as_deref(), Some(REMOTE));
+    let chain = mtls_call(&srv, &remote_cert, &app_id, Some(&app_id), Some(REMOTE))
+        .await
+        .unwrap();
+    assert_eq!(leaf_uri(&chain[0]), app_id);
+    let rec = srv.audit.records().last().cloned().unwrap();
+    assert_eq!(rec.cluster_id.as_deref(), Some(REMOTE));
+    assert_eq!(rec.node.as_deref(), Some("node-r"));
+    let r = mtls_call(&srv, &remote_cert, &app_id, Some(&app_id), Some(LOCAL)).await;
+    denied(r, &srv, Code::Unauthenticated, "mtls_cluster_mismatch");
+    assert_eq!(last_cluster(&srv).as_deref(), Some(REMOTE));
+    let m = metrics(&srv).await;
+    assert!(
+        m.lines()
+            .any(|l| l
+                == "meshca_decisions_total{decision=\"deny\",reason=\"mtls_cluster_mismatch\"} 2"),
+        "{m}"
+    );
 }

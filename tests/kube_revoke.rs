@@ -528,7 +528,8 @@ async fn kubeconfig_with(
     }
     if let Some((ns, rel)) = role {
         let mut v = fixture(rel, "Role");
-        v["metadata"] = serde_json::json!({"name": "meshca-denylist", "namespace": ns});
+        let name = v["metadata"]["name"].as_str().unwrap().to_string();
+        v["metadata"] = serde_json::json!({"name": name, "namespace": ns});
         let r: Role = serde_json::from_value(v).unwrap();
         kube::Api::<Role>::namespaced(k.admin.clone(), ns)
             .create(&PostParams::default(), &r)
@@ -536,13 +537,13 @@ async fn kubeconfig_with(
             .unwrap();
         let binding = RoleBinding {
             metadata: kube::api::ObjectMeta {
-                name: Some("meshca-denylist".into()),
+                name: Some(name.clone()),
                 ..Default::default()
             },
             role_ref: RoleRef {
                 api_group: Some("rbac.authorization.k8s.io".into()),
                 kind: "Role".into(),
-                name: "meshca-denylist".into(),
+                name,
             },
             subjects: Some(vec![subject.clone()]),
         };
@@ -709,7 +710,8 @@ async fn revoked_serial_is_in_a_crl_openssl_verifies_and_in_the_configmap() {
     let (_ns, id, srv) = renewal_setup(&k, Duration::from_secs(24 * 3600), |cfg| {
         cfg.kube.as_mut().unwrap().kubeconfig = Some(kc);
         cfg.kill_switch.revocation = Some(meshca::revocation::RevocationSettings {
-            file: store.clone(),
+            file: Some(store.clone()),
+            configmap: None,
             poll: Duration::from_millis(200),
             crl_validity: Duration::from_secs(3600),
             publish: Some(meshca::rootpub::RootPublisherSettings {
@@ -845,4 +847,499 @@ async fn revoked_serial_is_in_a_crl_openssl_verifies_and_in_the_configmap() {
     let e = renew(&srv, &cert, &id, 0).await.unwrap_err();
     assert_eq!(e.code(), Code::Unauthenticated);
     assert_eq!(srv.last_reason(), "mtls_cert_revoked");
+}
+
+/// The runbook's step 2 against a stolen leaf that was renewed: ztunnel on
+/// node-a gets W1 for app (the record names node-a), then W1's holder
+/// renews it over mTLS twice (W1 -> W2 -> W3; those records name no node).
+/// `meshca revoke --node node-a` (the release CLI, over the server's own
+/// chained audit file) must list all three, and `--serial W1` must follow
+/// the renewals too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn revoke_node_follows_certificates_renewed_over_mtls() {
+    let k = kte().await;
+    let zt_ns = k.namespace("zt").await;
+    k.service_account(&zt_ns, "ztunnel").await;
+    let zt_uid = k.pod(&zt_ns, "ztunnel-a", "ztunnel", "node-a").await;
+    let zt_token = k
+        .token(&zt_ns, "ztunnel", Some(("ztunnel-a", &zt_uid)), "istio-ca")
+        .await;
+    let ns = k.namespace("app").await;
+    k.service_account(&ns, "app").await;
+    k.pod(&ns, "app-0", "app", "node-a").await;
+    let id = spiffe(&ns, "app");
+
+    let dir = tempfile::tempdir().unwrap();
+    let audit = dir.path().join("audit.log");
+    let pki = TestPki::new(KeyType::EcdsaP256);
+    let mut cfg = common::kube_config(&pki, k.meshca_kubeconfig(), &[format!("{zt_ns}/ztunnel")]);
+    cfg.kill_switch.renewal_pod_check = true;
+    cfg.audit.sink = meshca::config::AuditSinkKind::File;
+    cfg.audit.file = audit.clone();
+    let app = meshca::app::App::start(&cfg, Default::default())
+        .await
+        .unwrap();
+    let index = app.pod_index.clone().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !(index.is_synced()
+        && index.read(|s| s.get(&ns, "app-0").is_some() && s.get(&zt_ns, "ztunnel-a").is_some()))
+    {
+        assert!(Instant::now() < deadline, "pod index never showed the pods");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    // W1: ztunnel impersonates app on node-a.
+    let key1 = rcgen::KeyPair::generate().unwrap();
+    let mut c = meshca::testing::client(app.addr, &pki.ca.root_cert, None)
+        .await
+        .unwrap();
+    let mut req = tonic::Request::new(meshca::testing::request(
+        meshca::testing::csr_for(&key1, &id),
+        0,
+        &[("ImpersonatedIdentity", meshca::testing::string_value(&id))],
+    ));
+    req.metadata_mut().insert(
+        "authorization",
+        format!("Bearer {zt_token}").parse().unwrap(),
+    );
+    req.metadata_mut()
+        .insert("clusterid", "Kubernetes".parse().unwrap());
+    let w1 = c
+        .create_certificate(req)
+        .await
+        .unwrap()
+        .into_inner()
+        .cert_chain;
+
+    // W1 -> W2 -> W3 over mTLS, each presenting the previous leaf and its key.
+    let serial_of = |pem: &str| {
+        let der = CertificateDer::from_pem_slice(pem.as_bytes()).unwrap();
+        let (_, c) = x509_parser::parse_x509_certificate(&der).unwrap();
+        meshca::ca::serial_hex(c.raw_serial())
+    };
+    let mut serials = vec![serial_of(&w1[0])];
+    let (mut chain, mut key) = (w1, key1);
+    for _ in 0..2 {
+        let presented = (chain[..chain.len() - 1].concat(), key.serialize_pem());
+        let mut c = meshca::testing::client(
+            app.addr,
+            &pki.ca.root_cert,
+            Some((&presented.0, &presented.1)),
+        )
+        .await
+        .unwrap();
+        let next = rcgen::KeyPair::generate().unwrap();
+        let req = meshca::testing::request(meshca::testing::csr_for(&next, &id), 0, &[]);
+        chain = c
+            .create_certificate(req)
+            .await
+            .unwrap()
+            .into_inner()
+            .cert_chain;
+        key = next;
+        serials.push(serial_of(&chain[0]));
+    }
+    app.shutdown().await.unwrap();
+    let mut want = serials.clone();
+    want.sort();
+
+    let audit_s = audit.to_str().unwrap();
+    let store = dir.path().join("revoked.jsonl");
+    let revoke = |target: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_meshca"))
+            .arg("revoke")
+            .args(target)
+            .args([
+                "--reason",
+                "key-compromise",
+                "--dry-run",
+                "--revocation-file",
+            ])
+            .arg(&store)
+            .arg(audit_s)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let mut got: Vec<String> = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(|l| l.split('\t').next().unwrap().to_string())
+            .collect();
+        got.sort();
+        got
+    };
+    assert_eq!(revoke(&["--node", "node-a"]), want, "--node node-a");
+    assert_eq!(
+        revoke(&["--serial", &serials[0]]),
+        want,
+        "--serial W1 and its renewals"
+    );
+    assert_eq!(
+        revoke(&["--serial", &serials[1]]),
+        want[..]
+            .iter()
+            .filter(|s| **s != serials[0])
+            .cloned()
+            .collect::<Vec<_>>(),
+        "--serial W2: itself and W3, not its parent"
+    );
+    assert!(revoke(&["--node", "node-b"]).is_empty());
+    // `audit query --node` shows the renewals as well.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_meshca"))
+        .args([
+            "audit", "query", "--node", "node-a", "--reason", "issued", "-o", "json", audit_s,
+        ])
+        .output()
+        .unwrap();
+    let mut issued: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            v["serial"].as_str().unwrap().to_string()
+        })
+        .collect();
+    issued.sort();
+    assert_eq!(issued, want, "audit query --node node-a");
+}
+
+/// The serials and number of the CRL in a published `ca-crl.pem`.
+fn crl_contents(pem: &str) -> (u128, std::collections::BTreeSet<String>) {
+    let der =
+        rustls_pki_types::CertificateRevocationListDer::from_pem_slice(pem.as_bytes()).unwrap();
+    let (_, crl) = x509_parser::parse_x509_crl(&der).unwrap();
+    let number = crl
+        .crl_number()
+        .map(|n| {
+            n.to_bytes_be()
+                .iter()
+                .fold(0u128, |a, b| (a << 8) | u128::from(*b))
+        })
+        .unwrap_or(0);
+    let serials = crl
+        .iter_revoked_certificates()
+        .map(|r| meshca::ca::serial_hex(r.raw_serial()))
+        .collect();
+    (number, serials)
+}
+
+/// CRL versions seen: (number, serials), in order.
+type CrlHistory = Arc<std::sync::Mutex<Vec<(u128, std::collections::BTreeSet<String>)>>>;
+
+/// Every version of `istio-ca-crl` in `ns`, as the API server's watch delivers them.
+fn watch_crl(k: &common::Kte, ns: &str) -> (CrlHistory, tokio::task::JoinHandle<()>) {
+    use futures::StreamExt;
+    use k8s_openapi::api::core::v1::ConfigMap;
+    use kube::runtime::watcher::{self, Event};
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let api: kube::Api<ConfigMap> = kube::Api::namespaced(k.admin.clone(), ns);
+    let config = watcher::Config::default().fields("metadata.name=istio-ca-crl");
+    let s = seen.clone();
+    let task = tokio::spawn(async move {
+        let mut stream = watcher::watcher(api, config).boxed();
+        while let Some(e) = stream.next().await {
+            if let Ok(Event::Apply(cm) | Event::InitApply(cm)) = e {
+                if let Some(pem) = cm.data.and_then(|mut d| d.remove("ca-crl.pem")) {
+                    let v = crl_contents(&pem);
+                    let mut s = s.lock().unwrap();
+                    if s.last() != Some(&v) {
+                        s.push(v);
+                    }
+                }
+            }
+        }
+    });
+    (seen, task)
+}
+
+/// Two replicas against the real API server, sharing the revocation
+/// ConfigMap (with the chart's RBAC: read only) and the published
+/// `istio-ca-crl`. A revocation made once (by the release CLI) is enforced
+/// by both within the poll interval and survives a restart of either; the
+/// store's deletion, truncation and a restart on the truncated store lift
+/// nothing; only `meshca revoke --undo` does. A watch on the published CRL
+/// through the whole test sees its number only grow and no serial leave it
+/// but the one un-revoked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_replicas_share_revocations_and_publish_one_growing_crl() {
+    use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
+    let k = kte().await;
+    let ca_ns = k.namespace("meshca").await;
+    let label = common::unique("crl");
+    let selected = k.namespace("crl").await;
+    let patch = serde_json::json!({"metadata": {"labels": {"meshca-crl": label}}});
+    kube::Api::<Namespace>::all(k.admin.clone())
+        .patch(
+            &selected,
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(&patch),
+        )
+        .await
+        .unwrap();
+    let (history, watcher) = watch_crl(&k, &selected);
+    let kc = kubeconfig_with(
+        &k,
+        &[TESTENV_RBAC, "tests/fixtures/rbac-crl-publisher.yaml"],
+        Some((&ca_ns, "tests/fixtures/rbac-revocations.yaml")),
+    )
+    .await;
+    let poll = Duration::from_millis(300);
+    let pki = TestPki::new(KeyType::EcdsaP256);
+    let mut cfg = common::kube_config(&pki, kc, &[]);
+    cfg.kill_switch.revocation = Some(meshca::revocation::RevocationSettings {
+        file: None,
+        configmap: Some((ca_ns.clone(), "meshca-revocations".into())),
+        poll,
+        crl_validity: Duration::from_secs(3600),
+        publish: Some(meshca::rootpub::RootPublisherSettings {
+            configmap_name: "istio-ca-crl".into(),
+            namespace_selector: Some(format!("meshca-crl={label}")),
+            resync: Duration::from_secs(2),
+        }),
+    });
+    let start = |cfg: meshca::config::Config| async move {
+        let (app, audit) = meshca::testing::start_server(&cfg, Default::default()).await;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while meshca::testing::http_get(app.admin_addr, "/readyz").await.0 != 200 {
+            assert!(Instant::now() < deadline, "replica never ready");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        (app, audit)
+    };
+    let mut replicas = vec![start(cfg.clone()).await, start(cfg.clone()).await];
+
+    let bundle = CaBundle::load_dir(pki.path(), OffsetDateTime::now_utc()).unwrap();
+    let ids = [
+        "spiffe://cluster.local/ns/shop/sa/cart",
+        "spiffe://cluster.local/ns/shop/sa/web",
+    ];
+    let certs: Vec<(String, String)> = ids
+        .iter()
+        .map(|id| {
+            meshca::testing::client_identity(&bundle, id, &meshca::testing::validity_hours(-1, 2))
+        })
+        .collect();
+    let serials: Vec<String> = certs
+        .iter()
+        .map(|(c, _)| {
+            let der = CertificateDer::from_pem_slice(c.as_bytes()).unwrap();
+            let (_, c) = x509_parser::parse_x509_certificate(&der).unwrap();
+            meshca::ca::serial_hex(c.raw_serial())
+        })
+        .collect();
+    // Does replica `r` accept client certificate `i` (false: refused as revoked)?
+    async fn accepts(
+        app: &meshca::app::App,
+        audit: &meshca::audit::MemorySink,
+        root: &str,
+        cert: &(String, String),
+        id: &str,
+    ) -> bool {
+        let mut c = meshca::testing::client(app.addr, root, Some((&cert.0, &cert.1)))
+            .await
+            .unwrap();
+        let key = rcgen::KeyPair::generate().unwrap();
+        let req = meshca::testing::request(meshca::testing::csr_for(&key, id), 0, &[]);
+        match c.create_certificate(req).await {
+            Ok(_) => true,
+            Err(e) => {
+                let reason = audit.requests().last().unwrap().reason.clone();
+                assert_eq!(reason, "mtls_cert_revoked", "{e:?}");
+                false
+            }
+        }
+    }
+    let root = pki.ca.root_cert.clone();
+    // Waits until every replica in `which` answers `want` for certificate `i`.
+    macro_rules! until_all {
+        ($which:expr, $i:expr, $want:expr, $what:expr) => {{
+            let t0 = Instant::now();
+            for r in $which {
+                let (app, audit) = &replicas[r];
+                let deadline = Instant::now() + Duration::from_secs(10);
+                while accepts(app, audit, &root, &certs[$i], ids[$i]).await != $want {
+                    assert!(Instant::now() < deadline, "{}: replica {r}", $what);
+                    tokio::time::sleep(Duration::from_millis(25)).await;
+                }
+            }
+            t0.elapsed()
+        }};
+    }
+    let _ = until_all!([0, 1], 0, true, "both accept cart before any revocation");
+    let _ = until_all!([0, 1], 1, true, "both accept web before any revocation");
+
+    let empty_log = pki.path().join("empty-audit.log");
+    std::fs::write(&empty_log, "").unwrap();
+    let admin_kc = k.dir.join("admin.kubeconfig");
+    let store = format!("{ca_ns}/meshca-revocations");
+    let cli = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_meshca"))
+            .arg("revoke")
+            .args(args)
+            .args([
+                "--by",
+                "INC-7",
+                "--revocation-configmap",
+                &store,
+                "--kubeconfig",
+            ])
+            .arg(&admin_kc)
+            .env_remove("MESHCA_REVOCATION_FILE")
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    let log = empty_log.to_str().unwrap().to_string();
+
+    // Revoked once, enforced by both within the poll interval.
+    cli(&["--serial", &serials[0], "--reason", "key-compromise", &log]);
+    let took = until_all!([0, 1], 0, false, "both refuse cart once revoked");
+    eprintln!("revocation in force on both replicas {took:?} after `meshca revoke` returned (poll {poll:?})");
+    assert!(took < poll * 4 + Duration::from_secs(2), "{took:?}");
+    let _ = until_all!([0, 1], 1, true, "web is untouched");
+
+    // Survives a restart of either replica.
+    let (a, _) = replicas.remove(0);
+    a.shutdown().await.unwrap();
+    replicas.insert(0, start(cfg.clone()).await);
+    {
+        let (app, audit) = &replicas[0];
+        assert!(
+            !accepts(app, audit, &root, &certs[0], ids[0]).await,
+            "refused at once after the restart"
+        );
+    }
+
+    cli(&["--serial", &serials[1], "--reason", "key-compromise", &log]);
+    let _ = until_all!([0, 1], 1, false, "both refuse web once revoked");
+
+    // The store is deleted: nothing lifted, each replica audits it once.
+    let cms = kube::Api::<ConfigMap>::namespaced(k.admin.clone(), &ca_ns);
+    let text = cms.get("meshca-revocations").await.unwrap().data.unwrap()["revocations"].clone();
+    cms.delete("meshca-revocations", &Default::default())
+        .await
+        .unwrap();
+    tokio::time::sleep(poll * 4).await;
+    for (app, audit) in &replicas {
+        assert!(!accepts(app, audit, &root, &certs[0], ids[0]).await);
+        assert!(!accepts(app, audit, &root, &certs[1], ids[1]).await);
+        let reasons: Vec<String> = audit.records().into_iter().map(|r| r.reason).collect();
+        assert_eq!(
+            reasons
+                .iter()
+                .filter(|r| *r == "revocation_source_missing")
+                .count(),
+            1,
+            "{reasons:?}"
+        );
+    }
+
+    // Recreated without web's entry: still refused, the removal audited.
+    let first_line = text.lines().next().unwrap().to_string() + "\n";
+    assert!(first_line.contains(&serials[0]));
+    let cm: ConfigMap = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "meshca-revocations"},
+        "data": {"revocations": first_line}
+    }))
+    .unwrap();
+    cms.create(&Default::default(), &cm).await.unwrap();
+    tokio::time::sleep(poll * 4).await;
+    for (app, audit) in &replicas {
+        assert!(!accepts(app, audit, &root, &certs[1], ids[1]).await);
+        let refused: Vec<Option<String>> = audit
+            .records()
+            .into_iter()
+            .filter(|r| r.reason == "revocation_removal_refused")
+            .map(|r| r.serial)
+            .collect();
+        assert_eq!(refused, [Some(serials[1].clone())]);
+    }
+
+    // A replica restarted on the truncated store takes web back from the
+    // published CRL (which no replica ever shrank). CRL numbers are seconds
+    // (bumped past the published one, so they can run ahead of the clock):
+    // once the clock has passed the published number, the restarted
+    // replica's first CRL (cart only) is numbered above it, and only the
+    // merge keeps web published.
+    let published = history.lock().unwrap().last().unwrap().0;
+    while u128::try_from(OffsetDateTime::now_utc().unix_timestamp()).unwrap() <= published {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let (b, _) = replicas.remove(1);
+    b.shutdown().await.unwrap();
+    replicas.insert(1, start(cfg.clone()).await);
+    let _ = until_all!(
+        [1],
+        1,
+        false,
+        "the restarted replica adopts web from the published CRL"
+    );
+    assert!(replicas[1]
+        .1
+        .records()
+        .iter()
+        .any(|r| r.reason == "revocation_adopted"
+            && r.serial.as_deref() == Some(serials[1].as_str())));
+
+    // Only an explicit un-revocation lifts one, audited by both.
+    let undo_at = Instant::now();
+    // Versions seen from here on may drop cart.
+    let undo_version = history.lock().unwrap().len();
+    cli(&["--undo", "--serial", &serials[0]]);
+    let _ = until_all!([0, 1], 0, true, "both accept cart once un-revoked");
+    eprintln!(
+        "un-revocation in force on both {:?} after the command",
+        undo_at.elapsed()
+    );
+    let _ = until_all!([0, 1], 1, false, "web stays revoked");
+    for (_, audit) in &replicas {
+        let un: Vec<_> = audit
+            .records()
+            .into_iter()
+            .filter(|r| r.reason == "unrevoked")
+            .collect();
+        assert_eq!(un.len(), 1);
+        assert_eq!(un[0].serial.as_deref(), Some(serials[0].as_str()));
+        assert!(un[0].detail.as_deref().unwrap_or("").contains("INC-7"));
+    }
+
+    // The published CRL converges on {web}, and every replica serves the same serials.
+    let want: std::collections::BTreeSet<String> = [serials[1].clone()].into();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let last = history.lock().unwrap().last().cloned();
+        if last.as_ref().is_some_and(|(_, s)| *s == want) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "published CRL: {last:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    for (app, _) in &replicas {
+        let (code, pem) = meshca::testing::http_get(app.admin_addr, "/ca-crl.pem").await;
+        assert_eq!(code, 200);
+        assert_eq!(crl_contents(&pem).1, want);
+    }
+    watcher.abort();
+
+    // Through the whole test: numbers only grew, and no serial left the
+    // published CRL except cart, after its un-revocation.
+    let h = history.lock().unwrap().clone();
+    eprintln!("published CRL versions: {}", h.len());
+    assert!(h.len() >= 4, "{h:?}");
+    for (i, pair) in h.windows(2).enumerate() {
+        let ((n0, s0), (n1, s1)) = (&pair[0], &pair[1]);
+        assert!(n1 > n0, "CRL number went from {n0} to {n1} at version {i}");
+        let lost: Vec<&String> = s0.difference(s1).collect();
+        let allowed = i + 1 >= undo_version && lost.iter().all(|s| **s == serials[0]);
+        assert!(lost.is_empty() || allowed, "version {i}: {s0:?} -> {s1:?}");
+    }
+    for (app, _) in replicas {
+        app.shutdown().await.unwrap();
+    }
 }

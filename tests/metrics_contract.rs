@@ -207,12 +207,11 @@ async fn every_metric_the_rules_and_dashboard_use_is_exported() {
         poll: Duration::from_millis(100),
         configmap: None,
     };
-    cfg.kill_switch.revocation = Some(meshca::revocation::RevocationSettings {
-        file: revoked_file.clone(),
-        poll: Duration::from_millis(100),
-        crl_validity: Duration::from_secs(3600),
-        publish: None,
-    });
+    // The file store (per process; a cluster shares a ConfigMap store).
+    cfg.kill_switch.revocation = Some(meshca::revocation::RevocationSettings::file(
+        revoked_file.clone(),
+        Duration::from_millis(100),
+    ));
     cfg.admission = AdmissionConfig {
         identity_cap: Some(IdentityCap {
             max: 1,

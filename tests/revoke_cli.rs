@@ -38,7 +38,8 @@ async fn revoke_finds_serials_in_the_audit_log_and_the_server_enforces_them() {
         configmap: None,
     };
     cfg.kill_switch.revocation = Some(meshca::revocation::RevocationSettings {
-        file: store.clone(),
+        file: Some(store.clone()),
+        configmap: None,
         poll: Duration::from_millis(100),
         crl_validity: Duration::from_secs(3600),
         publish: None,
@@ -176,7 +177,66 @@ async fn revoke_finds_serials_in_the_audit_log_and_the_server_enforces_them() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     ask(b).await.unwrap();
+
+    // `--undo` lifts one revocation, and only it: the CRL drops that serial.
+    let out = meshca(&[
+        "revoke",
+        "--undo",
+        "--serial",
+        &serials_a[0],
+        "--by",
+        "INC-1",
+        "--revocation-file",
+        store_s,
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // Without --by an un-revocation is refused (who lifted it is recorded).
+    let out = meshca(&[
+        "revoke",
+        "--undo",
+        "--serial",
+        &serials_a[1],
+        "--revocation-file",
+        store_s,
+    ]);
+    assert!(!out.status.success());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (_, body) = testing::http_get(app.admin_addr, "/ca-crl.pem").await;
+        let der = rustls_pki_types::CertificateRevocationListDer::from_pem_slice(body.as_bytes())
+            .unwrap();
+        let (_, crl) = x509_parser::parse_x509_crl(&der).unwrap();
+        let listed: Vec<String> = crl
+            .iter_revoked_certificates()
+            .map(|r| meshca::ca::serial_hex(r.raw_serial()))
+            .collect();
+        if listed == [serials_a[1].clone()] {
+            break;
+        }
+        assert!(Instant::now() < deadline, "CRL after --undo: {listed:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     app.shutdown().await.unwrap();
+    let out = meshca(&[
+        "audit",
+        "query",
+        "--reason",
+        "unrevoked",
+        "-o",
+        "json",
+        audit_s,
+    ]);
+    let un: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(un.len(), 1, "{un:?}");
+    assert_eq!(un[0]["serial"], serials_a[0].as_str());
+    assert!(un[0]["detail"].as_str().unwrap().contains("INC-1"));
 
     // The audit log: still one intact chain, with one `revoked` record per serial.
     let out = meshca(&["audit", "verify", "--strict", audit_s]);
@@ -201,4 +261,122 @@ async fn revoke_finds_serials_in_the_audit_log_and_the_server_enforces_them() {
     assert_eq!(revoked, serials_a);
     let out = meshca(&["audit", "query", "--reason", "denylist_identity", audit_s]);
     assert!(String::from_utf8_lossy(&out.stdout).contains("denylist_identity"));
+}
+
+/// Trust-domain aliases: authorization accepts `alias.local` identities as
+/// the mesh's own, so a denylist entry and `meshca revoke --identity`
+/// written with the mesh trust domain must catch the alias form too (and
+/// the other way round).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trust_domain_aliases_do_not_get_around_the_denylist_or_revoke() {
+    let pki = TestPki::new(KeyType::EcdsaP256);
+    let dir = tempfile::tempdir().unwrap();
+    let audit = dir.path().join("audit.log");
+    let store = dir.path().join("revoked-serials.jsonl");
+    let deny = dir.path().join("denylist");
+    std::fs::write(&deny, "").unwrap();
+    let mut cfg = testing::test_config(pki.path_buf());
+    cfg.trust_domain_aliases = vec![meshca::identity::TrustDomain::new("alias.local").unwrap()];
+    cfg.audit.sink = AuditSinkKind::File;
+    cfg.audit.file = audit.clone();
+    cfg.kill_switch.denylist = meshca::denylist::DenylistSettings {
+        file: Some(deny.clone()),
+        poll: Duration::from_millis(100),
+        configmap: None,
+    };
+    let app = meshca::app::App::start(&cfg, Default::default())
+        .await
+        .unwrap();
+    let bundle = CaBundle::load_dir(pki.path(), OffsetDateTime::now_utc()).unwrap();
+    let mesh = "spiffe://cluster.local/ns/shop/sa/cart";
+    let alias = "spiffe://alias.local/ns/shop/sa/cart";
+    let ask = |id: &'static str| {
+        let (cert, key) = testing::client_identity(&bundle, id, &testing::validity_hours(-1, 1));
+        let (addr, root) = (app.addr, pki.ca.root_cert.clone());
+        async move {
+            let mut c = testing::client(addr, &root, Some((&cert, &key)))
+                .await
+                .unwrap();
+            let k = rcgen::KeyPair::generate().unwrap();
+            c.create_certificate(testing::request(testing::csr_for(&k, id), 0, &[]))
+                .await
+        }
+    };
+    // One certificate under each spelling, before any deny.
+    let serial_of = |chain: Vec<String>| {
+        let der = rustls_pki_types::CertificateDer::from_pem_slice(chain[0].as_bytes()).unwrap();
+        let (_, c) = x509_parser::parse_x509_certificate(&der).unwrap();
+        meshca::ca::serial_hex(c.raw_serial())
+    };
+    let mut both = vec![
+        serial_of(ask(mesh).await.unwrap().into_inner().cert_chain),
+        serial_of(ask(alias).await.unwrap().into_inner().cert_chain),
+    ];
+    both.sort();
+
+    // `revoke --identity` in either spelling finds both certificates
+    // (TRUST_DOMAIN_ALIASES as the server's pod has it).
+    let audit_s = audit.to_str().unwrap();
+    let store_s = store.to_str().unwrap();
+    for target in [mesh, alias] {
+        let out = Command::new(env!("CARGO_BIN_EXE_meshca"))
+            .env("TRUST_DOMAIN_ALIASES", "alias.local")
+            .args(["revoke", "--identity", target, "--reason", "key-compromise"])
+            .args(["--dry-run", "--revocation-file", store_s, audit_s])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let mut printed: Vec<String> = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(|l| l.split('\t').next().unwrap().to_string())
+            .collect();
+        printed.sort();
+        assert_eq!(printed, both, "revoke --identity {target}");
+        // Without the alias the two spellings are different identities.
+        let out = Command::new(env!("CARGO_BIN_EXE_meshca"))
+            .env_remove("TRUST_DOMAIN_ALIASES")
+            .args(["revoke", "--identity", target, "--reason", "key-compromise"])
+            .args(["--dry-run", "--revocation-file", store_s, audit_s])
+            .output()
+            .unwrap();
+        assert_eq!(String::from_utf8_lossy(&out.stdout).lines().count(), 1);
+    }
+
+    // The denylist entry names the mesh spelling; the alias spelling is refused too.
+    std::fs::write(&deny, format!("identity {mesh}\n")).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while ask(mesh).await.is_ok() {
+        assert!(Instant::now() < deadline, "denylist file never took effect");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let e = ask(alias).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e:?}");
+    // And an entry in the alias spelling catches the mesh one.
+    std::fs::write(&deny, format!("identity {alias}\n")).unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let e = ask(mesh).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e:?}");
+    app.shutdown().await.unwrap();
+    let out = meshca(&[
+        "audit",
+        "query",
+        "--reason",
+        "denylist_identity",
+        "-o",
+        "json",
+        audit_s,
+    ]);
+    let denied: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            v["caller_identity"].as_str().unwrap().to_string()
+        })
+        .collect();
+    assert!(denied.contains(&alias.to_string()), "{denied:?}");
+    assert!(denied.contains(&mesh.to_string()), "{denied:?}");
 }

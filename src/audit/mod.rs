@@ -105,6 +105,12 @@ pub struct AuditRecord {
     /// Pod certificate decisions: the PodCertificateRequest's UID.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pod_certificate_request_uid: Option<String>,
+    /// mTLS callers: the serial of the client certificate presented (as
+    /// `serial` writes serials), on every record of the request, allowed or
+    /// not. Links a renewal to the certificate it renewed, so offline tools
+    /// follow a leaf to every certificate issued to its holder.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub presented_serial: Option<String>,
 }
 
 /// What a reduced record stands for.
@@ -165,6 +171,7 @@ impl AuditRecord {
             certificate: None,
             pod_certificate_request: None,
             pod_certificate_request_uid: None,
+            presented_serial: None,
         }
     }
 
@@ -193,6 +200,7 @@ impl AuditRecord {
             &mut self.cluster_id,
             &mut self.pod_certificate_request,
             &mut self.pod_certificate_request_uid,
+            &mut self.presented_serial,
         ] {
             bound_opt(f, FIELD_MAX);
         }

@@ -138,6 +138,20 @@ pub enum AuthnError {
     /// Refused by local token verification (see [`local::LocalError`]).
     #[error("local token verification: {0}")]
     Local(#[from] local::LocalError),
+    /// The client certificate's serial is marked for a cluster meshca does
+    /// not serve (removed, or never registered).
+    #[error(
+        "client certificate was issued for cluster tag {0}, which names no registered cluster"
+    )]
+    MtlsClusterUnknown(String),
+    /// The `clusterid` header names another cluster than the one the client
+    /// certificate was issued for.
+    #[error("clusterid header names cluster {header:?}, the client certificate was issued for cluster {verified:?}")]
+    MtlsClusterMismatch { header: String, verified: String },
+    /// The revocation store has not been read yet: a client certificate
+    /// cannot be checked against it.
+    #[error("revocations not loaded yet")]
+    RevocationsNotLoaded,
 }
 
 impl AuthnError {
@@ -152,13 +166,16 @@ impl AuthnError {
             Self::TokenTooLarge { .. } => "authn_token_too_large",
             Self::ClusterIdTooLarge { .. } => "authn_clusterid_too_large",
             Self::Local(e) => e.reason(),
+            Self::MtlsClusterUnknown(_) => "mtls_cluster_unknown",
+            Self::MtlsClusterMismatch { .. } => "mtls_cluster_mismatch",
+            Self::RevocationsNotLoaded => "revocations_not_loaded",
         }
     }
 
     /// Worth retrying: no verdict on the credentials was reached.
     pub fn is_retryable(&self) -> bool {
         match self {
-            Self::Unavailable(_) | Self::Overloaded { .. } => true,
+            Self::Unavailable(_) | Self::Overloaded { .. } | Self::RevocationsNotLoaded => true,
             Self::Local(e) => e.is_retryable(),
             _ => false,
         }

@@ -483,7 +483,7 @@ impl CaBundle {
         // ca::constraints); path, signatures, validity and usages are what
         // the probe proves, and URI constraints are checked before signing.
         let leaf = self
-            .sign_leaf_spki(&spki, None, false, &validity)
+            .sign_leaf_spki(&spki, None, false, &validity, None)
             .map_err(|e| MaterialError::ChainInvalid(e.to_string()))?;
         self.verify_path(&leaf.der, now, served)
             .map_err(MaterialError::ChainInvalid)
@@ -548,10 +548,23 @@ impl CaBundle {
         common_name: bool,
         validity: &Validity,
     ) -> Result<IssuedLeaf, SignError> {
+        self.sign_leaf_for(spki_der, identity, common_name, validity, None)
+    }
+
+    /// [`Self::sign_leaf`] with a serial marked for the cluster the leaf is
+    /// issued for ([`super::serial`]); `None` draws an unmarked serial.
+    pub fn sign_leaf_for(
+        &self,
+        spki_der: &[u8],
+        identity: &SpiffeId,
+        common_name: bool,
+        validity: &Validity,
+        cluster: Option<super::serial::ClusterTag>,
+    ) -> Result<IssuedLeaf, SignError> {
         self.check_name_constraints(identity)?;
         let spki = SubjectPublicKeyInfo::from_der(spki_der)
             .map_err(|e| SignError::PublicKey(e.to_string()))?;
-        self.sign_leaf_spki(&spki, Some(identity), common_name, validity)
+        self.sign_leaf_spki(&spki, Some(identity), common_name, validity, cluster)
     }
 
     /// Refuses an identity that a CA on the signing path does not permit.
@@ -572,14 +585,14 @@ impl CaBundle {
         identity: Option<&SpiffeId>,
         common_name: bool,
         validity: &Validity,
+        cluster: Option<super::serial::ClusterTag>,
     ) -> Result<IssuedLeaf, SignError> {
         let gen = |e: rcgen::Error| match super::signer::signer_error(&e) {
             Some(s) => SignError::Signer(s),
             None => SignError::Generation(e.to_string()),
         };
         let id = identity.map(|i| i.to_string()).unwrap_or_default();
-        let mut serial = [0u8; 16];
-        aws_lc_rs::rand::fill(&mut serial).map_err(|_| SignError::Generation("rng".into()))?;
+        let serial = super::serial::draw(cluster)?;
         let mut params = CertificateParams::default();
         params.serial_number = Some(SerialNumber::from_slice(&serial));
         params.distinguished_name = DistinguishedName::new();

@@ -33,6 +33,65 @@ use crate::podindex::PodIndex;
 pub const REASON_UNKNOWN_CLUSTER: &str = "token_unknown_cluster";
 pub const REASON_CLUSTER_MISMATCH: &str = "token_cluster_mismatch";
 
+/// The clusters meshca serves, as far as binding an mTLS caller needs:
+/// a leaf's serial is marked for the cluster it was issued for
+/// ([`crate::ca::serial`]), and the caller is held to that cluster.
+pub trait ClusterDirectory: Send + Sync + std::fmt::Debug {
+    /// `CLUSTER_ID`.
+    fn local_id(&self) -> &str;
+    /// The registered cluster ids whose tag is `tag`.
+    fn with_tag(&self, tag: crate::ca::serial::ClusterTag) -> Vec<String>;
+}
+
+/// Only the local cluster (Kubernetes off).
+#[derive(Debug, Clone)]
+pub struct LocalCluster(pub String);
+
+impl ClusterDirectory for LocalCluster {
+    fn local_id(&self) -> &str {
+        &self.0
+    }
+
+    fn with_tag(&self, tag: crate::ca::serial::ClusterTag) -> Vec<String> {
+        (crate::ca::serial::ClusterTag::of(&self.0) == tag)
+            .then(|| self.0.clone())
+            .into_iter()
+            .collect()
+    }
+}
+
+/// The cluster an mTLS caller is bound to: the registered cluster its
+/// certificate's serial is marked for; an unmarked serial (issued before
+/// marks, or by istiod) is the local cluster's. A `clusterid` header naming
+/// another cluster is refused, as is a mark no registered cluster has (or
+/// two have). `None` for a caller without a client certificate.
+pub fn mtls_cluster(
+    dir: &dyn ClusterDirectory,
+    creds: &Credentials,
+) -> Option<Result<String, AuthnError>> {
+    use crate::ca::serial::{mark_of_hex, SerialMark};
+    let leaf = match creds.leaf()? {
+        Ok(l) => l,
+        Err(e) => return Some(Err(e.into())),
+    };
+    let verified = match mark_of_hex(&leaf.serial_hex) {
+        SerialMark::Unmarked => dir.local_id().to_string(),
+        SerialMark::Cluster(tag) => match dir.with_tag(tag).as_slice() {
+            [one] => one.clone(),
+            _ => return Some(Err(AuthnError::MtlsClusterUnknown(tag.to_string()))),
+        },
+    };
+    if let Some(h) = creds.cluster_id.as_deref().filter(|h| !h.is_empty()) {
+        if h != verified {
+            return Some(Err(AuthnError::MtlsClusterMismatch {
+                header: h.to_string(),
+                verified,
+            }));
+        }
+    }
+    Some(Ok(verified))
+}
+
 /// Where a cluster entry comes from.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Origin {
@@ -169,8 +228,11 @@ impl ClusterFactory {
     }
 
     /// A remote cluster's entry; its watches stop when the entry is dropped.
+    /// With bounded renewal on it runs a pod index: a leaf issued for that
+    /// cluster renews only while a pod of its identity lives there.
     pub fn build_remote(&self, id: &str, client: kube::Client, origin: Origin) -> Cluster {
-        let (mut c, tasks) = self.build(id, client, origin, false);
+        let renewal = self.cfg.kill_switch.renewal_pod_check;
+        let (mut c, tasks) = self.build(id, client, origin, renewal);
         c.tasks = tasks;
         c
     }
@@ -351,28 +413,22 @@ impl ClusterRegistry {
     }
 }
 
-/// Bounded mTLS renewal: a live pod of the identity in any remote cluster
-/// counts (the local index is read by the guard itself).
+/// Bounded mTLS renewal: the pod index of the cluster a certificate was
+/// issued for (the local one included).
 impl crate::renewal::LivePods for ClusterRegistry {
-    fn has_live_pod(
+    fn view_in(
         &self,
+        cluster: &str,
         namespace: &str,
         service_account: &str,
-        max_staleness: std::time::Duration,
-    ) -> bool {
-        let remotes: Vec<Arc<Cluster>> = self
-            .read()
-            .values()
-            .filter(|c| c.id != self.local)
-            .cloned()
-            .collect();
-        remotes.iter().any(|c| {
-            c.index.as_ref().is_some_and(|i| {
-                i.is_synced()
-                    && crate::renewal::stale(i.disconnected_for(), max_staleness).is_none()
-                    && i.read(|s| s.has_live_pod(namespace, service_account))
-            })
-        })
+    ) -> Option<crate::renewal::IndexView> {
+        let c = self.get(cluster)?;
+        let index = c.index.as_deref()?;
+        Some(crate::renewal::IndexView::of(
+            Some(index),
+            namespace,
+            service_account,
+        ))
     }
 }
 
@@ -451,7 +507,8 @@ impl TokenAuthenticator for ClusterRegistry {
 }
 
 /// istiod's MulticlusterNodeAuthorizor: the `clusterid` header, looked up
-/// exactly (no "empty means local"), picks the cluster's authorizer.
+/// exactly (no "empty means local"), picks the cluster's authorizer. An
+/// mTLS caller is held to its certificate's cluster ([`mtls_cluster`]).
 impl NodeAuthorizer for ClusterRegistry {
     fn authorize(
         &self,
@@ -459,9 +516,9 @@ impl NodeAuthorizer for ClusterRegistry {
         requested: &str,
         creds: &Credentials,
     ) -> Result<(SpiffeId, Evidence), ImpersonationError> {
-        let id = creds.cluster_id.as_deref().unwrap_or("");
+        let id = self.authorizing_cluster(caller, creds)?;
         let cluster = self
-            .get(id)
+            .get(&id)
             .ok_or_else(|| ImpersonationError::UnknownCluster(id.to_string()))?;
         let authz = cluster
             .authorizer
@@ -471,8 +528,43 @@ impl NodeAuthorizer for ClusterRegistry {
     }
 
     fn unsynced_index(&self, creds: &Credentials) -> Option<(Arc<PodIndex>, std::time::Duration)> {
-        let id = creds.cluster_id.as_deref().unwrap_or("");
-        self.get(id)?.authorizer.as_ref()?.unsynced_index(creds)
+        let id = match creds.leaf() {
+            Some(_) => mtls_cluster(self, creds)?.ok()?,
+            None => creds.cluster_id.clone().unwrap_or_default(),
+        };
+        self.get(&id)?.authorizer.as_ref()?.unsynced_index(creds)
+    }
+}
+
+impl ClusterRegistry {
+    /// The cluster whose node authorizer decides: the header's (istiod),
+    /// or for an mTLS caller the one its certificate was issued for.
+    fn authorizing_cluster(
+        &self,
+        caller: &Caller,
+        creds: &Credentials,
+    ) -> Result<String, ImpersonationError> {
+        if caller.method == crate::authn::AuthnMethod::Mtls {
+            if let Some(bound) = mtls_cluster(self, creds) {
+                return bound
+                    .map_err(|e| ImpersonationError::MtlsCluster(e.reason(), e.to_string()));
+            }
+        }
+        Ok(creds.cluster_id.clone().unwrap_or_default())
+    }
+}
+
+impl ClusterDirectory for ClusterRegistry {
+    fn local_id(&self) -> &str {
+        &self.local
+    }
+
+    fn with_tag(&self, tag: crate::ca::serial::ClusterTag) -> Vec<String> {
+        self.read()
+            .keys()
+            .filter(|id| crate::ca::serial::ClusterTag::of(id) == tag)
+            .cloned()
+            .collect()
     }
 }
 
@@ -732,6 +824,64 @@ mod tests {
         assert_eq!(got.map_err(|e| e.reason()), want);
     }
 
+    /// An mTLS caller's cluster is its certificate's (a serial marked for
+    /// a registered cluster; unmarked is local), whatever the header says.
+    #[test_case(None, None, Ok("Kubernetes") ; "unmarked no header")]
+    #[test_case(None, Some("Kubernetes"), Ok("Kubernetes") ; "unmarked local header")]
+    #[test_case(None, Some(""), Ok("Kubernetes") ; "unmarked empty header")]
+    #[test_case(None, Some("east"), Err("mtls_cluster_mismatch") ; "unmarked remote header")]
+    #[test_case(Some("east"), None, Ok("east") ; "marked no header")]
+    #[test_case(Some("east"), Some("east"), Ok("east") ; "marked agreeing header")]
+    #[test_case(Some("east"), Some("Kubernetes"), Err("mtls_cluster_mismatch") ; "marked local header")]
+    #[test_case(Some("west"), None, Err("mtls_cluster_unknown") ; "marked unregistered")]
+    #[test_case(Some("west"), Some("west"), Err("mtls_cluster_unknown") ; "marked unregistered named")]
+    fn mtls_callers_are_bound_to_their_certificates_cluster(
+        mark: Option<&str>,
+        header: Option<&str>,
+        want: Result<&str, &str>,
+    ) {
+        use rustls_pki_types::pem::PemObject;
+        let r = registry();
+        let pki = crate::testing::TestPki::new(crate::ca::generate::KeyType::EcdsaP256);
+        let bundle =
+            crate::ca::CaBundle::load_dir(pki.path(), time::OffsetDateTime::now_utc()).unwrap();
+        let key = rcgen::KeyPair::generate().unwrap();
+        let id: SpiffeId = "spiffe://cluster.local/ns/a/sa/b".parse().unwrap();
+        let leaf = bundle
+            .sign_leaf_for(
+                &rcgen::PublicKeyData::subject_public_key_info(&key),
+                &id,
+                false,
+                &crate::testing::validity_hours(-1, 1),
+                mark.map(crate::ca::serial::ClusterTag::of),
+            )
+            .unwrap();
+        let chain: Vec<rustls_pki_types::CertificateDer<'static>> =
+            rustls_pki_types::CertificateDer::pem_slice_iter(leaf.pem.as_bytes())
+                .collect::<Result<_, _>>()
+                .unwrap();
+        let creds = Credentials {
+            peer_chain: Some(chain.into()),
+            cluster_id: header.map(str::to_string),
+            ..Default::default()
+        };
+        let got = mtls_cluster(&r, &creds).unwrap();
+        assert_eq!(got.as_deref().map_err(|e| e.reason()), want);
+        // Without a client certificate there is nothing to bind.
+        assert!(mtls_cluster(&r, &Credentials::default()).is_none());
+        // The node authorizer picks the same cluster, or refuses the same way.
+        let caller = Caller {
+            method: crate::authn::AuthnMethod::Mtls,
+            identity: id,
+            kube: None,
+        };
+        match (r.authorizing_cluster(&caller, &creds), want) {
+            (Ok(c), Ok(w)) => assert_eq!(c, w),
+            (Err(e), Err(w)) => assert_eq!(e.reason(), w),
+            (got, want) => panic!("{got:?} vs {want:?}"),
+        }
+    }
+
     #[tokio::test]
     async fn a_removed_cluster_is_refused_at_once() {
         let r = registry();
@@ -765,31 +915,44 @@ mod tests {
     }
 
     #[test]
-    fn a_live_pod_in_a_remote_cluster_counts_for_renewal() {
-        use crate::renewal::LivePods;
-        let hour = std::time::Duration::from_secs(3600);
+    fn renewal_reads_the_index_of_the_certificates_cluster() {
+        use crate::renewal::{IndexView, LivePods};
         let r = ClusterRegistry::new(
             cluster("Kubernetes", true),
             TokenVerificationMode::Review,
             false,
             None,
         );
-        // The local index is the guard's own business.
-        assert!(!r.has_live_pod("app", "app", hour));
+        let live = |v: Option<IndexView>| match v {
+            Some(IndexView::Synced { live_pod, .. }) => Some(live_pod),
+            Some(other) => panic!("{other:?}"),
+            None => None,
+        };
+        assert_eq!(live(r.view_in("Kubernetes", "app", "app")), Some(true));
+        assert_eq!(
+            live(r.view_in("east", "app", "app")),
+            None,
+            "not registered"
+        );
         r.insert(cluster("east", true));
-        assert!(r.has_live_pod("app", "app", hour));
-        assert!(!r.has_live_pod("app", "other", hour));
-        // A remote index disconnected beyond the bound does not count.
+        assert_eq!(live(r.view_in("east", "app", "app")), Some(true));
+        assert_eq!(live(r.view_in("east", "app", "other")), Some(false));
+        // A disconnected index says so; the policy decides what that means.
         r.get("east")
             .unwrap()
             .index
             .as_ref()
             .unwrap()
             .mark_disconnected();
-        std::thread::sleep(std::time::Duration::from_millis(5));
-        assert!(!r.has_live_pod("app", "app", std::time::Duration::ZERO));
+        assert!(matches!(
+            r.view_in("east", "app", "app"),
+            Some(IndexView::Synced {
+                disconnected_for: Some(_),
+                ..
+            })
+        ));
         r.remove("east");
-        assert!(!r.has_live_pod("app", "app", hour));
+        assert_eq!(live(r.view_in("east", "app", "app")), None);
     }
 
     #[test]
