@@ -397,31 +397,65 @@ fn revocations_role_is_exactly_the_fixture_read_only_and_namespaced() {
         binding["subjects"][0]["namespace"].as_str(),
         Some("istio-system")
     );
-    // No write verb on any ConfigMap by that name, in any role the chart renders.
-    let all = render(
-        "templates/clusterrole.yaml",
-        "meshca",
-        "istio-system",
-        &[
-            "--set",
-            "killSwitch.revocation.enabled=true",
-            "--set",
-            "killSwitch.revocation.publish=true",
-            "--set",
-            "rootPublisher.enabled=true",
-        ],
-    );
-    for r in rules_of(&all, "ClusterRole")
-        .into_iter()
-        .chain(rules_of(&docs, "Role"))
-    {
-        if r.resource_names.contains("meshca-revocations") {
-            assert!(
-                r.verbs
-                    .iter()
-                    .all(|v| ["get", "list", "watch"].contains(&v.as_str())),
-                "{r:?}"
-            );
+    // Across the whole chart (every Role and ClusterRole, the audit
+    // anchor's included), no rule that reaches the store's name (by name,
+    // or on every ConfigMap) grants more than reading it or creating new
+    // objects: nothing rewrites, empties or deletes it.
+    for (what, flags, name) in [
+        (
+            "revocation, publishing and anchors on",
+            vec![
+                "--set",
+                "killSwitch.revocation.enabled=true",
+                "--set",
+                "killSwitch.revocation.publish=true",
+                "--set",
+                "rootPublisher.enabled=true",
+                "--set",
+                "audit.anchor.enabled=true",
+            ],
+            "meshca-revocations",
+        ),
+        (
+            "ci-values.yaml",
+            vec!["-f", "ci-values.yaml"],
+            "meshca-revoked",
+        ),
+    ] {
+        let ci = repo()
+            .join("charts/meshca/ci-values.yaml")
+            .display()
+            .to_string();
+        let flags: Vec<&str> = flags
+            .into_iter()
+            .map(|f| {
+                if f == "ci-values.yaml" {
+                    ci.as_str()
+                } else {
+                    f
+                }
+            })
+            .collect();
+        let all = render_all(&flags);
+        let mut rules = rules_of(&all, "Role");
+        rules.extend(rules_of(&all, "ClusterRole"));
+        assert!(
+            rules.iter().any(|r| r.resource_names.contains(name)),
+            "{what}: no rule names {name}"
+        );
+        for r in rules {
+            let any = |s: &BTreeSet<String>, v: &str| s.contains(v) || s.contains("*");
+            let reaches = any(&r.api_groups, "")
+                && any(&r.resources, "configmaps")
+                && (r.resource_names.is_empty() || r.resource_names.contains(name));
+            if reaches {
+                assert!(
+                    r.verbs
+                        .iter()
+                        .all(|v| ["get", "list", "watch", "create"].contains(&v.as_str())),
+                    "{what}: {r:?} reaches {name}"
+                );
+            }
         }
     }
     // Off: no Role.
