@@ -336,6 +336,13 @@ async fn every_metric_the_rules_and_dashboard_use_is_exported() {
             "no decision {reason}"
         );
     }
+    // The revocation was read from the store as an event of its own, not
+    // only exported from zero.
+    let line = "meshca_revocation_events_total{reason=\"revoked\"} 1";
+    assert!(
+        text.lines().any(|l| l == line),
+        "missing {line:?} in\n{text}"
+    );
     app.shutdown().await.unwrap();
 }
 

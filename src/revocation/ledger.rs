@@ -64,6 +64,19 @@ pub enum LedgerEvent {
     Adopted(Revocation),
 }
 
+/// Every value of [`LedgerEvent::reason`]: the `reason` label of
+/// `meshca_revocation_events_total`, exported from zero so that a rate (and
+/// an alert) sees the first event.
+pub const REASONS: [&str; 7] = [
+    "revocation_list_loaded",
+    "revoked",
+    "unrevoked",
+    "revocation_removal_refused",
+    "revocation_source_missing",
+    "revocation_source_unreadable",
+    "revocation_adopted",
+];
+
 impl LedgerEvent {
     pub fn reason(&self) -> &'static str {
         match self {
@@ -293,6 +306,30 @@ mod tests {
 
     fn reasons(e: &[LedgerEvent]) -> Vec<&'static str> {
         e.iter().map(LedgerEvent::reason).collect()
+    }
+
+    #[test]
+    fn reasons_lists_every_event_reason_once() {
+        let r = rev("aa", 0, false);
+        let every = [
+            LedgerEvent::Loaded {
+                source: StoreSource::File,
+                entries: 0,
+            },
+            LedgerEvent::Revoked(r.clone()),
+            LedgerEvent::Unrevoked(r.clone()),
+            LedgerEvent::RemovalRefused {
+                source: StoreSource::ConfigMap,
+                entry: r.clone(),
+            },
+            LedgerEvent::SourceMissing(StoreSource::ConfigMap),
+            LedgerEvent::SourceUnreadable(StoreSource::ConfigMap, "x".into()),
+            LedgerEvent::Adopted(r),
+        ];
+        // A new variant must be added above (the match in `reason` is exhaustive).
+        let got: BTreeSet<&str> = every.iter().map(LedgerEvent::reason).collect();
+        assert_eq!(got.len(), every.len());
+        assert_eq!(got, REASONS.into_iter().collect::<BTreeSet<_>>());
     }
 
     fn serials(l: &Ledger) -> Vec<String> {

@@ -599,6 +599,16 @@ pub async fn follow(
     crl_tx: tokio::sync::watch::Sender<String>,
     client: Option<kube::Client>,
 ) {
+    if let Some(m) = &metrics {
+        for reason in ledger::REASONS {
+            let _ = m
+                .kill_switch
+                .revocation_events
+                .get_or_create(&crate::metrics::ReasonLabels {
+                    reason: reason.into(),
+                });
+        }
+    }
     let mut generations = ca.subscribe();
     let mut ledger = ledger::Ledger::new();
     let mut last_set: Option<Vec<Revocation>> = None;
