@@ -81,6 +81,9 @@ fn synthetic(i: usize, n: usize) -> LeanPod {
             (i >> 8) as u8,
             i as u8,
         ])],
+        // One pod in a hundred is being deleted (a rollout's old replicas):
+        // the deletion side table is measured at a realistic churn.
+        deletion_timestamp: (i % 100 == 0).then_some(1_767_323_045),
     }
 }
 
@@ -175,7 +178,12 @@ fn synthetic_run(n: usize) {
         for p in pods.iter().step_by(7) {
             found += s.get(&p.namespace, &p.name).is_some() as usize;
             found += s
-                .on_node(p.node.as_deref().unwrap(), &p.namespace, &p.service_account)
+                .on_node(
+                    p.node.as_deref().unwrap(),
+                    &p.namespace,
+                    &p.service_account,
+                    0,
+                )
                 .next()
                 .is_some() as usize;
         }

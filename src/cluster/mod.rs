@@ -48,6 +48,8 @@ pub struct Cluster {
     pub origin: Origin,
     /// Present when node authorization or local verification needs it.
     pub index: Option<Arc<PodIndex>>,
+    /// ServiceAccounts, when local verification is on.
+    pub accounts: Option<Arc<crate::podindex::accounts::AccountIndex>>,
     pub reviewer: Arc<KubeTokenAuthenticator>,
     /// The token path of the configured mode over this cluster's reviewer.
     pub tokens: Arc<TokenVerifier>,
@@ -71,6 +73,7 @@ impl Cluster {
     /// Ready to authorize: its pod index (if any) has synced.
     pub fn is_synced(&self) -> bool {
         self.index.as_ref().is_none_or(|i| i.is_synced())
+            && self.accounts.as_ref().is_none_or(|a| a.is_synced())
     }
 }
 
@@ -117,6 +120,16 @@ impl ClusterFactory {
             )));
             index
         });
+        // Local verification checks each token's ServiceAccount UID and
+        // deletion, as the API server does.
+        let accounts = verification.mode.uses_local().then(|| {
+            let accounts = Arc::new(crate::podindex::accounts::AccountIndex::new());
+            tasks.push(tokio::spawn(crate::podindex::accounts::run(
+                client.clone(),
+                accounts.clone(),
+            )));
+            accounts
+        });
         let authorizer = match (&index, cfg.trusted_node_accounts.is_empty()) {
             (Some(index), false) => Some(KubeNodeAuthorizer {
                 policy: NodePolicy {
@@ -138,6 +151,7 @@ impl ClusterFactory {
             cache_ttl: kube.token_cache_ttl,
             timeout: kube.tokenreview_timeout,
             limits: kube.review_limits,
+            max_index_staleness: cfg.kill_switch.renewal.max_index_staleness,
         };
         let reviewer = Arc::new(
             KubeTokenAuthenticator::new(client.clone(), settings, index.clone())
@@ -149,6 +163,7 @@ impl ClusterFactory {
             id,
             cfg,
             index.clone(),
+            accounts.clone(),
             reviewer.clone(),
             self.metrics.clone(),
         );
@@ -159,6 +174,7 @@ impl ClusterFactory {
             id: id.to_string(),
             origin,
             index,
+            accounts,
             reviewer,
             tokens,
             keys,
@@ -370,7 +386,13 @@ impl crate::renewal::LivePods for ClusterRegistry {
             c.index.as_ref().is_some_and(|i| {
                 i.is_synced()
                     && crate::renewal::stale(i.disconnected_for(), max_staleness).is_none()
-                    && i.read(|s| s.has_live_pod(namespace, service_account))
+                    && i.read(|s| {
+                        s.has_live_pod(
+                            namespace,
+                            service_account,
+                            time::OffsetDateTime::now_utc().unix_timestamp(),
+                        )
+                    })
             })
         })
     }
@@ -640,6 +662,7 @@ mod tests {
             cache_ttl: std::time::Duration::from_secs(60),
             timeout: std::time::Duration::from_secs(5),
             limits: Default::default(),
+            max_index_staleness: std::time::Duration::from_secs(60),
         };
         let reviewer = Arc::new(KubeTokenAuthenticator::with_backend(
             Arc::new(Apiserver(id)),
@@ -650,6 +673,7 @@ mod tests {
             id: id.into(),
             origin: Origin::Local,
             index: Some(index.clone()),
+            accounts: None,
             tokens: Arc::new(TokenVerifier {
                 mode: TokenVerificationMode::Review,
                 local: None,
