@@ -573,12 +573,17 @@ impl TokenVerifier {
         let Some(review) = &self.review else {
             return Err(AuthnError::TokenAuthnDisabled);
         };
+        let note = |detail: String, fallback: &str| {
+            format!("{detail} (TokenReview after local verification: {fallback})")
+        };
         let result = match (review.authenticate(token, cluster_id).await, after) {
             // A refusal after a fallback says so in its detail (the reason stays the review's).
-            (Err(AuthnError::Token(detail, reason)), Some(fallback)) => Err(AuthnError::Token(
-                format!("{detail} (TokenReview after local verification: {fallback})"),
-                reason,
-            )),
+            (Err(AuthnError::Token(detail, reason)), Some(fallback)) => {
+                Err(AuthnError::Token(note(detail, fallback), reason))
+            }
+            (Err(AuthnError::Unavailable(detail)), Some(fallback)) => {
+                Err(AuthnError::Unavailable(note(detail, fallback)))
+            }
             (other, _) => other,
         };
         let result = result.and_then(|mut c| {
