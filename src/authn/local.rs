@@ -488,11 +488,12 @@ impl LocalVerifier {
                 LocalError::NotPodBound
             });
         }
-        if !self.index.is_synced() {
-            self.index.wait_synced(self.sync_wait).await;
-        }
-        if !self.accounts.is_synced() {
-            self.accounts.wait_synced(self.sync_wait).await;
+        // Both first lists are awaited together, within one sync wait.
+        if !self.index.is_synced() || !self.accounts.is_synced() {
+            tokio::join!(
+                self.index.wait_synced(self.sync_wait),
+                self.accounts.wait_synced(self.sync_wait)
+            );
         }
         indexes_ready(
             self.index.is_synced(),
