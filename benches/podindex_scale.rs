@@ -83,7 +83,7 @@ fn synthetic(i: usize, n: usize) -> LeanPod {
         ])],
         // One pod in a hundred is being deleted (a rollout's old replicas):
         // the deletion side table is measured at a realistic churn.
-        deletion_timestamp: (i % 100 == 0).then_some(1_767_323_045),
+        deletion_timestamp: i.is_multiple_of(100).then_some(1_767_323_045),
     }
 }
 

@@ -502,7 +502,13 @@ mod tests {
         let mut mtls = policy(&["istio-system/ztunnel"]);
         mtls.mtls_impersonation = true;
         // (caller deleting since, target deleting since, token caller want, mTLS caller want)
-        let cases: [(Option<i64>, Option<i64>, Option<&str>, Option<&str>); 5] = [
+        type Case = (
+            Option<i64>,
+            Option<i64>,
+            Option<&'static str>,
+            Option<&'static str>,
+        );
+        let cases: [Case; 5] = [
             (None, None, None, None),
             (Some(60), Some(60), None, None),
             (

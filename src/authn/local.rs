@@ -656,14 +656,14 @@ impl TokenAuthenticator for TokenVerifier {
 
 /// Wiring for one cluster: the token authenticator of `verification`'s mode
 /// over `reviewer`, and the issuer keys to keep fresh (their `run` loop is
-/// the caller's to spawn) when local verification is on.
+/// the caller's to spawn) when local verification is on (it reads the
+/// cluster's pod and ServiceAccount `indexes`).
 pub fn build(
     client: &kube::Client,
     verification: crate::config::TokenVerification,
     cluster_id: &str,
     cfg: &crate::config::Config,
-    index: Option<Arc<PodIndex>>,
-    accounts: Option<Arc<AccountIndex>>,
+    indexes: Option<(Arc<PodIndex>, Arc<AccountIndex>)>,
     reviewer: Arc<dyn TokenAuthenticator>,
     metrics: Arc<crate::metrics::Metrics>,
 ) -> (Arc<TokenVerifier>, Option<Arc<IssuerKeys>>) {
@@ -672,8 +672,8 @@ pub fn build(
         .kube
         .as_ref()
         .map_or(std::time::Duration::ZERO, |k| k.pod_index_sync_wait);
-    let (local, keys) = match (mode.uses_local(), index, accounts) {
-        (true, Some(index), Some(accounts)) => {
+    let (local, keys) = match (mode.uses_local(), indexes) {
+        (true, Some((index, accounts))) => {
             let keys = Arc::new(
                 IssuerKeys::new(
                     Arc::new(super::jwks::KubeKeySource(client.clone())),

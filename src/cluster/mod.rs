@@ -162,8 +162,7 @@ impl ClusterFactory {
             verification,
             id,
             cfg,
-            index.clone(),
-            accounts.clone(),
+            index.clone().zip(accounts.clone()),
             reviewer.clone(),
             self.metrics.clone(),
         );
