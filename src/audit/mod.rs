@@ -4,6 +4,7 @@
 //! periodic checkpoints so deletions, edits and reordering are detectable
 //! ([`verify`]).
 
+pub mod aggregate;
 pub mod anchor;
 pub mod bounded;
 pub mod chain;
@@ -105,6 +106,10 @@ pub struct AuditRecord {
     /// Pod certificate decisions: the PodCertificateRequest's UID.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pod_certificate_request_uid: Option<String>,
+    /// Aggregate records: refusals folded into this one record (how many is
+    /// `count`), where and when (see [`aggregate`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub aggregate: Option<aggregate::Aggregate>,
 }
 
 /// What a reduced record stands for.
@@ -165,6 +170,7 @@ impl AuditRecord {
             certificate: None,
             pod_certificate_request: None,
             pod_certificate_request_uid: None,
+            aggregate: None,
         }
     }
 
