@@ -95,6 +95,7 @@ fn lean(ns: &str, name: &str, node: &str, sa: &str, i: usize) -> LeanPod {
             (i >> 8) as u8,
             i as u8,
         ])],
+        deletion_timestamp: None,
     }
 }
 
@@ -135,7 +136,7 @@ fn bench_authz(c: &mut Criterion) {
     let target = &pods[7];
     let node = target.node.as_deref().unwrap();
     let zt = state
-        .on_node(node, "istio-system", "ztunnel")
+        .on_node(node, "istio-system", "ztunnel", 0)
         .next()
         .unwrap()
         .to_lean();
@@ -173,7 +174,7 @@ fn bench_authz(c: &mut Criterion) {
     c.bench_function("authz_impersonation_allow_10k_pods", |b| {
         b.iter(|| {
             black_box(
-                authorize_impersonation(&policy, &caller, &requested, &creds, true, &state)
+                authorize_impersonation(&policy, &caller, &requested, &creds, true, &state, 0)
                     .unwrap(),
             )
         })
@@ -182,7 +183,8 @@ fn bench_authz(c: &mut Criterion) {
     c.bench_function("authz_impersonation_deny_10k_pods", |b| {
         b.iter(|| {
             black_box(
-                authorize_impersonation(&policy, &caller, other, &creds, true, &state).unwrap_err(),
+                authorize_impersonation(&policy, &caller, other, &creds, true, &state, 0)
+                    .unwrap_err(),
             )
         })
     });
@@ -205,7 +207,12 @@ fn bench_index(c: &mut Criterion) {
             let p = &pods[i % pods.len()];
             black_box(
                 state
-                    .on_node(p.node.as_deref().unwrap(), &p.namespace, &p.service_account)
+                    .on_node(
+                        p.node.as_deref().unwrap(),
+                        &p.namespace,
+                        &p.service_account,
+                        0,
+                    )
                     .next()
                     .is_some(),
             )
@@ -374,6 +381,7 @@ fn bench_guards(c: &mut Criterion) {
             service_account: Arc::from(sa),
             phase: Phase::Running,
             pod_ips: Vec::new(),
+            deletion_timestamp: None,
         }));
     }
     index.apply(IndexEvent::InitDone);

@@ -19,6 +19,7 @@ use std::alloc::System;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use meshca::podindex::accounts::{AccountState, LeanAccount};
 use meshca::podindex::{IndexEvent, IndexState, LeanPod, Phase, PodIndex};
 use stats_alloc::{Region, StatsAlloc, INSTRUMENTED_SYSTEM};
 
@@ -81,6 +82,9 @@ fn synthetic(i: usize, n: usize) -> LeanPod {
             (i >> 8) as u8,
             i as u8,
         ])],
+        // One pod in a hundred is being deleted (a rollout's old replicas):
+        // the deletion side table is measured at a realistic churn.
+        deletion_timestamp: i.is_multiple_of(100).then_some(1_767_323_045),
     }
 }
 
@@ -175,7 +179,12 @@ fn synthetic_run(n: usize) {
         for p in pods.iter().step_by(7) {
             found += s.get(&p.namespace, &p.name).is_some() as usize;
             found += s
-                .on_node(p.node.as_deref().unwrap(), &p.namespace, &p.service_account)
+                .on_node(
+                    p.node.as_deref().unwrap(),
+                    &p.namespace,
+                    &p.service_account,
+                    0,
+                )
                 .next()
                 .is_some() as usize;
         }
@@ -183,6 +192,40 @@ fn synthetic_run(n: usize) {
     let lookups = pods.len().div_ceil(7);
     let lookup_ns = t.elapsed().as_nanos() as f64 / lookups as f64;
     assert_eq!(found, 2 * lookups);
+
+    // The ServiceAccount index local verification adds: one entry per
+    // distinct (namespace, service account) of these pods, UUID UIDs.
+    let mut accounts: Vec<(Arc<str>, Arc<str>)> = pods
+        .iter()
+        .map(|p| (p.namespace.clone(), p.service_account.clone()))
+        .collect();
+    accounts.sort();
+    accounts.dedup();
+    let lean: Vec<LeanAccount> = accounts
+        .iter()
+        .enumerate()
+        .map(|(i, (ns, sa))| LeanAccount {
+            namespace: Box::from(&**ns),
+            name: Box::from(&**sa),
+            uid: format!("{i:08x}-0000-4000-8000-000000000000").into_boxed_str(),
+            deletion_timestamp: None,
+        })
+        .collect();
+    let region = Region::new(GLOBAL);
+    let mut acct = AccountState::default();
+    acct.apply(kube::runtime::watcher::Event::Init);
+    for a in &lean {
+        acct.apply(kube::runtime::watcher::Event::InitApply(a.clone()));
+    }
+    acct.apply(kube::runtime::watcher::Event::InitDone);
+    let acct_bytes = net_bytes(&region);
+    assert_eq!(acct.len(), lean.len());
+    println!(
+        "  service account index: {} accounts, heap {acct_bytes} B = {:.1} B/pod; pods + accounts {:.1} B/pod",
+        lean.len(),
+        acct_bytes as f64 / n as f64,
+        (bytes + acct_bytes) as f64 / n as f64
+    );
 
     println!(
         "synthetic {n} pods: index heap {bytes} B = {:.1} B/pod (RSS delta {:.1} B/pod; decoded events carry {:.1} B/pod of strings)",
@@ -201,6 +244,8 @@ fn synthetic_run(n: usize) {
         "rss_bytes_per_pod": rss as f64 / n as f64,
         "initial_sync_s": sync_s, "updates_s": update_s, "adds_s": add_s, "deletes_s": delete_s,
         "updates_per_s": n as f64 / update_s, "get_plus_on_node_ns": lookup_ns,
+        "service_accounts": lean.len(), "account_heap_bytes": acct_bytes,
+        "bytes_per_pod_with_accounts": (bytes + acct_bytes) as f64 / n as f64,
     }));
 }
 

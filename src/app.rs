@@ -103,6 +103,8 @@ pub struct App {
         Arc<crate::transport::rejects::HandshakeRejects>,
         Arc<dyn AuditSink>,
     ),
+    /// Refusals folded for aggregate audit records.
+    aggregator: Arc<crate::audit::aggregate::Aggregator>,
     shutdown: Option<oneshot::Sender<()>>,
     server: JoinHandle<Result<(), tonic::transport::Error>>,
     background: Vec<JoinHandle<()>>,
@@ -129,6 +131,11 @@ impl App {
             ),
         });
         let metrics = Arc::new(Metrics::new());
+        // Refusals without a record of their own (a full audit queue, the
+        // transport's limits) are folded here and written as aggregates.
+        let aggregator = Arc::new(crate::audit::aggregate::Aggregator::new(
+            cfg.audit.aggregate_max_keys,
+        ));
         let mut audit_writer = None;
         let mut audit_anchor = None;
         let audit: Arc<dyn AuditSink> = match deps.audit.take() {
@@ -171,7 +178,7 @@ impl App {
                     audit_anchor = Some(task);
                 }
                 let writer = Arc::new(
-                    AuditWriter::start(sink, cfg.audit.writer, observer)
+                    AuditWriter::start(sink, cfg.audit.writer, observer, aggregator.clone())
                         .context("starting the audit writer thread")?,
                 );
                 audit_writer = Some(writer.clone());
@@ -358,6 +365,15 @@ impl App {
             ))),
             guards: kill_switch.guards.clone(),
         });
+        // Without a writer thread (a sink supplied by the caller), folded
+        // refusals are flushed to the sink by a task instead.
+        if audit_writer.is_none() {
+            background.push(tokio::spawn(
+                aggregator
+                    .clone()
+                    .run(issuer.audit.clone(), cfg.audit.writer.aggregate_interval),
+            ));
+        }
         // Rejected handshakes: counted by the transport, written aggregated.
         let handshake_rejects =
             crate::transport::rejects::HandshakeRejects::new(cfg.audit.handshakes.max_sources);
@@ -373,6 +389,7 @@ impl App {
             &cfg.transport,
             Some(metrics.clone()),
             Some(handshake_rejects.clone()),
+            Some(aggregator.clone()),
         );
         let (tx, rx) = oneshot::channel::<()>();
         let t = &cfg.transport;
@@ -390,7 +407,11 @@ impl App {
         }
         let server = tokio::spawn(
             builder
-                .layer(grpc::RequestGateLayer::new(t, Some(metrics.clone())))
+                .layer(grpc::RequestGateLayer::new(
+                    t,
+                    Some(metrics.clone()),
+                    Some(aggregator.clone()),
+                ))
                 .add_service(CaService::with_limits(issuer, cfg.input).into_server())
                 .serve_with_incoming_shutdown(incoming, async {
                     let _ = rx.await;
@@ -430,6 +451,7 @@ impl App {
             audit_writer,
             audit_anchor,
             handshake_rejects: (handshake_rejects, rejects_sink),
+            aggregator,
             ca,
             custody,
             tls,
@@ -469,6 +491,11 @@ impl App {
         // The last interval's rejected handshakes go before the shutdown checkpoint.
         let (rejects, sink) = &self.handshake_rejects;
         rejects.flush(sink.as_ref());
+        // The writer drains the folded refusals before its shutdown
+        // checkpoint; without one they go to the sink now.
+        if self.audit_writer.is_none() {
+            self.aggregator.flush(sink.as_ref());
+        }
         if let Some(w) = self.audit_writer.clone() {
             tokio::task::spawn_blocking(move || w.shutdown_blocking(SHUTDOWN_CHECKPOINT_WAIT))
                 .await??;

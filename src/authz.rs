@@ -36,15 +36,17 @@ pub enum ImpersonationError {
     CallerServiceAccountMismatch(String, String),
     #[error("caller pod {0} has terminated")]
     CallerPodTerminal(String),
+    #[error("caller pod {0} has been deleted")]
+    CallerPodDeleted(String),
     #[error("several nodes have a pod at caller address {0}")]
     CallerPodAmbiguous(String),
     #[error("caller pod {0} is not scheduled on a node")]
     CallerPodUnscheduled(String),
     #[error("no instances of {0:?} found on node {1:?}")]
     NoPodOnNode(String, String),
-    /// Source-IP impersonation while the pod watch is disconnected beyond
-    /// its bound: the IP may belong to a pod long gone.
-    #[error("source-IP impersonation refused: {0}")]
+    /// The pod watch has been disconnected beyond its bound: the index may
+    /// still show pods long gone from the node (or an IP's old owner).
+    #[error("impersonation refused: {0}")]
     IndexStale(String),
     /// An mTLS caller's `clusterid` header disagrees with its certificate's
     /// cluster, or the certificate's cluster is not served (the reason code
@@ -68,6 +70,7 @@ impl ImpersonationError {
             Self::CallerServiceAccountMismatch(..) => "impersonation_caller_sa_mismatch",
             Self::CallerPodUnscheduled(_) => "impersonation_caller_pod_unscheduled",
             Self::CallerPodTerminal(_) => "impersonation_caller_pod_terminal",
+            Self::CallerPodDeleted(_) => "impersonation_caller_pod_deleted",
             Self::CallerPodAmbiguous(_) => "impersonation_caller_pod_ambiguous",
             Self::NoPodOnNode(..) => "impersonation_no_pod_on_node",
             Self::IndexStale(_) => "impersonation_index_stale",
@@ -122,8 +125,9 @@ pub struct NodePolicy {
 
 /// istiod's node authorization (node_auth.go), then stricter: the requested
 /// identity must be in the mesh trust domain, the caller's pod must not be
-/// terminal, terminal pods never authorize, and an unsynced index is a
-/// retryable error rather than a silent deny.
+/// terminal, terminal pods never authorize, pods deleted by `now_unix` (the
+/// API server's rule for bound tokens) neither call nor authorize, and an
+/// unsynced index is a retryable error rather than a silent deny.
 pub fn authorize_impersonation(
     policy: &NodePolicy,
     caller: &Caller,
@@ -131,6 +135,7 @@ pub fn authorize_impersonation(
     creds: &Credentials,
     index_synced: bool,
     index: &IndexState,
+    now_unix: i64,
 ) -> Result<(SpiffeId, Evidence), ImpersonationError> {
     // istiod looks the cluster up exactly: no alias, no "empty means local".
     let cluster = creds.cluster_id.as_deref().unwrap_or("");
@@ -164,11 +169,16 @@ pub fn authorize_impersonation(
         return Err(ImpersonationError::IndexNotReady);
     }
     let node = match &caller.kube {
-        Some(k) => caller_node_from_token(k, index)?,
-        None => caller_node_from_ip(&caller_ref, creds.peer_addr.map(|a| a.ip()), index)?,
+        Some(k) => caller_node_from_token(k, index, now_unix)?,
+        None => caller_node_from_ip(
+            &caller_ref,
+            creds.peer_addr.map(|a| a.ip()),
+            index,
+            now_unix,
+        )?,
     };
     let pod = index
-        .on_node(&node, id.namespace(), id.service_account())
+        .on_node(&node, id.namespace(), id.service_account(), now_unix)
         .next()
         .ok_or_else(|| {
             ImpersonationError::NoPodOnNode(
@@ -186,6 +196,7 @@ pub fn authorize_impersonation(
 fn caller_node_from_token(
     k: &KubernetesInfo,
     index: &IndexState,
+    now_unix: i64,
 ) -> Result<String, ImpersonationError> {
     let pod_ref = format!("{}/{}", k.pod_namespace, k.pod_name);
     let pod = index
@@ -206,6 +217,9 @@ fn caller_node_from_token(
     if pod.phase.is_terminal() {
         return Err(ImpersonationError::CallerPodTerminal(pod_ref));
     }
+    if pod.deleted_by(now_unix) {
+        return Err(ImpersonationError::CallerPodDeleted(pod_ref));
+    }
     pod.node
         .as_ref()
         .map(|n| n.to_string())
@@ -218,12 +232,14 @@ fn caller_node_from_ip(
     sa: &ServiceAccountRef,
     ip: Option<IpAddr>,
     index: &IndexState,
+    now_unix: i64,
 ) -> Result<String, ImpersonationError> {
     let ip = ip.ok_or_else(|| ImpersonationError::CallerPodNotFound("(no peer address)".into()))?;
     let nodes: HashSet<&str> = index
         .with_ip(ip)
         .filter(|p| {
             !p.phase.is_terminal()
+                && !p.deleted_by(now_unix)
                 && *p.namespace == *sa.namespace
                 && *p.service_account == *sa.name
         })
@@ -243,8 +259,8 @@ fn caller_node_from_ip(
 pub struct KubeNodeAuthorizer {
     pub policy: NodePolicy,
     pub index: Arc<PodIndex>,
-    /// Source-IP (mTLS) impersonation is refused while the watch has been
-    /// disconnected longer than this.
+    /// Impersonation is refused (retryable) while the watch has been
+    /// disconnected longer than this, whoever the caller is.
     pub max_index_staleness: std::time::Duration,
     /// `MESHCA_POD_INDEX_SYNC_WAIT`.
     pub sync_wait: std::time::Duration,
@@ -258,15 +274,11 @@ impl NodeAuthorizer for KubeNodeAuthorizer {
         creds: &Credentials,
     ) -> Result<(SpiffeId, Evidence), ImpersonationError> {
         let synced = self.index.is_synced();
-        if caller.kube.is_none() {
-            crate::renewal::source_ip_allowed(
-                self.index.disconnected_for(),
-                self.max_index_staleness,
-            )
+        crate::renewal::index_current(self.index.disconnected_for(), self.max_index_staleness)
             .map_err(|e| ImpersonationError::IndexStale(e.to_string()))?;
-        }
+        let now = time::OffsetDateTime::now_utc().unix_timestamp();
         self.index.read(|state| {
-            authorize_impersonation(&self.policy, caller, requested, creds, synced, state)
+            authorize_impersonation(&self.policy, caller, requested, creds, synced, state, now)
         })
     }
 
@@ -282,6 +294,7 @@ mod tests {
     use test_case::test_case;
 
     const REQ: &str = "spiffe://cluster.local/ns/ns-a/sa/sa-a";
+    const NOW: i64 = 1_000_000;
 
     fn ztunnel_pod() -> LeanPod {
         pod(
@@ -397,6 +410,7 @@ mod tests {
             &creds(cluster),
             true,
             &state(pods),
+            NOW,
         );
         match (got, want) {
             (Ok((id, ev)), None) => {
@@ -418,6 +432,7 @@ mod tests {
             &creds(Some("Kubernetes")),
             false,
             &IndexState::default(),
+            NOW,
         )
         .unwrap_err();
         assert_eq!(e, ImpersonationError::IndexNotReady);
@@ -443,6 +458,7 @@ mod tests {
             &creds(Some("Kubernetes")),
             true,
             &state(vec![ztunnel_pod(), same_node()]),
+            NOW,
         )
         .unwrap_err();
         assert_eq!(e.reason(), "impersonation_no_pod_binding");
@@ -470,10 +486,110 @@ mod tests {
             &creds(Some("Kubernetes")),
             true,
             &state(vec![zt, same_node()]),
+            NOW,
         );
         match want {
             None => assert_eq!(got.unwrap().1.node, "zt-node"),
             Some(r) => assert_eq!(got.unwrap_err().reason(), r),
+        }
+    }
+
+    /// A pod whose deletion began more than the leeway ago neither calls nor
+    /// authorizes (a node partitioned with its pods stuck Terminating), for
+    /// token and source-IP callers alike; within the leeway it still does.
+    #[test]
+    fn deleted_pods_neither_call_nor_authorize() {
+        let del = |p: LeanPod, secs_ago: Option<i64>| LeanPod {
+            deletion_timestamp: secs_ago.map(|a| NOW - a),
+            ..p
+        };
+        let mut zt_ip = ztunnel_pod();
+        zt_ip.pod_ips = vec!["10.0.0.9".parse().unwrap()];
+        let mut mtls = policy(&["istio-system/ztunnel"]);
+        mtls.mtls_impersonation = true;
+        // (caller deleting since, target deleting since, token caller want, mTLS caller want)
+        type Case = (
+            Option<i64>,
+            Option<i64>,
+            Option<&'static str>,
+            Option<&'static str>,
+        );
+        let cases: [Case; 5] = [
+            (None, None, None, None),
+            (Some(60), Some(60), None, None),
+            (
+                Some(61),
+                None,
+                Some("impersonation_caller_pod_deleted"),
+                Some("impersonation_caller_pod_not_found"),
+            ),
+            (
+                None,
+                Some(61),
+                Some("impersonation_no_pod_on_node"),
+                Some("impersonation_no_pod_on_node"),
+            ),
+            (
+                Some(3600),
+                Some(3600),
+                Some("impersonation_caller_pod_deleted"),
+                Some("impersonation_caller_pod_not_found"),
+            ),
+        ];
+        for (caller_del, target_del, want_token, want_mtls) in cases {
+            let pods = vec![del(zt_ip.clone(), caller_del), del(same_node(), target_del)];
+            let token = authorize_impersonation(
+                &policy(&["istio-system/ztunnel"]),
+                &token_caller("12345"),
+                REQ,
+                &creds(Some("Kubernetes")),
+                true,
+                &state(pods.clone()),
+                NOW,
+            );
+            let by_ip = authorize_impersonation(
+                &mtls,
+                &mtls_caller(),
+                REQ,
+                &creds(Some("Kubernetes")),
+                true,
+                &state(pods),
+                NOW,
+            );
+            let case = format!("caller {caller_del:?} target {target_del:?}");
+            assert_eq!(token.err().map(|e| e.reason()), want_token, "token: {case}");
+            assert_eq!(by_ip.err().map(|e| e.reason()), want_mtls, "mtls: {case}");
+        }
+    }
+
+    /// While the pod watch is down past its bound, no impersonation is
+    /// authorized, whether the caller came with a token or a certificate.
+    #[test]
+    fn a_stale_index_refuses_every_caller() {
+        let index = Arc::new(PodIndex::new());
+        index.apply(IndexEvent::Init);
+        let mut zt = ztunnel_pod();
+        zt.pod_ips = vec!["10.0.0.9".parse().unwrap()];
+        index.apply(IndexEvent::InitApply(zt));
+        index.apply(IndexEvent::InitApply(same_node()));
+        index.apply(IndexEvent::InitDone);
+        let mut p = policy(&["istio-system/ztunnel"]);
+        p.mtls_impersonation = true;
+        let authz = KubeNodeAuthorizer {
+            policy: p,
+            index: index.clone(),
+            max_index_staleness: std::time::Duration::ZERO,
+            sync_wait: std::time::Duration::ZERO,
+        };
+        let c = creds(Some("Kubernetes"));
+        assert!(authz.authorize(&token_caller("12345"), REQ, &c).is_ok());
+        assert!(authz.authorize(&mtls_caller(), REQ, &c).is_ok());
+        index.mark_disconnected();
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        for caller in [token_caller("12345"), mtls_caller()] {
+            let e = authz.authorize(&caller, REQ, &c).unwrap_err();
+            assert_eq!(e.reason(), "impersonation_index_stale", "{caller:?}");
+            assert!(e.is_unavailable());
         }
     }
 }

@@ -217,6 +217,20 @@ pub struct ServeArgs {
         default_value_t = 1024
     )]
     pub audit_handshake_max_sources: usize,
+    /// Refusals that get no record of their own (the audit queue was full,
+    /// or the transport refused before a request existed) are written as one
+    /// aggregated `deny` record per (reason, caller identity or source
+    /// address), with count and first/last time, this often (100ms..=1h).
+    #[arg(long, env = "MESHCA_AUDIT_AGGREGATE_INTERVAL", default_value = "1s")]
+    pub audit_aggregate_interval: String,
+    /// Most (reason, caller) keys folded between two aggregate writes;
+    /// further callers are counted per reason under the peer `overflow`.
+    #[arg(
+        long,
+        env = "MESHCA_AUDIT_AGGREGATE_MAX_KEYS",
+        default_value_t = crate::audit::aggregate::DEFAULT_MAX_KEYS
+    )]
+    pub audit_aggregate_max_keys: usize,
     /// Anchor audit checkpoints outside the pod: each anchored checkpoint
     /// becomes a new immutable ConfigMap (meshca can create them, never
     /// change or delete one), plus a Kubernetes Event; a stdout run
@@ -1153,6 +1167,8 @@ pub struct AuditSettings {
     pub anchor: Option<AnchorTarget>,
     /// Aggregated records of rejected TLS handshakes.
     pub handshakes: HandshakeAudit,
+    /// Most keys of the refusal aggregator (`MESHCA_AUDIT_AGGREGATE_MAX_KEYS`).
+    pub aggregate_max_keys: usize,
 }
 
 /// Where audit checkpoints are anchored.
@@ -1398,6 +1414,25 @@ impl Config {
             1,
             1 << 20,
         )?;
+        let aggregate_interval = bounded_duration(
+            "MESHCA_AUDIT_AGGREGATE_INTERVAL",
+            &a.audit_aggregate_interval,
+            false,
+            Duration::from_secs(3600),
+        )?;
+        if aggregate_interval < Duration::from_millis(100) {
+            return Err(err(
+                "MESHCA_AUDIT_AGGREGATE_INTERVAL",
+                &a.audit_aggregate_interval,
+                "must be at least 100ms",
+            ));
+        }
+        bounded(
+            "MESHCA_AUDIT_AGGREGATE_MAX_KEYS",
+            a.audit_aggregate_max_keys,
+            1,
+            1 << 20,
+        )?;
         if a.audit_sink == AuditSinkKind::Null && !a.audit_null_for_benchmarks {
             return Err(err(
                 "MESHCA_AUDIT_SINK",
@@ -1423,7 +1458,9 @@ impl Config {
                 fsync: a.audit_fsync,
                 batch_interval,
                 checkpoint_interval,
+                aggregate_interval,
             },
+            aggregate_max_keys: a.audit_aggregate_max_keys,
             anchor: None,
         };
         if a.audit_anchor {

@@ -302,10 +302,16 @@ struct RequestGate {
     queued: AtomicUsize,
     timeout: Duration,
     metrics: Option<Arc<Metrics>>,
+    /// Refusals are folded here per source address for the audit log.
+    aggregator: Option<Arc<crate::audit::aggregate::Aggregator>>,
 }
 
 impl RequestGateLayer {
-    pub fn new(limits: &TransportLimits, metrics: Option<Arc<Metrics>>) -> Self {
+    pub fn new(
+        limits: &TransportLimits,
+        metrics: Option<Arc<Metrics>>,
+        aggregator: Option<Arc<crate::audit::aggregate::Aggregator>>,
+    ) -> Self {
         Self {
             gate: Arc::new(RequestGate {
                 slots: Arc::new(Semaphore::new(limits.max_inflight_requests)),
@@ -318,6 +324,7 @@ impl RequestGateLayer {
                 queued: AtomicUsize::new(0),
                 timeout: limits.request_timeout,
                 metrics,
+                aggregator,
             }),
         }
     }
@@ -343,7 +350,8 @@ pub struct RequestGateService<S> {
 /// finished (hyper drops it on RST_STREAM).
 struct CancelGuard {
     control: Option<Arc<crate::transport::ConnControl>>,
-    metrics: Option<Arc<Metrics>>,
+    gate: Arc<RequestGate>,
+    ip: Option<std::net::IpAddr>,
     done: bool,
 }
 
@@ -356,9 +364,7 @@ impl CancelGuard {
                     reason = Refusal::StreamResetFlood.reason(),
                     "closing a connection that cancels too many streams"
                 );
-                if let Some(m) = &self.metrics {
-                    m.refused(Refusal::StreamResetFlood);
-                }
+                self.gate.count(Refusal::StreamResetFlood, self.ip);
             }
         }
     }
@@ -382,10 +388,22 @@ impl Drop for Queued<'_> {
 }
 
 impl RequestGate {
-    fn refuse(&self, r: Refusal) -> http::Response<tonic::body::Body> {
+    /// Counts a refusal in metrics and, per source, in the audit log.
+    fn count(&self, r: Refusal, ip: Option<std::net::IpAddr>) {
         if let Some(m) = &self.metrics {
             m.refused(r);
         }
+        if let (Some(a), Some(ip)) = (&self.aggregator, ip) {
+            a.fold_transport(canonical_ip(ip), r.reason());
+        }
+    }
+
+    fn refuse(
+        &self,
+        r: Refusal,
+        ip: Option<std::net::IpAddr>,
+    ) -> http::Response<tonic::body::Body> {
+        self.count(r, ip);
         // Codes as grpc-go (istiod) gives them for the same conditions.
         match r {
             Refusal::RequestTimeout => Status::deadline_exceeded("request timed out"),
@@ -542,18 +560,19 @@ where
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
         let gate = self.gate.clone();
+        let ip = req
+            .extensions()
+            .get::<ConnInfo>()
+            .map(|c| c.remote_addr.ip());
         let cancel = CancelGuard {
             control: req
                 .extensions()
                 .get::<ConnInfo>()
                 .map(|c| c.control.clone()),
-            metrics: gate.metrics.clone(),
+            gate: gate.clone(),
+            ip,
             done: false,
         };
-        let ip = req
-            .extensions()
-            .get::<ConnInfo>()
-            .map(|c| c.remote_addr.ip());
         let body_failed = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let failed = body_failed.clone();
         let req = req.map(|inner| B::new(WatchedBody { inner, failed }));
@@ -563,7 +582,7 @@ where
             let work = async {
                 let _slot = match gate.slot(ip).await {
                     Ok(s) => s,
-                    Err(r) => return Ok(gate.refuse(r)),
+                    Err(r) => return Ok(gate.refuse(r, ip)),
                 };
                 let resp = inner.call(req).await?;
                 if body_failed.load(Ordering::Acquire) {
@@ -576,13 +595,13 @@ where
                 if Status::from_header_map(resp.headers()).map(|s| s.code())
                     == Some(tonic::Code::OutOfRange)
                 {
-                    return Ok(gate.refuse(Refusal::MessageTooLarge));
+                    return Ok(gate.refuse(Refusal::MessageTooLarge, ip));
                 }
                 Ok(resp)
             };
             let result = match tokio::time::timeout(gate.timeout, work).await {
                 Ok(r) => r,
-                Err(_) => Ok(gate.refuse(Refusal::RequestTimeout)),
+                Err(_) => Ok(gate.refuse(Refusal::RequestTimeout, ip)),
             };
             cancel.done = true;
             result
@@ -711,7 +730,7 @@ mod tests {
             max_queued_requests: queued,
             ..TransportLimits::default()
         };
-        RequestGateLayer::new(&limits, None).gate
+        RequestGateLayer::new(&limits, None, None).gate
     }
 
     /// A source's entry leaves the map with its last user, also when a

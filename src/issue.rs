@@ -194,10 +194,12 @@ impl IssueGuards {
         let Some(list) = &self.denylist else {
             return Ok(());
         };
+        // Whichever path verified it (review, local, review after local),
+        // and even beside a client certificate: a request carrying a token
+        // signed by a denylisted key is refused.
         let kid = creds
             .bearer
             .as_deref()
-            .filter(|_| caller.method == authn::AuthnMethod::TokenReview)
             .and_then(crate::denylist::token_key_id);
         let pod = caller
             .kube
@@ -708,6 +710,7 @@ mod tests {
             CallerPodUidMismatch("1".into(), "2".into()),
             CallerServiceAccountMismatch("a".into(), "b".into()),
             CallerPodTerminal("a/b".into()),
+            CallerPodDeleted("a/b".into()),
             CallerPodAmbiguous("10.0.0.1".into()),
             CallerPodUnscheduled("a/b".into()),
             NoPodOnNode("a/b".into(), "n".into()),
@@ -848,6 +851,130 @@ mod tests {
                 }),
             })
         }
+    }
+
+    /// A caller authenticated by token through `method`, bound to pod
+    /// app/app-0 (uid u1) on node n1.
+    #[derive(Debug)]
+    struct AsMethod(crate::authn::AuthnMethod);
+
+    #[tonic::async_trait]
+    impl crate::authn::TokenAuthenticator for AsMethod {
+        async fn authenticate(
+            &self,
+            _: &str,
+            _: Option<&str>,
+        ) -> Result<Caller, crate::authn::AuthnError> {
+            Ok(Caller {
+                method: self.0,
+                identity: "spiffe://cluster.local/ns/app/sa/app".parse().unwrap(),
+                kube: Some(crate::authn::KubernetesInfo {
+                    pod_namespace: "app".into(),
+                    pod_name: "app-0".into(),
+                    pod_uid: "u1".into(),
+                    service_account: "app".into(),
+                    node_name: Some("n1".into()),
+                    cluster_id: None,
+                }),
+            })
+        }
+    }
+
+    /// Every denylist entry kind against every authentication method: each
+    /// entry that can name something about the caller refuses it, whichever
+    /// path verified the caller. A certificate names no pod, node or token,
+    /// so only identity and service account entries reach an mTLS caller
+    /// (its certificate's serial is revoked with `meshca revoke`).
+    #[tokio::test]
+    async fn every_denylist_kind_applies_to_every_authentication_method() {
+        use crate::authn::AuthnMethod;
+        let pki = TestPki::new(KeyType::EcdsaP256);
+        let ca = Arc::new(crate::ca::CaStore::from_dir(pki.path(), false).unwrap());
+        let me = "spiffe://cluster.local/ns/app/sa/app";
+        let (chain, _) = client_identity(&ca.snapshot(), me, &validity_hours(-1, 1));
+        // A JWT-shaped token whose header names kid K1 (the fake verifies anything).
+        let token = "eyJhbGciOiJSUzI1NiIsImtpZCI6IksxIn0.e30.c2ln";
+        assert_eq!(crate::denylist::token_key_id(token).as_deref(), Some("K1"));
+        let entries = [
+            (
+                "identity spiffe://cluster.local/ns/app/sa/app",
+                "denylist_identity",
+            ),
+            ("node n1", "denylist_node"),
+            ("pod app/app-0", "denylist_pod"),
+            ("pod-uid u1", "denylist_pod"),
+            ("serviceaccount app/app", "denylist_service_account"),
+            ("token-key K1", "denylist_token_key"),
+        ];
+        assert_eq!(entries.len(), crate::denylist::KINDS.len());
+        let token_methods = [
+            AuthnMethod::TokenReview,
+            AuthnMethod::TokenLocal,
+            AuthnMethod::TokenReviewAfterLocal("token_local_pod_not_indexed"),
+        ];
+        let mtls_applies = ["denylist_identity", "denylist_service_account"];
+        let mut checked = 0;
+        for (entry, reason) in entries {
+            let list = Arc::new(crate::denylist::LiveDenylist::new());
+            list.set(
+                crate::denylist::Source::File,
+                crate::denylist::Denylist::parse(entry).unwrap(),
+            );
+            let issuer =
+                |tokens: Option<Arc<dyn crate::authn::TokenAuthenticator>>| CertificateIssuer {
+                    ca: ca.clone(),
+                    ttl: TtlPolicy::default(),
+                    csr_policy: CsrPolicy::Strict,
+                    tokens,
+                    node_authz: None,
+                    audit: Arc::new(MemorySink::default()),
+                    metrics: None,
+                    admission: None,
+                    guards: IssueGuards {
+                        denylist: Some(list.clone()),
+                        ..Default::default()
+                    },
+                };
+            let req = || IssueRequest {
+                csr: csr_for(&rcgen::KeyPair::generate().unwrap(), me),
+                validity_secs: 0,
+                impersonate: None,
+            };
+            let run = |i: CertificateIssuer, creds: Credentials| async move {
+                i.issue(&creds, Ok(req()))
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| e.reason())
+            };
+            for m in token_methods {
+                let creds = Credentials {
+                    bearer: Some(token.into()),
+                    ..Default::default()
+                };
+                let got = run(issuer(Some(Arc::new(AsMethod(m)))), creds).await;
+                assert_eq!(got, Err(reason), "{entry} x {m:?}");
+                checked += 1;
+            }
+            let got = run(issuer(None), mtls_creds(&chain)).await;
+            let want = if mtls_applies.contains(&reason) {
+                Err(reason)
+            } else {
+                Ok(())
+            };
+            assert_eq!(got, want, "{entry} x mtls");
+            // A token beside the certificate is still checked for its key.
+            let mut both = mtls_creds(&chain);
+            both.bearer = Some(token.into());
+            let got = run(issuer(None), both).await;
+            let want = if mtls_applies.contains(&reason) || reason == "denylist_token_key" {
+                Err(reason)
+            } else {
+                Ok(())
+            };
+            assert_eq!(got, want, "{entry} x mtls with a token");
+            checked += 2;
+        }
+        assert_eq!(checked, 6 * 5);
     }
 
     /// Cold start: a node proxy asking before the pod index's first list

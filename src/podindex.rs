@@ -19,6 +19,7 @@ use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
+pub mod accounts;
 pub mod watch;
 
 /// Pod lifecycle phase, as far as authorization cares.
@@ -58,6 +59,20 @@ pub struct LeanPod {
     pub service_account: Arc<str>,
     pub phase: Phase,
     pub pod_ips: Vec<IpAddr>,
+    /// `metadata.deletionTimestamp`, in Unix seconds: the pod is being
+    /// deleted (a graceful deletion's deadline, or a finalizer holds it).
+    pub deletion_timestamp: Option<i64>,
+}
+
+/// How long after its `deletionTimestamp` an object still vouches for a
+/// bound token: the API server's own rule (it refuses a token whose pod or
+/// service account was deleted before now minus its JWT leeway, one minute).
+pub const DELETION_LEEWAY_SECS: i64 = 60;
+
+/// Whether an object with this `deletionTimestamp` counts as gone at
+/// `now_unix`, as the API server's token validator decides it.
+pub fn deleted_by(deletion_timestamp: Option<i64>, now_unix: i64) -> bool {
+    deletion_timestamp.is_some_and(|d| d < now_unix.saturating_sub(DELETION_LEEWAY_SECS))
 }
 
 impl LeanPod {
@@ -174,6 +189,8 @@ pub struct PodRef<'a> {
     pub phase: Phase,
     /// The pod's IPs (as decoded, duplicates removed).
     pub pod_ips: PodIps<'a>,
+    /// `metadata.deletionTimestamp` (Unix seconds), while the pod is deleting.
+    pub deletion_timestamp: Option<i64>,
 }
 
 /// The IPs of an indexed pod: the first IPv4 address inline, any others in
@@ -218,7 +235,13 @@ impl PodRef<'_> {
             service_account: Arc::from(self.service_account),
             phase: self.phase,
             pod_ips: self.pod_ips().collect(),
+            deletion_timestamp: self.deletion_timestamp,
         }
+    }
+
+    /// Gone for token validation at `now_unix` (see [`deleted_by`]).
+    pub fn deleted_by(&self, now_unix: i64) -> bool {
+        deleted_by(self.deletion_timestamp, now_unix)
     }
 }
 
@@ -364,6 +387,9 @@ pub struct IndexState {
     /// Addresses owned by more than one pod (host-network pods).
     ip_shared: HashMap<IpAddr, Vec<u32>>,
     extra: HashMap<u32, Extra>,
+    /// `deletionTimestamp` of the pods being deleted, by slot: rare (a pod
+    /// is normally gone seconds later), so kept beside the records.
+    deleting: HashMap<u32, i64>,
     /// Non-terminal pods per (namespace, service account): answers "does any
     /// live pod still run as this identity?" (mTLS renewal) in O(1).
     live_by_sa: HashMap<(u32, u32), u32>,
@@ -527,6 +553,7 @@ impl IndexState {
             let rec = &mut self.pods[slot as usize];
             rec.uid = uid;
             rec.phase = pod.phase;
+            self.set_deleting(slot, pod.deletion_timestamp);
             match (was.is_terminal(), pod.phase.is_terminal()) {
                 (false, true) => self.count_live(ns, sa, false),
                 (true, false) => self.count_live(ns, sa, true),
@@ -577,6 +604,7 @@ impl IndexState {
             self.extra.remove(&slot);
             self.pods[slot as usize].flags &= !F_EXTRA;
         }
+        self.set_deleting(slot, pod.deletion_timestamp);
         if !pod.phase.is_terminal() {
             self.count_live(ns, sa, true);
         }
@@ -588,6 +616,17 @@ impl IndexState {
         }
         for ip in ips {
             self.link_ip(ip, slot);
+        }
+    }
+
+    fn set_deleting(&mut self, slot: u32, deletion_timestamp: Option<i64>) {
+        match deletion_timestamp {
+            Some(t) => {
+                self.deleting.insert(slot, t);
+            }
+            None => {
+                self.deleting.remove(&slot);
+            }
         }
     }
 
@@ -661,6 +700,7 @@ impl IndexState {
             self.garbage += r.name_len as usize;
         }
         self.extra.remove(&slot);
+        self.deleting.remove(&slot);
         self.pods[slot as usize] = EMPTY;
         self.free.push(slot);
         self.len -= 1;
@@ -778,6 +818,7 @@ impl IndexState {
                 ip4: (r.flags & F_IP4 != 0).then_some(r.ip4),
                 others: extra.map_or(&[], |e| &e.ips),
             },
+            deletion_timestamp: self.deleting.get(&slot).copied(),
         }
     }
 
@@ -798,12 +839,14 @@ impl IndexState {
         self.find(ns, name).map(|slot| self.view(slot))
     }
 
-    /// Non-terminal pods of `namespace/service_account` on `node`.
+    /// Non-terminal pods of `namespace/service_account` on `node`, leaving
+    /// out those deleted by `now_unix` (see [`deleted_by`]).
     pub fn on_node<'a>(
         &'a self,
         node: &str,
         namespace: &str,
         service_account: &str,
+        now_unix: i64,
     ) -> impl Iterator<Item = PodRef<'a>> + 'a {
         let ids = self.strings.lookup(node).and_then(|node| {
             Some((
@@ -820,18 +863,34 @@ impl IndexState {
                     .map(|e| e.slot)
             })
             .filter(|&slot| !self.pods[slot as usize].phase.is_terminal())
+            .filter(move |&slot| !deleted_by(self.deleting.get(&slot).copied(), now_unix))
             .map(|slot| self.view(slot))
     }
 
-    /// Whether any non-terminal pod runs as `namespace/service_account`.
-    pub fn has_live_pod(&self, namespace: &str, service_account: &str) -> bool {
+    /// Whether any non-terminal pod runs as `namespace/service_account`,
+    /// not counting pods deleted by `now_unix` (see [`deleted_by`]).
+    pub fn has_live_pod(&self, namespace: &str, service_account: &str, now_unix: i64) -> bool {
         let (Some(ns), Some(sa)) = (
             self.strings.lookup(namespace),
             self.strings.lookup(service_account),
         ) else {
             return false;
         };
-        self.live_by_sa.get(&(ns, sa)).is_some_and(|&n| n > 0)
+        let live = self.live_by_sa.get(&(ns, sa)).copied().unwrap_or(0);
+        if live == 0 {
+            return false;
+        }
+        // Deleting pods are few; those past the leeway no longer count.
+        let gone = self
+            .deleting
+            .iter()
+            .filter(|(_, &t)| deleted_by(Some(t), now_unix))
+            .filter(|(&slot, _)| {
+                let r = &self.pods[slot as usize];
+                r.ns == ns && r.sa == sa && !r.phase.is_terminal()
+            })
+            .count();
+        live as usize > gone
     }
 
     /// Pods that have `ip` as one of their pod IPs.
@@ -880,6 +939,7 @@ impl IndexState {
             ("by_ip6", table(&self.by_ip6)),
             ("ip_shared", table(&self.ip_shared)),
             ("extra", table(&self.extra)),
+            ("deleting", table(&self.deleting)),
             ("live_by_sa", table(&self.live_by_sa)),
             (
                 "strings",
@@ -910,33 +970,35 @@ pub struct PodIndex {
     synced_notify: tokio::sync::Notify,
     size: AtomicU64,
     events: AtomicU64,
+    health: WatchHealth,
+}
+
+/// Whether a watch is following its API server, lock-free: how long it has
+/// been disconnected, if it is.
+#[derive(Debug)]
+pub struct WatchHealth {
     /// Milliseconds since `epoch` + 1 at which the watch lost the API
     /// server; 0 while connected.
     disconnected_at: AtomicU64,
-    epoch: Epoch,
+    epoch: std::time::Instant,
 }
 
-/// The index's own clock origin (a `Default` wrapper around `Instant`).
-#[derive(Debug, Clone, Copy)]
-struct Epoch(std::time::Instant);
-
-impl Default for Epoch {
+impl Default for WatchHealth {
     fn default() -> Self {
-        Self(std::time::Instant::now())
+        Self {
+            disconnected_at: AtomicU64::new(0),
+            epoch: std::time::Instant::now(),
+        }
     }
 }
 
-impl PodIndex {
-    pub fn new() -> Self {
-        Self::default()
-    }
-
+impl WatchHealth {
     fn now_ms(&self) -> u64 {
-        u64::try_from(self.epoch.0.elapsed().as_millis()).unwrap_or(u64::MAX - 1)
+        u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX - 1)
     }
 
-    /// The watch failed: the index stops following the API server from now
-    /// (the first failure counts; later ones do not move it).
+    /// The watch failed: it stops following the API server from now (the
+    /// first failure counts; later ones do not move it).
     pub fn mark_disconnected(&self) {
         let now = self.now_ms() + 1;
         let _ = self
@@ -957,6 +1019,28 @@ impl PodIndex {
                 self.now_ms().saturating_sub(at - 1),
             )),
         }
+    }
+}
+
+impl PodIndex {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The watch failed: the index stops following the API server from now
+    /// (the first failure counts; later ones do not move it).
+    pub fn mark_disconnected(&self) {
+        self.health.mark_disconnected()
+    }
+
+    /// The watch delivered a current event again.
+    pub fn mark_connected(&self) {
+        self.health.mark_connected()
+    }
+
+    /// How long the watch has been disconnected; `None` while connected.
+    pub fn disconnected_for(&self) -> Option<std::time::Duration> {
+        self.health.disconnected_for()
     }
 
     pub fn apply(&self, event: IndexEvent) {
@@ -1070,6 +1154,7 @@ pub(crate) fn pod(
         service_account: Arc::from(sa),
         phase,
         pod_ips: Vec::new(),
+        deletion_timestamp: None,
     }
 }
 
@@ -1108,7 +1193,7 @@ mod tests {
             pod("ns-a", name, &uid, node, "sa-a", phase)
         };
         let mut s = IndexState::default();
-        let live = |s: &IndexState| s.has_live_pod("ns-a", "sa-a");
+        let live = |s: &IndexState| s.has_live_pod("ns-a", "sa-a", 0);
         assert!(!live(&s));
         s.apply(Apply(p("x", uuid(1), None, Phase::Pending)));
         assert!(live(&s), "an unscheduled pending pod is live");
@@ -1128,7 +1213,7 @@ mod tests {
         assert!(live(&s), "z still runs");
         s.apply(Delete(p("z", "odd-uid".into(), Some("m"), Phase::Running)));
         assert!(!live(&s));
-        assert!(!s.has_live_pod("ns-a", "other"));
+        assert!(!s.has_live_pod("ns-a", "other", 0));
         // A relist rebuilds the count from scratch.
         s.apply(Init);
         s.apply(InitApply(p("w", uuid(3), Some("n"), Phase::Running)));
@@ -1136,9 +1221,67 @@ mod tests {
         assert!(live(&s));
     }
 
+    /// A deleting pod vouches for its service account and node until its
+    /// `deletionTimestamp` is more than the leeway in the past (the API
+    /// server's rule for bound tokens), whichever path the update took.
+    #[test]
+    fn deleting_pods_stop_counting_after_the_leeway() {
+        let uuid = |n: u8| format!("{n:08x}-0000-4000-8000-000000000000");
+        let deleting = |name: &str, uid: String, at: Option<i64>| LeanPod {
+            deletion_timestamp: at,
+            ..pod("ns-a", name, &uid, Some("n"), "sa-a", Phase::Running)
+        };
+        const T: i64 = 1_000_000;
+        let on_n = |s: &IndexState, now: i64| {
+            s.on_node("n", "ns-a", "sa-a", now)
+                .map(|p| p.name.to_string())
+                .collect::<Vec<_>>()
+        };
+        // (name, event, now, on node n, has live pod)
+        let mut s = IndexState::default();
+        s.apply(Apply(deleting("x", uuid(1), None)));
+        assert_eq!(
+            (on_n(&s, T), s.has_live_pod("ns-a", "sa-a", T)),
+            (vec!["x".to_string()], true)
+        );
+        // Fast path: only the deletion timestamp changes.
+        s.apply(Apply(deleting("x", uuid(1), Some(T))));
+        assert_eq!(s.get("ns-a", "x").unwrap().deletion_timestamp, Some(T));
+        let cases = [
+            (T, true),
+            (T + DELETION_LEEWAY_SECS, true),
+            (T + DELETION_LEEWAY_SECS + 1, false),
+        ];
+        for (now, counts) in cases {
+            assert_eq!(on_n(&s, now).len() == 1, counts, "on_node at {now}");
+            assert_eq!(s.has_live_pod("ns-a", "sa-a", now), counts, "live at {now}");
+            assert_eq!(s.get("ns-a", "x").unwrap().deleted_by(now), !counts);
+        }
+        // A second, healthy pod keeps the service account live.
+        s.apply(Apply(deleting("y", uuid(2), None)));
+        assert!(s.has_live_pod("ns-a", "sa-a", T + 1000));
+        assert_eq!(on_n(&s, T + 1000), vec!["y".to_string()]);
+        // Slow path (a node move) keeps the timestamp; a relist keeps it too.
+        s.apply(Apply(LeanPod {
+            node: Some(Arc::from("m")),
+            ..deleting("x", uuid(1), Some(T))
+        }));
+        assert_eq!(s.get("ns-a", "x").unwrap().deletion_timestamp, Some(T));
+        s.apply(Init);
+        s.apply(InitApply(deleting("x", uuid(1), Some(T))));
+        s.apply(InitDone);
+        assert!(!s.has_live_pod("ns-a", "sa-a", T + 1000));
+        assert!(s.has_live_pod("ns-a", "sa-a", T));
+        // Deleting the object drops its side entry; a new pod in its slot starts clean.
+        s.apply(Delete(deleting("x", uuid(1), Some(T))));
+        s.apply(Apply(deleting("z", uuid(3), None)));
+        assert_eq!(s.get("ns-a", "z").unwrap().deletion_timestamp, None);
+        assert!(s.deleting.is_empty());
+    }
+
     fn names_on(s: &IndexState, node: &str) -> Vec<String> {
         let mut v: Vec<String> = s
-            .on_node(node, "ns-a", "sa-a")
+            .on_node(node, "ns-a", "sa-a", 0)
             .map(|p| p.name.to_string())
             .collect();
         v.sort();
@@ -1291,9 +1434,14 @@ mod tests {
         for p in &pods[2900..] {
             assert_eq!(s.get(&p.namespace, &p.name).unwrap().to_lean(), *p);
             assert_eq!(
-                s.on_node(p.node.as_deref().unwrap(), &p.namespace, &p.service_account)
-                    .filter(|q| q.name == &*p.name)
-                    .count(),
+                s.on_node(
+                    p.node.as_deref().unwrap(),
+                    &p.namespace,
+                    &p.service_account,
+                    0
+                )
+                .filter(|q| q.name == &*p.name)
+                .count(),
                 1
             );
         }

@@ -1,6 +1,6 @@
 //! Bounded mTLS renewal: a client certificate alone no longer renews its
 //! identity forever. Decisions are plain functions over plain data
-//! ([`check`], [`capped_ttl`], [`source_ip_allowed`]); [`RenewalGuard`] only
+//! ([`check`], [`capped_ttl`], [`index_current`]); [`RenewalGuard`] only
 //! reads the live pod index into an [`IndexView`].
 //!
 //! - With the pod index on, an mTLS caller renewing its own identity needs a
@@ -152,10 +152,11 @@ pub fn capped_ttl(requested_secs: i64, ttl: &crate::ca::TtlPolicy, cap: Duration
     }
 }
 
-/// May a node proxy be located by its source IP right now? Only while the
-/// index follows the API server: a stale index may still map the IP to a pod
-/// that is long gone (and the address reused).
-pub fn source_ip_allowed(
+/// May the index vouch for a node right now (a node proxy located by its
+/// source IP, a pod of the requested identity on the caller's node)? Only
+/// while it follows the API server: a stale index may still show pods long
+/// gone from the node (and their addresses reused).
+pub fn index_current(
     disconnected_for: Option<Duration>,
     max: Duration,
 ) -> Result<(), RenewalError> {
@@ -182,7 +183,13 @@ impl IndexView {
             Some(i) if !i.is_synced() => IndexView::NotSynced,
             Some(i) => IndexView::Synced {
                 disconnected_for: i.disconnected_for(),
-                live_pod: i.read(|s| s.has_live_pod(namespace, service_account)),
+                live_pod: i.read(|s| {
+                    s.has_live_pod(
+                        namespace,
+                        service_account,
+                        time::OffsetDateTime::now_utc().unix_timestamp(),
+                    )
+                }),
             },
         }
     }
@@ -338,7 +345,7 @@ mod tests {
     #[test_case(Some(10), true ; "briefly disconnected")]
     #[test_case(Some(31), false ; "stale")]
     fn source_ip(disconnected: Option<u64>, ok: bool) {
-        let r = source_ip_allowed(disconnected.map(S), S(30));
+        let r = index_current(disconnected.map(S), S(30));
         assert_eq!(r.is_ok(), ok);
         if let Err(e) = r {
             assert_eq!(e.reason(), "renewal_index_stale");

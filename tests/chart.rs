@@ -119,7 +119,7 @@ const PUBLISHER_RBAC: &str = "tests/fixtures/rbac-root-publisher.yaml";
 fn default_cluster_role_is_exactly_the_test_cluster_rbac() {
     // Root publishing is off by default; trusted node accounts are set (istio-system/ztunnel).
     let expected = fixture_rules(TESTENV_RBAC);
-    assert_eq!(expected.len(), 2, "fixture changed shape: {expected:?}");
+    assert_eq!(expected.len(), 3, "fixture changed shape: {expected:?}");
     assert_eq!(chart_rules(&[]), expected);
 }
 
@@ -176,10 +176,11 @@ fn no_trusted_node_accounts_no_renewal_pod_check_and_review_only_means_no_pod_ac
     ]);
     let expected: Vec<Rule> = fixture_rules(TESTENV_RBAC)
         .into_iter()
-        .filter(|r| !r.resources.contains("pods"))
+        .filter(|r| !r.resources.contains("pods") && !r.resources.contains("serviceaccounts"))
         .collect();
     assert_eq!(got, expected);
-    // Local token verification needs the pod index even without impersonation.
+    // Local token verification needs the pod and ServiceAccount indexes even
+    // without impersonation.
     let got = chart_rules(&[
         "--set-json",
         "trustedNodeAccounts=[]",

@@ -78,8 +78,10 @@ async fn renewal_setup(
     edit(&mut cfg);
     let srv = start(cfg, pki).await;
     let n = ns.clone();
-    srv.wait_index("app-0", move |s| s.has_live_pod(&n, "app"))
-        .await;
+    srv.wait_index("app-0", move |s| {
+        s.has_live_pod(&n, "app", time::OffsetDateTime::now_utc().unix_timestamp())
+    })
+    .await;
     let id = spiffe(&ns, "app");
     (ns, id, srv)
 }
@@ -103,8 +105,10 @@ async fn mtls_renewal_needs_a_live_pod_deleted_pod_is_denied() {
 
     k.delete_pod(&ns, "app-0").await;
     let n = ns.clone();
-    srv.wait_index("app-0 deleted", move |s| !s.has_live_pod(&n, "app"))
-        .await;
+    srv.wait_index("app-0 deleted", move |s| {
+        !s.has_live_pod(&n, "app", time::OffsetDateTime::now_utc().unix_timestamp())
+    })
+    .await;
     let e = renew(&srv, &cert, &id, 0).await.unwrap_err();
     assert_eq!(e.code(), Code::Unauthenticated, "{e:?}");
     assert_eq!(srv.last_reason(), "renewal_no_live_pod");
@@ -112,13 +116,17 @@ async fn mtls_renewal_needs_a_live_pod_deleted_pod_is_denied() {
     // A terminal pod does not count either.
     k.pod(&ns, "app-1", "app", "node-a").await;
     let n = ns.clone();
-    srv.wait_index("app-1", move |s| s.has_live_pod(&n, "app"))
-        .await;
+    srv.wait_index("app-1", move |s| {
+        s.has_live_pod(&n, "app", time::OffsetDateTime::now_utc().unix_timestamp())
+    })
+    .await;
     renew(&srv, &cert, &id, 0).await.unwrap();
     k.set_phase(&ns, "app-1", "Succeeded").await;
     let n = ns.clone();
-    srv.wait_index("app-1 succeeded", move |s| !s.has_live_pod(&n, "app"))
-        .await;
+    srv.wait_index("app-1 succeeded", move |s| {
+        !s.has_live_pod(&n, "app", time::OffsetDateTime::now_utc().unix_timestamp())
+    })
+    .await;
     renew(&srv, &cert, &id, 0).await.unwrap_err();
     assert_eq!(srv.last_reason(), "renewal_no_live_pod");
 }

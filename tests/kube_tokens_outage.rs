@@ -1,7 +1,8 @@
 //! Local token verification through an API server outage: with a warm key
 //! set and a synced pod index, token callers never seen before still get
 //! certificates, forged tokens are still refused, and a failed key refresh
-//! keeps the last good keys. Its own test binary so the outage cannot
+//! keeps the last good keys; once the watches have been down longer than
+//! the staleness bound, tokens are refused retryably instead. Its own test binary so the outage cannot
 //! disturb other tests (cargo runs test binaries one by one).
 #![allow(clippy::unwrap_used)]
 
@@ -14,6 +15,9 @@ use meshca::authn::local::TokenVerificationMode;
 use meshca::ca::generate::KeyType;
 use meshca::testing::TestPki;
 use tonic::Code;
+
+/// The staleness bound of the strict servers.
+const STRICT: Duration = Duration::from_secs(2);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn warm_key_set_verifies_new_callers_through_an_api_server_outage() {
@@ -51,6 +55,25 @@ async fn warm_key_set_verifies_new_callers_through_an_api_server_outage() {
         srv.call(&seen, &id, None, None).await.unwrap();
         servers.push(srv);
     }
+    // The same modes with a short staleness bound: once the watches have been
+    // down longer than it, the indexes vouch for nothing (a deleted pod would
+    // still be in them), and no token is allowed on their word.
+    let mut strict = Vec::new();
+    for mode in [
+        TokenVerificationMode::Local,
+        TokenVerificationMode::LocalThenReview,
+    ] {
+        let pki = TestPki::new(KeyType::EcdsaP256);
+        let mut cfg = common::kube_config(&pki, k.meshca_kubeconfig(), &[]);
+        cfg.kube.as_mut().unwrap().token_verification.mode = mode;
+        cfg.kill_switch.renewal.max_index_staleness = STRICT;
+        let srv = start(cfg, pki).await;
+        let n = ns.clone();
+        srv.wait_index("pods", move |s| s.get(&n, "p0").is_some())
+            .await;
+        srv.call(&seen, &id, None, None).await.unwrap();
+        strict.push((mode, srv));
+    }
 
     kte_script("stop-apiserver", &k.dir);
     let outage = Instant::now();
@@ -77,6 +100,37 @@ async fn warm_key_set_verifies_new_callers_through_an_api_server_outage() {
             let forged = format!("{}.{}x.{}", parts[0], parts[1], parts[2]);
             let r = srv.call(&forged, &id, None, None).await;
             assert_eq!(r.unwrap_err().code(), Code::Unauthenticated);
+        }
+        let wait_until = outage + STRICT + Duration::from_millis(500);
+        tokio::time::sleep(wait_until.saturating_duration_since(Instant::now())).await;
+        for (mode, srv) in &strict {
+            let index = srv.app.pod_index.clone().unwrap();
+            assert!(
+                index.disconnected_for().is_some_and(|d| d > STRICT),
+                "{mode:?}: the pod watch noticed the outage"
+            );
+            let r = srv.call(&seen, &id, None, None).await;
+            assert!(r.is_err(), "{mode:?}: allowed on a stale index");
+            assert_eq!(
+                r.unwrap_err().code(),
+                Code::Unavailable,
+                "{mode:?}: retryable"
+            );
+            let rec = srv.audit.requests().last().cloned().unwrap();
+            match mode {
+                TokenVerificationMode::Local => {
+                    assert_eq!(rec.reason, "token_local_index_stale")
+                }
+                _ => {
+                    // Sent to TokenReview, which cannot answer either.
+                    assert_eq!(rec.reason, "authn_tokenreview_unavailable");
+                    let detail = rec.detail.clone().unwrap_or_default();
+                    assert!(
+                        detail.contains("after local verification: token_local_index_stale"),
+                        "{detail}"
+                    );
+                }
+            }
         }
     });
     let outcome = futures::FutureExt::catch_unwind(result).await;

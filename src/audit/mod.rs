@@ -4,6 +4,7 @@
 //! periodic checkpoints so deletions, edits and reordering are detectable
 //! ([`verify`]).
 
+pub mod aggregate;
 pub mod anchor;
 pub mod bounded;
 pub mod chain;
@@ -111,6 +112,10 @@ pub struct AuditRecord {
     /// follow a leaf to every certificate issued to its holder.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub presented_serial: Option<String>,
+    /// Aggregate records: refusals folded into this one record (how many is
+    /// `count`), where and when (see [`aggregate`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub aggregate: Option<aggregate::Aggregate>,
 }
 
 /// What a reduced record stands for.
@@ -172,6 +177,7 @@ impl AuditRecord {
             pod_certificate_request: None,
             pod_certificate_request_uid: None,
             presented_serial: None,
+            aggregate: None,
         }
     }
 

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
 
+use super::aggregate::Aggregator;
 use super::chain::ChainedSink;
 use super::{Ack, AuditError, AuditRecord, AuditRefusal, AuditSink, Decision};
 
@@ -50,6 +51,8 @@ pub struct WriterSettings {
     pub batch_interval: Duration,
     /// A checkpoint is written when records are pending this long.
     pub checkpoint_interval: Duration,
+    /// How often folded refusals are written as aggregate records.
+    pub aggregate_interval: Duration,
 }
 
 /// Something an anchor does with each checkpoint the writer writes (the
@@ -92,16 +95,22 @@ impl Waiter {
 pub struct AuditWriter {
     tx: Mutex<Option<SyncSender<Msg>>>,
     shed: Arc<AtomicU64>,
+    /// Records the queue could not take, folded; the thread writes them.
+    aggregator: Arc<Aggregator>,
     thread: Mutex<Option<JoinHandle<()>>>,
     run: super::chain::RunInfo,
 }
 
 impl AuditWriter {
     /// Starts the writer thread on `sink` (whose start checkpoint is written).
+    /// `aggregator`: where records the queue cannot take are folded (and
+    /// where the transport folds its refusals); the thread drains it into the
+    /// chain every `aggregate_interval`.
     pub fn start(
         sink: ChainedSink,
         settings: WriterSettings,
         observer: Option<Arc<dyn CheckpointObserver>>,
+        aggregator: Arc<Aggregator>,
     ) -> std::io::Result<Self> {
         let (tx, rx) = mpsc::sync_channel(settings.queue.max(1));
         let shed = sink.shed_counter();
@@ -109,12 +118,14 @@ impl AuditWriter {
         if let (Some(o), Some(line)) = (&observer, sink.last_checkpoint()) {
             o.checkpoint(&line);
         }
+        let worker = Worker::new(sink, settings, observer, aggregator.clone());
         let thread = std::thread::Builder::new()
             .name("meshca-audit".into())
-            .spawn(move || Worker::new(sink, settings, observer).run(rx))?;
+            .spawn(move || worker.run(rx))?;
         Ok(Self {
             tx: Mutex::new(Some(tx)),
             shed,
+            aggregator,
             thread: Mutex::new(Some(thread)),
             run,
         })
@@ -123,6 +134,11 @@ impl AuditWriter {
     /// The run the writer's checkpoints name.
     pub fn run(&self) -> &super::chain::RunInfo {
         &self.run
+    }
+
+    /// The table refusals are folded into (the transport adds its own).
+    pub fn aggregator(&self) -> &Arc<Aggregator> {
+        &self.aggregator
     }
 
     fn send(&self, msg: Msg) -> Result<(), AuditRefusal> {
@@ -134,17 +150,18 @@ impl AuditWriter {
         let Some(tx) = tx else {
             return Err(AuditRefusal::Shed("audit_writer_stopped"));
         };
-        match tx.try_send(msg) {
-            Ok(()) => Ok(()),
-            Err(TrySendError::Full(_)) => {
-                self.shed.fetch_add(1, Ordering::Relaxed);
-                Err(AuditRefusal::Shed("audit_queue_full"))
-            }
-            Err(TrySendError::Disconnected(_)) => {
-                self.shed.fetch_add(1, Ordering::Relaxed);
-                Err(AuditRefusal::Shed("audit_writer_stopped"))
-            }
+        let (msg, reason) = match tx.try_send(msg) {
+            Ok(()) => return Ok(()),
+            Err(TrySendError::Full(m)) => (m, "audit_queue_full"),
+            Err(TrySendError::Disconnected(m)) => (m, "audit_writer_stopped"),
+        };
+        self.shed.fetch_add(1, Ordering::Relaxed);
+        // The record is not lost: it is counted under its reason and
+        // caller, and the writer writes the count into the chain.
+        if let Msg::Record(record, _) = &msg {
+            self.aggregator.fold_record(record);
         }
+        Err(AuditRefusal::Shed(reason))
     }
 
     /// Writes a checkpoint now and waits for it (blocking: call from a
@@ -220,6 +237,8 @@ struct Worker {
     sink: ChainedSink,
     settings: WriterSettings,
     observer: Option<Arc<dyn CheckpointObserver>>,
+    aggregator: Arc<Aggregator>,
+    last_aggregate: Instant,
     last_checkpoint: Instant,
     /// Records written since the last checkpoint (time-based ones are only
     /// written when some are pending).
@@ -239,10 +258,13 @@ impl Worker {
         sink: ChainedSink,
         settings: WriterSettings,
         observer: Option<Arc<dyn CheckpointObserver>>,
+        aggregator: Arc<Aggregator>,
     ) -> Self {
         Self {
             settings,
             observer,
+            aggregator,
+            last_aggregate: Instant::now(),
             last_checkpoint: Instant::now(),
             pending: false,
             anchored: sink.checkpoint_count(),
@@ -250,24 +272,56 @@ impl Worker {
         }
     }
 
+    /// Folded refusals as record messages, at most once per interval
+    /// (`force`: now, before a shutdown checkpoint).
+    fn aggregates(&mut self, force: bool) -> Vec<Msg> {
+        if !force && self.last_aggregate.elapsed() < self.settings.aggregate_interval {
+            return Vec::new();
+        }
+        self.last_aggregate = Instant::now();
+        let folded = self.aggregator.take();
+        if folded.is_empty() {
+            return Vec::new();
+        }
+        folded
+            .records(time::OffsetDateTime::now_utc())
+            .into_iter()
+            .map(|mut r| {
+                r.bound();
+                Msg::Record(Box::new(r), None)
+            })
+            .collect()
+    }
+
     fn run(mut self, rx: mpsc::Receiver<Msg>) {
         loop {
             let wait = self
                 .settings
                 .checkpoint_interval
-                .saturating_sub(self.last_checkpoint.elapsed());
+                .saturating_sub(self.last_checkpoint.elapsed())
+                .min(self.settings.aggregate_interval);
             let first = match rx.recv_timeout(wait) {
                 Ok(m) => m,
                 Err(RecvTimeoutError::Timeout) => {
-                    if self.pending {
-                        let _ = self.checkpoint("periodic");
+                    let folded = self.aggregates(false);
+                    if !folded.is_empty() && self.write_batch(folded) {
+                        return;
                     }
-                    self.last_checkpoint = Instant::now();
+                    if self.last_checkpoint.elapsed() >= self.settings.checkpoint_interval {
+                        if self.pending {
+                            let _ = self.checkpoint("periodic");
+                        }
+                        self.last_checkpoint = Instant::now();
+                    }
                     continue;
                 }
                 Err(RecvTimeoutError::Disconnected) => {
                     // Every sender is gone without a shutdown message (the
                     // app was dropped): still close the run with a checkpoint.
+                    let folded = self.aggregates(true);
+                    if !folded.is_empty() {
+                        let _ = self.write_batch(folded);
+                    }
                     let _ = self.checkpoint("shutdown");
                     return;
                 }
@@ -304,6 +358,19 @@ impl Worker {
                 // woken by senders.
                 std::thread::sleep(left.min(BATCH_SLICE));
                 slept = true;
+            }
+            // Folded refusals go out with the batch (at most once per
+            // interval), and all of them before a shutdown checkpoint.
+            let shutdown = batch
+                .iter()
+                .any(|m| matches!(m, Msg::Checkpoint("shutdown", _)));
+            let folded = self.aggregates(shutdown);
+            if !folded.is_empty() {
+                let at = batch
+                    .iter()
+                    .position(|m| matches!(m, Msg::Checkpoint("shutdown", _)))
+                    .unwrap_or(batch.len());
+                batch.splice(at..at, folded);
             }
             let stop = self.write_batch(batch);
             if stop {
@@ -454,12 +521,17 @@ mod tests {
             .unwrap();
     }
 
+    fn agg() -> Arc<Aggregator> {
+        Arc::new(Aggregator::new(64))
+    }
+
     fn settings(queue: usize, fsync: FsyncPolicy) -> WriterSettings {
         WriterSettings {
             queue,
             fsync,
             batch_interval: Duration::from_millis(2),
             checkpoint_interval: Duration::from_secs(60),
+            aggregate_interval: Duration::from_millis(100),
         }
     }
 
@@ -489,7 +561,9 @@ mod tests {
             ChainedSink::writer_capped(Output::Writer(Box::new(gate.clone())), None, 1000, 16384)
                 .unwrap();
         *gate.0 .0.lock().unwrap() = false;
-        let w = Arc::new(AuditWriter::start(sink, settings(2, FsyncPolicy::Never), None).unwrap());
+        let w = Arc::new(
+            AuditWriter::start(sink, settings(2, FsyncPolicy::Never), None, agg()).unwrap(),
+        );
         // The first record is taken by the thread and blocks in write; two
         // more fill the queue; the rest are shed without waiting.
         let mut waiting = vec![];
@@ -527,10 +601,22 @@ mod tests {
             .map(|(i, l)| (format!("mem:{}", i + 1), l.to_string()))
             .collect();
         let rep = verify_lines(&lines, None).unwrap();
-        assert_eq!(rep.records, 3);
+        // The three written, and one aggregate standing for the seven shed:
+        // issued records the queue could not take are refusals.
+        assert_eq!(rep.records, 4);
         let last: serde_json::Value = serde_json::from_str(&lines.last().unwrap().1).unwrap();
         assert_eq!(last["reason"], "shutdown");
         assert_eq!(last["shed"], 7, "{last}");
+        let folded: Vec<serde_json::Value> = lines
+            .iter()
+            .filter_map(|(_, l)| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|v| v["aggregate"].is_object())
+            .collect();
+        assert_eq!(folded.len(), 1, "{folded:?}");
+        assert_eq!(folded[0]["reason"], "audit_queue_full");
+        assert_eq!(folded[0]["decision"], "deny");
+        assert_eq!(folded[0]["count"], 7);
+        assert_eq!(folded[0]["aggregate"]["source"], "audit_queue_full");
     }
 
     #[tokio::test]
@@ -541,7 +627,7 @@ mod tests {
             ChainedSink::writer_capped(Output::Writer(Box::new(gate.clone())), None, 1000, 16384)
                 .unwrap();
         *gate.0 .0.lock().unwrap() = false;
-        let w = AuditWriter::start(sink, settings(8, FsyncPolicy::Never), None).unwrap();
+        let w = AuditWriter::start(sink, settings(8, FsyncPolicy::Never), None, agg()).unwrap();
         let Ok(Ack::Pending(blocker)) = w.submit(Box::new(record(0))) else {
             panic!()
         };
@@ -593,7 +679,7 @@ mod tests {
         let sink =
             ChainedSink::writer_capped(Output::Writer(Box::new(out.clone())), None, 1000, 16384)
                 .unwrap();
-        let w = Arc::new(AuditWriter::start(sink, settings(1024, fsync), None).unwrap());
+        let w = Arc::new(AuditWriter::start(sink, settings(1024, fsync), None, agg()).unwrap());
         let submit_all = |range: std::ops::Range<u64>| {
             range
                 .map(|i| match w.submit(Box::new(record(i))) {
@@ -632,8 +718,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("audit.log");
         let sink = ChainedSink::file(&path, 1 << 30, 3, None, 1000).unwrap();
-        let w =
-            Arc::new(AuditWriter::start(sink, settings(1024, FsyncPolicy::Batch), None).unwrap());
+        let w = Arc::new(
+            AuditWriter::start(sink, settings(1024, FsyncPolicy::Batch), None, agg()).unwrap(),
+        );
         let mut rxs = vec![];
         for i in 0..200 {
             match w.submit(Box::new(record(i))).unwrap() {

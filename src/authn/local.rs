@@ -19,6 +19,7 @@ use jsonwebtoken::Validation;
 use super::jwks::{IssuerKeys, KeySet};
 use super::{AuthnError, AuthnMethod, Caller, KubernetesInfo, TokenAuthenticator};
 use crate::identity::{SpiffeId, TrustDomain};
+use crate::podindex::accounts::{AccountIndex, AccountState};
 use crate::podindex::{IndexState, PodIndex};
 
 /// Leeway on `exp` and `nbf`: the API server's own (go-jose's default of one
@@ -69,6 +70,8 @@ pub enum LocalError {
     Expired,
     #[error("the token is not valid yet")]
     NotYetValid,
+    #[error("the token was issued in the future")]
+    IssuedInFuture,
     #[error("token audiences do not include {0:?}")]
     AudienceMismatch(Vec<String>),
     #[error("claims: {0}")]
@@ -77,8 +80,22 @@ pub enum LocalError {
     NotPodBound,
     #[error("the token is not bound to a pod, and a pod binding is required")]
     PodBindingRequired,
-    #[error("pod index has not completed its first sync")]
+    #[error("pod or service account index has not completed its first sync")]
     IndexNotSynced,
+    #[error("{0}")]
+    IndexStale(String),
+    #[error("service account {0} is not in the index")]
+    ServiceAccountNotIndexed(String),
+    #[error("service account {account} has UID {indexed}, the token names {token}")]
+    ServiceAccountUidMismatch {
+        account: String,
+        indexed: String,
+        token: String,
+    },
+    #[error("service account {0} has been deleted")]
+    ServiceAccountDeleted(String),
+    #[error("pod {0} has been deleted")]
+    PodDeleted(String),
     #[error("pod {0} is not in the index")]
     PodNotIndexed(String),
     #[error("pod {pod} has UID {indexed}, the token names {token}")]
@@ -116,11 +133,17 @@ impl LocalError {
             Self::BadSignature => "token_local_bad_signature",
             Self::Expired => "token_local_expired",
             Self::NotYetValid => "token_local_not_yet_valid",
+            Self::IssuedInFuture => "token_local_issued_in_future",
             Self::AudienceMismatch(_) => "token_local_audience_mismatch",
             Self::InvalidClaims(_) => "token_local_invalid_claims",
             Self::NotPodBound => "token_local_not_pod_bound",
             Self::PodBindingRequired => "token_pod_binding_required",
             Self::IndexNotSynced => "token_local_index_not_synced",
+            Self::IndexStale(_) => "token_local_index_stale",
+            Self::ServiceAccountNotIndexed(_) => "token_local_sa_not_indexed",
+            Self::ServiceAccountUidMismatch { .. } => "token_local_sa_uid_mismatch",
+            Self::ServiceAccountDeleted(_) => "token_local_sa_deleted",
+            Self::PodDeleted(_) => "token_local_pod_deleted",
             Self::PodNotIndexed(_) => "token_local_pod_not_indexed",
             Self::PodUidMismatch { .. } => "token_local_pod_uid_mismatch",
             Self::ServiceAccountMismatch { .. } => "token_local_sa_mismatch",
@@ -131,10 +154,12 @@ impl LocalError {
     }
 
     /// TokenReview may still decide: local verification lacks a key, an
-    /// issuer, or an up-to-date view of the pod (the index may lag a create
-    /// or a recreation). Everything else is a verdict a review would share:
-    /// the signature or the claims are wrong under a key the API server
-    /// itself published.
+    /// issuer, or an up-to-date view of the pod or service account (an index
+    /// may lag a create or a recreation, or have lost its watch).
+    /// Everything else is a verdict a review would share: the signature or
+    /// the claims are wrong under a key the API server itself published, or
+    /// the index shows what the API server refuses (a deletion timestamp is
+    /// never taken back).
     pub fn falls_back(&self) -> bool {
         matches!(
             self,
@@ -143,6 +168,9 @@ impl LocalError {
                 | Self::KeysUnavailable
                 | Self::NotPodBound
                 | Self::IndexNotSynced
+                | Self::IndexStale(_)
+                | Self::ServiceAccountNotIndexed(_)
+                | Self::ServiceAccountUidMismatch { .. }
                 | Self::PodNotIndexed(_)
                 | Self::PodUidMismatch { .. }
                 | Self::NodeNotIndexed(_)
@@ -151,7 +179,10 @@ impl LocalError {
 
     /// With no review to fall back to, the client should retry later.
     pub fn is_retryable(&self) -> bool {
-        matches!(self, Self::KeysUnavailable | Self::IndexNotSynced)
+        matches!(
+            self,
+            Self::KeysUnavailable | Self::IndexNotSynced | Self::IndexStale(_)
+        )
     }
 }
 
@@ -175,6 +206,7 @@ struct ObjectRef {
 #[derive(Debug, serde::Deserialize)]
 struct Claims {
     sub: String,
+    iat: Option<i64>,
     #[serde(rename = "kubernetes.io")]
     kube: Option<KubeClaims>,
 }
@@ -252,6 +284,15 @@ pub fn verify_token(
         _ => LocalError::Malformed(e.to_string()),
     })?;
     let claims = data.claims;
+    // The API server's validator refuses a token issued more than its leeway
+    // in the future (jsonwebtoken checks exp and nbf, not iat).
+    let now = time::OffsetDateTime::now_utc().unix_timestamp();
+    if claims
+        .iat
+        .is_some_and(|iat| iat > now.saturating_add(CLOCK_SKEW_SECS as i64))
+    {
+        return Err(LocalError::IssuedInFuture);
+    }
     let k = claims
         .kube
         .ok_or_else(|| LocalError::InvalidClaims("no kubernetes.io claims".into()))?;
@@ -296,13 +337,46 @@ pub fn verify_token(
     })
 }
 
-/// The pod named by a verified token must be live in the index with the
-/// same UID and service account (and node, when the token names one).
-pub fn bind_to_pod(
+/// Whether the indexes can vouch for anything: both have completed their
+/// first list, and neither watch has been disconnected longer than
+/// `max_staleness` (a deleted pod or account would still be in them).
+pub fn indexes_ready(
+    pods_synced: bool,
+    accounts_synced: bool,
+    pods_disconnected_for: Option<std::time::Duration>,
+    accounts_disconnected_for: Option<std::time::Duration>,
+    max_staleness: std::time::Duration,
+) -> Result<(), LocalError> {
+    if !pods_synced || !accounts_synced {
+        return Err(LocalError::IndexNotSynced);
+    }
+    for (what, d) in [
+        ("pod", pods_disconnected_for),
+        ("service account", accounts_disconnected_for),
+    ] {
+        if let Some(d) = d.filter(|d| *d > max_staleness) {
+            return Err(LocalError::IndexStale(format!(
+                "{what} watch disconnected for {}s (max {}s)",
+                d.as_secs(),
+                max_staleness.as_secs()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// What the API server checks of a bound token's objects, against the
+/// indexes: the ServiceAccount exists with the token's UID and is not
+/// deleted; the pod exists with the token's UID and is not deleted (both by
+/// `now_unix`, with the API server's leeway, see
+/// [`crate::podindex::deleted_by`]). Then, stricter than a review: the pod
+/// runs as the token's service account, on the token's node when it names one.
+pub fn bind(
     v: &Verified,
     require_pod_binding: bool,
-    synced: bool,
-    index: &IndexState,
+    now_unix: i64,
+    pods: &IndexState,
+    accounts: &AccountState,
 ) -> Result<(), LocalError> {
     let Some((pod_name, pod_uid)) = &v.pod else {
         return Err(if require_pod_binding {
@@ -311,11 +385,22 @@ pub fn bind_to_pod(
             LocalError::NotPodBound
         });
     };
-    if !synced {
-        return Err(LocalError::IndexNotSynced);
+    let sa_ref = format!("{}/{}", v.namespace, v.service_account);
+    let sa = accounts
+        .get(&v.namespace, &v.service_account)
+        .ok_or_else(|| LocalError::ServiceAccountNotIndexed(sa_ref.clone()))?;
+    if sa.uid != v.service_account_uid {
+        return Err(LocalError::ServiceAccountUidMismatch {
+            account: sa_ref,
+            indexed: sa.uid.to_string(),
+            token: v.service_account_uid.clone(),
+        });
+    }
+    if crate::podindex::deleted_by(sa.deletion_timestamp, now_unix) {
+        return Err(LocalError::ServiceAccountDeleted(sa_ref));
     }
     let pod_ref = format!("{}/{pod_name}", v.namespace);
-    let pod = index
+    let pod = pods
         .get(&v.namespace, pod_name)
         .ok_or_else(|| LocalError::PodNotIndexed(pod_ref.clone()))?;
     if *pod.uid != **pod_uid {
@@ -324,6 +409,9 @@ pub fn bind_to_pod(
             indexed: pod.uid.to_string(),
             token: pod_uid.clone(),
         });
+    }
+    if pod.deleted_by(now_unix) {
+        return Err(LocalError::PodDeleted(pod_ref));
     }
     if *pod.service_account != *v.service_account {
         return Err(LocalError::ServiceAccountMismatch {
@@ -354,11 +442,15 @@ pub struct LocalVerifier {
     pub cluster_id: String,
     pub keys: Arc<IssuerKeys>,
     pub index: Arc<PodIndex>,
+    pub accounts: Arc<AccountIndex>,
     pub audiences: Vec<String>,
     pub trust_domain: TrustDomain,
     pub require_pod_binding: bool,
-    /// `MESHCA_POD_INDEX_SYNC_WAIT`: how long a token waits for the index's first list.
+    /// `MESHCA_POD_INDEX_SYNC_WAIT`: how long a token waits for the indexes' first lists.
     pub sync_wait: std::time::Duration,
+    /// `MESHCA_POD_INDEX_MAX_STALENESS`: past it a disconnected watch's
+    /// index decides nothing (TokenReview does, or the caller retries).
+    pub max_index_staleness: std::time::Duration,
 }
 
 impl LocalVerifier {
@@ -388,12 +480,33 @@ impl LocalVerifier {
             }
             other => other,
         }?;
-        if !self.index.is_synced() {
-            self.index.wait_synced(self.sync_wait).await;
+        if verified.pod.is_none() {
+            // Unbound: nothing in the indexes can decide it.
+            return Err(if self.require_pod_binding {
+                LocalError::PodBindingRequired
+            } else {
+                LocalError::NotPodBound
+            });
         }
-        let synced = self.index.is_synced();
-        self.index
-            .read(|s| bind_to_pod(&verified, self.require_pod_binding, synced, s))?;
+        // Both first lists are awaited together, within one sync wait.
+        if !self.index.is_synced() || !self.accounts.is_synced() {
+            tokio::join!(
+                self.index.wait_synced(self.sync_wait),
+                self.accounts.wait_synced(self.sync_wait)
+            );
+        }
+        indexes_ready(
+            self.index.is_synced(),
+            self.accounts.is_synced(),
+            self.index.disconnected_for(),
+            self.accounts.health().disconnected_for(),
+            self.max_index_staleness,
+        )?;
+        let now = time::OffsetDateTime::now_utc().unix_timestamp();
+        self.index.read(|pods| {
+            self.accounts
+                .read(|accounts| bind(&verified, self.require_pod_binding, now, pods, accounts))
+        })?;
         let identity = SpiffeId::new(
             self.trust_domain.clone(),
             &verified.namespace,
@@ -461,12 +574,17 @@ impl TokenVerifier {
         let Some(review) = &self.review else {
             return Err(AuthnError::TokenAuthnDisabled);
         };
+        let note = |detail: String, fallback: &str| {
+            format!("{detail} (TokenReview after local verification: {fallback})")
+        };
         let result = match (review.authenticate(token, cluster_id).await, after) {
             // A refusal after a fallback says so in its detail (the reason stays the review's).
-            (Err(AuthnError::Token(detail, reason)), Some(fallback)) => Err(AuthnError::Token(
-                format!("{detail} (TokenReview after local verification: {fallback})"),
-                reason,
-            )),
+            (Err(AuthnError::Token(detail, reason)), Some(fallback)) => {
+                Err(AuthnError::Token(note(detail, fallback), reason))
+            }
+            (Err(AuthnError::Unavailable(detail)), Some(fallback)) => {
+                Err(AuthnError::Unavailable(note(detail, fallback)))
+            }
             (other, _) => other,
         };
         let result = result.and_then(|mut c| {
@@ -538,13 +656,14 @@ impl TokenAuthenticator for TokenVerifier {
 
 /// Wiring for one cluster: the token authenticator of `verification`'s mode
 /// over `reviewer`, and the issuer keys to keep fresh (their `run` loop is
-/// the caller's to spawn) when local verification is on.
+/// the caller's to spawn) when local verification is on (it reads the
+/// cluster's pod and ServiceAccount `indexes`).
 pub fn build(
     client: &kube::Client,
     verification: crate::config::TokenVerification,
     cluster_id: &str,
     cfg: &crate::config::Config,
-    index: Option<Arc<PodIndex>>,
+    indexes: Option<(Arc<PodIndex>, Arc<AccountIndex>)>,
     reviewer: Arc<dyn TokenAuthenticator>,
     metrics: Arc<crate::metrics::Metrics>,
 ) -> (Arc<TokenVerifier>, Option<Arc<IssuerKeys>>) {
@@ -553,8 +672,8 @@ pub fn build(
         .kube
         .as_ref()
         .map_or(std::time::Duration::ZERO, |k| k.pod_index_sync_wait);
-    let (local, keys) = match (mode.uses_local(), index) {
-        (true, Some(index)) => {
+    let (local, keys) = match (mode.uses_local(), indexes) {
+        (true, Some((index, accounts))) => {
             let keys = Arc::new(
                 IssuerKeys::new(
                     Arc::new(super::jwks::KubeKeySource(client.clone())),
@@ -566,10 +685,12 @@ pub fn build(
                 cluster_id: cluster_id.to_string(),
                 keys: keys.clone(),
                 index,
+                accounts,
                 audiences: cfg.token_audiences.clone(),
                 trust_domain: cfg.trust_domain.clone(),
                 require_pod_binding: verification.require_pod_binding,
                 sync_wait,
+                max_index_staleness: cfg.kill_switch.renewal.max_index_staleness,
             };
             (Some(Arc::new(local)), Some(keys))
         }
@@ -824,19 +945,50 @@ mod tests {
         pod("ns-a", "pod-a", uid, node, sa, phase)
     }
 
-    #[test_case(verified(Some("node-1")), vec![pod_a("pod-uid", "sa-a", Some("node-1"), Phase::Running)], true, None ; "live pod")]
-    #[test_case(verified(None), vec![pod_a("pod-uid", "sa-a", Some("node-1"), Phase::Running)], true, None ; "token without node")]
-    #[test_case(verified(None), vec![pod_a("pod-uid", "sa-a", None, Phase::Pending)], true, None ; "unscheduled pod")]
-    #[test_case(verified(None), vec![pod_a("pod-uid", "sa-a", Some("node-1"), Phase::Succeeded)], true, None ; "succeeded pod still exists as for a review")]
-    #[test_case(verified(None), vec![], true, Some(("token_local_pod_not_indexed", true)) ; "deleted pod")]
-    #[test_case(verified(None), vec![pod_a("pod-uid", "sa-a", Some("node-1"), Phase::Failed)], true, Some(("token_local_pod_not_indexed", true)) ; "failed pod left the index")]
-    #[test_case(verified(None), vec![pod_a("new-uid", "sa-a", Some("node-1"), Phase::Running)], true, Some(("token_local_pod_uid_mismatch", true)) ; "recreated pod")]
-    #[test_case(verified(None), vec![pod_a("pod-uid", "sa-b", Some("node-1"), Phase::Running)], true, Some(("token_local_sa_mismatch", false)) ; "other service account")]
-    #[test_case(verified(Some("node-2")), vec![pod_a("pod-uid", "sa-a", Some("node-1"), Phase::Running)], true, Some(("token_local_node_mismatch", false)) ; "other node")]
-    #[test_case(verified(Some("node-1")), vec![pod_a("pod-uid", "sa-a", None, Phase::Pending)], true, Some(("token_local_node_not_indexed", true)) ; "index lags the binding")]
-    #[test_case(verified(None), vec![pod_a("pod-uid", "sa-a", Some("node-1"), Phase::Running)], false, Some(("token_local_index_not_synced", true)) ; "index not synced")]
-    fn pod_binding(v: Verified, pods: Vec<LeanPod>, synced: bool, want: Option<(&str, bool)>) {
-        let got = bind_to_pod(&v, false, synced, &index(pods));
+    const NOW: i64 = 1_000_000;
+
+    fn deleting(p: LeanPod, secs_ago: i64) -> LeanPod {
+        LeanPod {
+            deletion_timestamp: Some(NOW - secs_ago),
+            ..p
+        }
+    }
+
+    /// The token's service account as indexed: uid, seconds since its deletion began.
+    type Sa = Option<(&'static str, Option<i64>)>;
+    const SA: Sa = Some(("sa-uid", None));
+
+    fn accounts(sa: Sa) -> AccountState {
+        let rows: Vec<(&str, &str, &str, Option<i64>)> = sa
+            .into_iter()
+            .map(|(uid, ago)| ("ns-a", "sa-a", uid, ago.map(|a| NOW - a)))
+            .collect();
+        crate::podindex::accounts::state_of(&rows)
+    }
+
+    // What the API server refuses (with its one-minute leeway on deletions),
+    // then meshca's stricter checks; and whether a review may still decide.
+    #[test_case(verified(Some("node-1")), SA, vec![pod_a("pod-uid", "sa-a", Some("node-1"), Phase::Running)], None ; "live pod")]
+    #[test_case(verified(None), SA, vec![pod_a("pod-uid", "sa-a", Some("node-1"), Phase::Running)], None ; "token without node")]
+    #[test_case(verified(None), SA, vec![pod_a("pod-uid", "sa-a", None, Phase::Pending)], None ; "unscheduled pod")]
+    #[test_case(verified(None), SA, vec![pod_a("pod-uid", "sa-a", Some("node-1"), Phase::Succeeded)], None ; "succeeded pod still exists as for a review")]
+    #[test_case(verified(None), SA, vec![], Some(("token_local_pod_not_indexed", true)) ; "deleted pod")]
+    #[test_case(verified(None), SA, vec![pod_a("pod-uid", "sa-a", Some("node-1"), Phase::Failed)], Some(("token_local_pod_not_indexed", true)) ; "failed pod left the index")]
+    #[test_case(verified(None), SA, vec![pod_a("new-uid", "sa-a", Some("node-1"), Phase::Running)], Some(("token_local_pod_uid_mismatch", true)) ; "recreated pod")]
+    #[test_case(verified(None), SA, vec![deleting(pod_a("pod-uid", "sa-a", Some("node-1"), Phase::Running), 0)], None ; "pod deleting now")]
+    #[test_case(verified(None), SA, vec![deleting(pod_a("pod-uid", "sa-a", Some("node-1"), Phase::Running), 60)], None ; "pod deleting for the leeway")]
+    #[test_case(verified(None), SA, vec![deleting(pod_a("pod-uid", "sa-a", Some("node-1"), Phase::Running), 61)], Some(("token_local_pod_deleted", false)) ; "pod deleting past the leeway")]
+    #[test_case(verified(None), SA, vec![deleting(pod_a("pod-uid", "sa-a", Some("node-1"), Phase::Running), -30)], None ; "graceful deletion not yet due")]
+    #[test_case(verified(None), None, vec![pod_a("pod-uid", "sa-a", Some("node-1"), Phase::Running)], Some(("token_local_sa_not_indexed", true)) ; "deleted service account")]
+    #[test_case(verified(None), Some(("new-sa-uid", None)), vec![pod_a("pod-uid", "sa-a", Some("node-1"), Phase::Running)], Some(("token_local_sa_uid_mismatch", true)) ; "recreated service account")]
+    #[test_case(verified(None), Some(("sa-uid", Some(60))), vec![pod_a("pod-uid", "sa-a", Some("node-1"), Phase::Running)], None ; "service account deleting for the leeway")]
+    #[test_case(verified(None), Some(("sa-uid", Some(61))), vec![pod_a("pod-uid", "sa-a", Some("node-1"), Phase::Running)], Some(("token_local_sa_deleted", false)) ; "service account deleting past the leeway")]
+    #[test_case(verified(None), Some(("new-sa-uid", Some(3600))), vec![pod_a("pod-uid", "sa-a", Some("node-1"), Phase::Running)], Some(("token_local_sa_uid_mismatch", true)) ; "uid checked before deletion as the API server does")]
+    #[test_case(verified(None), SA, vec![pod_a("pod-uid", "sa-b", Some("node-1"), Phase::Running)], Some(("token_local_sa_mismatch", false)) ; "other service account")]
+    #[test_case(verified(Some("node-2")), SA, vec![pod_a("pod-uid", "sa-a", Some("node-1"), Phase::Running)], Some(("token_local_node_mismatch", false)) ; "other node")]
+    #[test_case(verified(Some("node-1")), SA, vec![pod_a("pod-uid", "sa-a", None, Phase::Pending)], Some(("token_local_node_not_indexed", true)) ; "index lags the binding")]
+    fn binding(v: Verified, sa: Sa, pods: Vec<LeanPod>, want: Option<(&str, bool)>) {
+        let got = bind(&v, false, NOW, &index(pods), &accounts(sa));
         assert_eq!(got.err().map(|e| (e.reason(), e.falls_back())), want);
     }
 
@@ -845,16 +997,32 @@ mod tests {
         let mut v = verified(None);
         v.pod = None;
         let s = index(vec![]);
-        let e = bind_to_pod(&v, false, true, &s).unwrap_err();
+        let e = bind(&v, false, NOW, &s, &accounts(SA)).unwrap_err();
         assert_eq!(
             (e.reason(), e.falls_back()),
             ("token_local_not_pod_bound", true)
         );
-        let e = bind_to_pod(&v, true, true, &s).unwrap_err();
+        let e = bind(&v, true, NOW, &s, &accounts(SA)).unwrap_err();
         assert_eq!(
             (e.reason(), e.falls_back()),
             ("token_pod_binding_required", false)
         );
+    }
+
+    // (pods synced, accounts synced, pods disconnected s, accounts disconnected s, want)
+    #[test_case(true, true, None, None, None ; "current")]
+    #[test_case(false, true, None, None, Some("token_local_index_not_synced") ; "pods not synced")]
+    #[test_case(true, false, None, None, Some("token_local_index_not_synced") ; "accounts not synced")]
+    #[test_case(true, true, Some(30), None, None ; "pods briefly disconnected")]
+    #[test_case(true, true, Some(61), None, Some("token_local_index_stale") ; "pod watch down past the bound")]
+    #[test_case(true, true, None, Some(61), Some("token_local_index_stale") ; "account watch down past the bound")]
+    fn readiness(pods: bool, accts: bool, pd: Option<u64>, ad: Option<u64>, want: Option<&str>) {
+        let s = std::time::Duration::from_secs;
+        let got = indexes_ready(pods, accts, pd.map(s), ad.map(s), s(60));
+        assert_eq!(got.as_ref().err().map(|e| e.reason()), want);
+        if let Err(e) = got {
+            assert!(e.falls_back() && e.is_retryable(), "{e}");
+        }
     }
 
     #[test]

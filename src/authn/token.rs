@@ -342,6 +342,9 @@ pub struct TokenReviewSettings {
     pub cache_ttl: Duration,
     pub timeout: Duration,
     pub limits: ReviewLimits,
+    /// A cached success is trusted only while the pod index follows the
+    /// API server: past this disconnection the token is reviewed again.
+    pub max_index_staleness: Duration,
 }
 
 /// Where TokenReviews go: the API server in production, a fake in unit tests.
@@ -484,7 +487,9 @@ impl Core {
     }
 
     /// A cached review is dropped once its bound pod is gone from (or
-    /// replaced in) a synced index.
+    /// replaced in) a synced index, or deleted by the API server's rule
+    /// (what a new review would refuse), and whenever the index has lost
+    /// its watch for longer than allowed (it could not show the pod gone).
     fn pod_still_present(&self, caller: &Caller) -> bool {
         let (Some(index), Some(k)) = (&self.index, &caller.kube) else {
             return true;
@@ -492,9 +497,15 @@ impl Core {
         if k.pod_name.is_empty() || !index.is_synced() {
             return true;
         }
+        if crate::renewal::stale(index.disconnected_for(), self.settings.max_index_staleness)
+            .is_some()
+        {
+            return false;
+        }
+        let now = time::OffsetDateTime::now_utc().unix_timestamp();
         index.read(|s| {
             s.get(&k.pod_namespace, &k.pod_name)
-                .is_some_and(|p| *p.uid == *k.pod_uid)
+                .is_some_and(|p| *p.uid == *k.pod_uid && !p.deleted_by(now))
         })
     }
 
@@ -1058,6 +1069,7 @@ mod tests {
             cache_ttl: Duration::from_secs(60),
             timeout: Duration::from_millis(300),
             limits,
+            max_index_staleness: Duration::from_secs(60),
         };
         let a = KubeTokenAuthenticator::with_backend(fake, settings, None)
             .with_metrics(metrics.clone());

@@ -107,6 +107,8 @@ pub struct Cluster {
     pub origin: Origin,
     /// Present when node authorization or local verification needs it.
     pub index: Option<Arc<PodIndex>>,
+    /// ServiceAccounts, when local verification is on.
+    pub accounts: Option<Arc<crate::podindex::accounts::AccountIndex>>,
     pub reviewer: Arc<KubeTokenAuthenticator>,
     /// The token path of the configured mode over this cluster's reviewer.
     pub tokens: Arc<TokenVerifier>,
@@ -130,6 +132,7 @@ impl Cluster {
     /// Ready to authorize: its pod index (if any) has synced.
     pub fn is_synced(&self) -> bool {
         self.index.as_ref().is_none_or(|i| i.is_synced())
+            && self.accounts.as_ref().is_none_or(|a| a.is_synced())
     }
 }
 
@@ -176,6 +179,16 @@ impl ClusterFactory {
             )));
             index
         });
+        // Local verification checks each token's ServiceAccount UID and
+        // deletion, as the API server does.
+        let accounts = verification.mode.uses_local().then(|| {
+            let accounts = Arc::new(crate::podindex::accounts::AccountIndex::new());
+            tasks.push(tokio::spawn(crate::podindex::accounts::run(
+                client.clone(),
+                accounts.clone(),
+            )));
+            accounts
+        });
         let authorizer = match (&index, cfg.trusted_node_accounts.is_empty()) {
             (Some(index), false) => Some(KubeNodeAuthorizer {
                 policy: NodePolicy {
@@ -197,6 +210,7 @@ impl ClusterFactory {
             cache_ttl: kube.token_cache_ttl,
             timeout: kube.tokenreview_timeout,
             limits: kube.review_limits,
+            max_index_staleness: cfg.kill_switch.renewal.max_index_staleness,
         };
         let reviewer = Arc::new(
             KubeTokenAuthenticator::new(client.clone(), settings, index.clone())
@@ -207,7 +221,7 @@ impl ClusterFactory {
             verification,
             id,
             cfg,
-            index.clone(),
+            index.clone().zip(accounts.clone()),
             reviewer.clone(),
             self.metrics.clone(),
         );
@@ -218,6 +232,7 @@ impl ClusterFactory {
             id: id.to_string(),
             origin,
             index,
+            accounts,
             reviewer,
             tokens,
             keys,
@@ -732,6 +747,7 @@ mod tests {
             cache_ttl: std::time::Duration::from_secs(60),
             timeout: std::time::Duration::from_secs(5),
             limits: Default::default(),
+            max_index_staleness: std::time::Duration::from_secs(60),
         };
         let reviewer = Arc::new(KubeTokenAuthenticator::with_backend(
             Arc::new(Apiserver(id)),
@@ -742,6 +758,7 @@ mod tests {
             id: id.into(),
             origin: Origin::Local,
             index: Some(index.clone()),
+            accounts: None,
             tokens: Arc::new(TokenVerifier {
                 mode: TokenVerificationMode::Review,
                 local: None,

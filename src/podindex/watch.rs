@@ -90,6 +90,7 @@ impl From<PodWire> for LeanPod {
                 .iter()
                 .filter_map(|i| i.ip.parse::<IpAddr>().ok())
                 .collect(),
+            deletion_timestamp: p.metadata.deletion_timestamp.map(|t| t.0.as_second()),
         }
     }
 }
@@ -152,6 +153,18 @@ mod tests {
         assert_eq!(&*pod.service_account, "app");
         assert_eq!(pod.phase, Phase::Running);
         assert_eq!(pod.pod_ips.len(), 2);
+        assert_eq!(pod.deletion_timestamp, None);
+    }
+
+    #[test]
+    fn keeps_the_deletion_timestamp() {
+        let json = serde_json::json!({
+            "metadata": {"name": "p", "namespace": "n", "uid": "u",
+                         "deletionTimestamp": "2026-01-02T03:04:05Z", "finalizers": ["x/y"]},
+            "spec": {"nodeName": "node-1"}
+        });
+        let pod: LeanPod = serde_json::from_value::<PodWire>(json).unwrap().into();
+        assert_eq!(pod.deletion_timestamp, Some(1_767_323_045));
     }
 
     #[test]

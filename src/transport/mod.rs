@@ -402,6 +402,7 @@ pub fn tls_incoming(
     limits: &TransportLimits,
     metrics: Option<Arc<Metrics>>,
     rejects: Option<Arc<rejects::HandshakeRejects>>,
+    aggregator: Option<Arc<crate::audit::aggregate::Aggregator>>,
 ) -> tokio_stream::wrappers::ReceiverStream<Result<TlsConn, std::io::Error>> {
     let (tx, rx) = tokio::sync::mpsc::channel(128);
     let tracker = ConnTracker::new(
@@ -435,17 +436,25 @@ pub fn tls_incoming(
                 return;
             }
             let m = metrics.as_deref();
+            // Refused before any request exists: counted per source in the
+            // audit log's aggregate records, not only in metrics.
+            let folded = |r: Refusal| {
+                refuse(m, r, remote_addr);
+                if let Some(a) = &aggregator {
+                    a.fold_transport(remote_addr.ip(), r.reason());
+                }
+            };
             let permit = match tracker.open(remote_addr.ip()) {
                 Ok(p) => p,
                 Err(r) => {
-                    refuse(m, r, remote_addr);
+                    folded(r);
                     continue;
                 }
             };
             let slot = match handshakes.open(remote_addr.ip()) {
                 Ok(s) => s,
                 Err(r) => {
-                    refuse(m, r, remote_addr);
+                    folded(r);
                     continue;
                 }
             };

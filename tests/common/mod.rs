@@ -227,6 +227,32 @@ impl Kte {
         iat: i64,
         exp: i64,
     ) -> String {
+        let mut header = json!({"alg": "RS256", "typ": "JWT"});
+        if let Some(kid) = kid {
+            header["kid"] = json!(kid);
+        }
+        let mut jti = [0u8; 16];
+        aws_lc_rs::rand::fill(&mut jti).unwrap();
+        let mut k8s = json!({"namespace": ns, "serviceaccount": {"name": sa, "uid": sa_uid}});
+        if let Some((name, uid)) = pod {
+            k8s["pod"] = json!({"name": name, "uid": uid});
+        }
+        self.sign_claims(
+            &header,
+            &json!({
+                "iss": "https://kubernetes.default.svc.cluster.local",
+                "aud": ["istio-ca"],
+                "sub": format!("system:serviceaccount:{ns}:{sa}"),
+                "jti": hex::encode(jti),
+                "iat": iat, "nbf": iat, "exp": exp,
+                "kubernetes.io": k8s,
+            }),
+        )
+    }
+
+    /// `header` and `claims` signed (RS256) with the cluster's real
+    /// ServiceAccount key.
+    pub fn sign_claims(&self, header: &serde_json::Value, claims: &serde_json::Value) -> String {
         let key_pem = std::fs::read(self.dir.join("pki/sa.key")).unwrap();
         use rustls_pki_types::pem::PemObject;
         let key_der = rustls_pki_types::PrivateKeyDer::from_pem_slice(&key_pem).unwrap();
@@ -239,26 +265,7 @@ impl Kte {
         let b64 = |v: &serde_json::Value| {
             base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(serde_json::to_vec(v).unwrap())
         };
-        let mut header = json!({"alg": "RS256", "typ": "JWT"});
-        if let Some(kid) = kid {
-            header["kid"] = json!(kid);
-        }
-        let header = b64(&header);
-        let mut jti = [0u8; 16];
-        aws_lc_rs::rand::fill(&mut jti).unwrap();
-        let mut k8s = json!({"namespace": ns, "serviceaccount": {"name": sa, "uid": sa_uid}});
-        if let Some((name, uid)) = pod {
-            k8s["pod"] = json!({"name": name, "uid": uid});
-        }
-        let claims = b64(&json!({
-            "iss": "https://kubernetes.default.svc.cluster.local",
-            "aud": ["istio-ca"],
-            "sub": format!("system:serviceaccount:{ns}:{sa}"),
-            "jti": hex::encode(jti),
-            "iat": iat, "nbf": iat, "exp": exp,
-            "kubernetes.io": k8s,
-        }));
-        let signing_input = format!("{header}.{claims}");
+        let signing_input = format!("{}.{}", b64(header), b64(claims));
         let mut sig = vec![0u8; key.public_modulus_len()];
         key.sign(
             &aws_lc_rs::signature::RSA_PKCS1_SHA256,
