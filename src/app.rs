@@ -351,6 +351,12 @@ impl App {
             .await
             .with_context(|| format!("binding {}", cfg.listen))?;
         let addr = listener.local_addr()?;
+        let mut admission_cfg = cfg.admission;
+        admission_cfg.max_streams_per_connection = cfg.transport.max_concurrent_streams as usize;
+        let admission = Arc::new(crate::admission::Admission::new(
+            admission_cfg,
+            Some(metrics.clone()),
+        ));
         let issuer = Arc::new(CertificateIssuer {
             ca: ca.clone(),
             ttl: cfg.ttl,
@@ -359,10 +365,7 @@ impl App {
             node_authz: deps.node_authz,
             audit,
             metrics: Some(metrics.clone()),
-            admission: Some(Arc::new(crate::admission::Admission::new(
-                cfg.admission,
-                Some(metrics.clone()),
-            ))),
+            admission: Some(admission.clone()),
             guards: kill_switch.guards.clone(),
         });
         // Without a writer thread (a sink supplied by the caller), folded
@@ -407,11 +410,10 @@ impl App {
         }
         let server = tokio::spawn(
             builder
-                .layer(grpc::RequestGateLayer::new(
-                    t,
-                    Some(metrics.clone()),
-                    Some(aggregator.clone()),
-                ))
+                .layer(
+                    grpc::RequestGateLayer::new(t, Some(metrics.clone()), Some(aggregator.clone()))
+                        .with_concurrency(admission.concurrency()),
+                )
                 .add_service(CaService::with_limits(issuer, cfg.input).into_server())
                 .serve_with_incoming_shutdown(incoming, async {
                     let _ = rx.await;

@@ -304,6 +304,8 @@ struct RequestGate {
     metrics: Option<Arc<Metrics>>,
     /// Refusals are folded here per source address for the audit log.
     aggregator: Option<Arc<crate::audit::aggregate::Aggregator>>,
+    /// The sized share of streams in progress per connection (admission).
+    concurrency: Option<Arc<crate::admission::Concurrency>>,
 }
 
 impl RequestGateLayer {
@@ -325,8 +327,18 @@ impl RequestGateLayer {
                 timeout: limits.request_timeout,
                 metrics,
                 aggregator,
+                concurrency: None,
             }),
         }
+    }
+
+    /// Enforces admission's sized share of streams in progress per
+    /// connection: a stream beyond it is refused before its message is read.
+    pub fn with_concurrency(mut self, c: Arc<crate::admission::Concurrency>) -> Self {
+        if let Some(g) = Arc::get_mut(&mut self.gate) {
+            g.concurrency = Some(c);
+        }
+        self
     }
 }
 
@@ -375,6 +387,39 @@ impl Drop for CancelGuard {
         if !self.done {
             self.cancelled();
         }
+    }
+}
+
+/// Counts a request in progress on its connection until dropped.
+struct InProgress {
+    control: Arc<crate::transport::ConnControl>,
+    concurrency: Arc<crate::admission::Concurrency>,
+}
+
+impl InProgress {
+    /// Counts the request; `Err` when the connection already has its share.
+    fn start(
+        control: Arc<crate::transport::ConnControl>,
+        concurrency: Arc<crate::admission::Concurrency>,
+    ) -> Result<Self, Self> {
+        let before = control.stream_started();
+        concurrency.opened(before);
+        let over = before >= concurrency.per_connection();
+        let me = Self {
+            control,
+            concurrency,
+        };
+        if over {
+            Err(me)
+        } else {
+            Ok(me)
+        }
+    }
+}
+
+impl Drop for InProgress {
+    fn drop(&mut self) {
+        self.concurrency.closed(self.control.stream_ended());
     }
 }
 
@@ -556,14 +601,30 @@ where
     fn call(&mut self, mut req: http::Request<B>) -> Self::Future {
         req.extensions_mut()
             .insert(Arrival(std::time::Instant::now()));
-        // The ready service handles this call; a fresh clone takes its place.
-        let clone = self.inner.clone();
-        let mut inner = std::mem::replace(&mut self.inner, clone);
         let gate = self.gate.clone();
         let ip = req
             .extensions()
             .get::<ConnInfo>()
             .map(|c| c.remote_addr.ip());
+        // The connection's share of streams in progress, checked before
+        // anything else: a stream over it costs its headers only.
+        let in_progress = match (
+            &gate.concurrency,
+            req.extensions().get::<ConnInfo>().map(|c| c.control.clone()),
+        ) {
+            (Some(c), Some(control)) => match InProgress::start(control, c.clone()) {
+                Ok(p) => Some(p),
+                Err(over) => {
+                    let resp = gate.refuse(Refusal::ConnectionStreamLimit, ip);
+                    drop(over);
+                    return Box::pin(async move { Ok(resp) });
+                }
+            },
+            _ => None,
+        };
+        // The ready service handles this call; a fresh clone takes its place.
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
         let cancel = CancelGuard {
             control: req
                 .extensions()
@@ -579,6 +640,7 @@ where
         Box::pin(async move {
             // Moved whole into the future: dropped with it on RST_STREAM.
             let mut cancel = cancel;
+            let _in_progress = in_progress;
             let work = async {
                 let _slot = match gate.slot(ip).await {
                     Ok(s) => s,

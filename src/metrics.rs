@@ -107,6 +107,12 @@ pub struct Metrics {
     pub admission_shed: Family<RefusalLabels, Counter>,
     pub admission_running: Gauge,
     pub admission_queued: Gauge,
+    /// The sized bound of the admission queue (`admission::decide::size`).
+    pub admission_sized_queue: Gauge,
+    /// The sized share of streams in progress per connection.
+    pub admission_streams_per_connection: Gauge,
+    /// Mean wall time of one signing job (CSR verify + sign).
+    pub admission_service_seconds: Gauge<f64, std::sync::atomic::AtomicU64>,
     /// Denylist and revocation (issue 16).
     pub kill_switch: KillSwitchMetrics,
     /// Token verification by path (local or TokenReview) and the issuer keys.
@@ -397,6 +403,24 @@ impl Metrics {
             "Requests waiting for a signing slot",
             admission_queued.clone(),
         );
+        let admission_sized_queue = Gauge::default();
+        registry.register(
+            "meshca_admission_sized_queue",
+            "Requests the admission queue holds at most now: what the signing threads can answer within the callers' typical deadline",
+            admission_sized_queue.clone(),
+        );
+        let admission_streams_per_connection = Gauge::default();
+        registry.register(
+            "meshca_admission_streams_per_connection",
+            "Streams in progress one connection may have now (its share of the sized queue); more are refused before their message is read",
+            admission_streams_per_connection.clone(),
+        );
+        let admission_service_seconds = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
+        registry.register(
+            "meshca_admission_service_seconds",
+            "Mean wall time of one signing job (CSR verify and sign) on a signing thread",
+            admission_service_seconds.clone(),
+        );
         let handshake_rejects = Family::<RefusalLabels, Counter>::default();
         registry.register(
             "meshca_tls_handshake_rejects",
@@ -429,6 +453,9 @@ impl Metrics {
             admission_shed,
             admission_running,
             admission_queued,
+            admission_sized_queue,
+            admission_streams_per_connection,
+            admission_service_seconds,
             kill_switch,
             token_paths,
             transport_refusals,

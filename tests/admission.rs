@@ -73,10 +73,15 @@ impl Server {
     }
 }
 
+/// These tests are about the admission queue: each connection may have up
+/// to the advertised 100 streams in progress (the sized per-connection share
+/// would refuse some of the bursts at the request gate; see
+/// `a_connection_over_its_share_is_refused_before_its_message_is_read`).
 fn config(running: usize, queued: usize) -> AdmissionConfig {
     AdmissionConfig {
         max_running: running,
         max_queued: queued,
+        min_streams_per_connection: 100,
         ..AdmissionConfig::default()
     }
 }

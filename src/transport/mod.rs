@@ -43,6 +43,8 @@ pub struct ConnControl {
     waker: futures::task::AtomicWaker,
     cancels: Mutex<limits::CancelWindow>,
     max_cancels_per_sec: u32,
+    /// Requests in progress on this connection (the request gate counts them).
+    streams: std::sync::atomic::AtomicUsize,
 }
 
 impl ConnControl {
@@ -56,7 +58,21 @@ impl ConnControl {
                 count: 0,
             }),
             max_cancels_per_sec,
+            streams: Default::default(),
         })
+    }
+
+    /// One more request in progress; returns how many there were before.
+    pub fn stream_started(&self) -> usize {
+        self.streams
+            .fetch_add(1, std::sync::atomic::Ordering::AcqRel)
+    }
+
+    /// A request ended; returns how many are left in progress.
+    pub fn stream_ended(&self) -> usize {
+        self.streams
+            .fetch_sub(1, std::sync::atomic::Ordering::AcqRel)
+            .saturating_sub(1)
     }
 
     /// Makes the connection's next read or write fail, which ends it.
