@@ -333,3 +333,35 @@ pub async fn spawn_listening(
     let (grpc, admin) = await_listening(stderr, std::time::Duration::from_secs(30)).await;
     (child, grpc, admin)
 }
+
+/// Reads `stdout` (an audit stream) to its end while the server is stopped
+/// with SIGTERM a moment after reading starts; returns its lines numbered as
+/// `stdout:N`, ready for [`crate::audit::verify::verify_lines`].
+pub async fn stop_and_read_stdout(
+    mut child: tokio::process::Child,
+    mut stdout: tokio::process::ChildStdout,
+) -> Vec<(String, String)> {
+    use tokio::io::AsyncReadExt;
+    let reader = tokio::spawn(async move {
+        let mut buf = Vec::new();
+        stdout.read_to_end(&mut buf).await.expect("read stdout");
+        buf
+    });
+    // Let the writer drain what it held before it is asked to stop.
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    let pid = child.id().expect("running").to_string();
+    std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .expect("kill");
+    tokio::time::timeout(std::time::Duration::from_secs(20), child.wait())
+        .await
+        .expect("stopped within 20 s")
+        .expect("wait");
+    let out = reader.await.expect("reader");
+    String::from_utf8_lossy(&out)
+        .lines()
+        .enumerate()
+        .map(|(i, l)| (format!("stdout:{}", i + 1), l.to_string()))
+        .collect()
+}

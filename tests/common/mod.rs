@@ -96,9 +96,24 @@ impl Kte {
 
     /// Creates a pod bound to `node` (no scheduler runs); returns its UID.
     pub async fn pod(&self, ns: &str, name: &str, sa: &str, node: &str) -> String {
+        self.pod_with_finalizers(ns, name, sa, node, &[]).await
+    }
+
+    /// [`Self::pod`] held by `finalizers` once deleted (it keeps a
+    /// `deletionTimestamp` until they are removed).
+    pub async fn pod_with_finalizers(
+        &self,
+        ns: &str,
+        name: &str,
+        sa: &str,
+        node: &str,
+        finalizers: &[&str],
+    ) -> String {
         let pod = Pod {
             metadata: kube::api::ObjectMeta {
                 name: Some(name.into()),
+                finalizers: Some(finalizers.iter().map(|f| f.to_string()).collect())
+                    .filter(|f: &Vec<String>| !f.is_empty()),
                 ..Default::default()
             },
             spec: Some(PodSpec {
