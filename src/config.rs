@@ -787,19 +787,12 @@ impl MultiClusterArgs {
             1,
             1000,
         )?;
-        let sync_timeout = bounded_duration(
+        let sync_timeout = duration_between(
             "MESHCA_REMOTE_CLUSTER_SYNC_TIMEOUT",
             &self.remote_cluster_sync_timeout,
-            false,
+            Duration::from_secs(1),
             Duration::from_secs(600),
         )?;
-        if sync_timeout < Duration::from_secs(1) {
-            return Err(err(
-                "MESHCA_REMOTE_CLUSTER_SYNC_TIMEOUT",
-                &self.remote_cluster_sync_timeout,
-                "must be at least 1s",
-            ));
-        }
         Ok(MultiClusterSettings {
             remote_secrets: Some(crate::cluster::secrets::RemoteSecrets {
                 namespace: ns.to_string(),
@@ -942,6 +935,24 @@ pub(crate) fn bounded_duration(
                 crate::ca::ttl::go_duration(max.as_secs())
             ),
         ));
+    }
+    Ok(d)
+}
+
+/// A duration flag within `[min, max]` (`min` > 0).
+pub(crate) fn duration_between(
+    name: &'static str,
+    v: &str,
+    min: Duration,
+    max: Duration,
+) -> Result<Duration, ConfigError> {
+    let d = bounded_duration(name, v, false, max)?;
+    if d < min {
+        let shown = match min.subsec_millis() {
+            0 => format!("{}s", min.as_secs()),
+            _ => format!("{}ms", min.as_millis()),
+        };
+        return Err(err(name, v, format!("must be at least {shown}")));
     }
     Ok(d)
 }
@@ -1395,38 +1406,24 @@ impl Config {
             Duration::from_secs(1),
         )?;
         bounded("MESHCA_AUDIT_QUEUE", a.audit_queue, 1, 1 << 20)?;
-        let handshake_interval = bounded_duration(
+        let handshake_interval = duration_between(
             "MESHCA_AUDIT_HANDSHAKE_INTERVAL",
             &a.audit_handshake_interval,
-            false,
+            Duration::from_secs(1),
             Duration::from_secs(3600),
         )?;
-        if handshake_interval < Duration::from_secs(1) {
-            return Err(err(
-                "MESHCA_AUDIT_HANDSHAKE_INTERVAL",
-                &a.audit_handshake_interval,
-                "must be at least 1s",
-            ));
-        }
         bounded(
             "MESHCA_AUDIT_HANDSHAKE_MAX_SOURCES",
             a.audit_handshake_max_sources,
             1,
             1 << 20,
         )?;
-        let aggregate_interval = bounded_duration(
+        let aggregate_interval = duration_between(
             "MESHCA_AUDIT_AGGREGATE_INTERVAL",
             &a.audit_aggregate_interval,
-            false,
+            Duration::from_millis(100),
             Duration::from_secs(3600),
         )?;
-        if aggregate_interval < Duration::from_millis(100) {
-            return Err(err(
-                "MESHCA_AUDIT_AGGREGATE_INTERVAL",
-                &a.audit_aggregate_interval,
-                "must be at least 100ms",
-            ));
-        }
         bounded(
             "MESHCA_AUDIT_AGGREGATE_MAX_KEYS",
             a.audit_aggregate_max_keys,
@@ -1471,20 +1468,13 @@ impl Config {
                     e.to_string(),
                 )
             })?;
-            let interval = bounded_duration(
+            // Each anchor is an object kept for the retention period.
+            let interval = duration_between(
                 "MESHCA_AUDIT_ANCHOR_INTERVAL",
                 &a.audit_anchor_interval,
-                false,
+                Duration::from_secs(1),
                 Duration::from_secs(24 * 3600),
             )?;
-            // Each anchor is an object kept for the retention period.
-            if interval < Duration::from_secs(1) {
-                return Err(err(
-                    "MESHCA_AUDIT_ANCHOR_INTERVAL",
-                    &a.audit_anchor_interval,
-                    "must be at least 1s",
-                ));
-            }
             audit.anchor = Some(AnchorTarget {
                 namespace: a.audit_anchor_namespace.clone(),
                 set: a.audit_anchor_configmap.clone(),
