@@ -408,21 +408,11 @@ impl KillSwitchArgs {
                 MAX_PERIOD,
             )?,
         };
-        let configmap = match self.denylist_configmap.as_deref().map(str::trim) {
-            None | Some("") => None,
-            Some(v) => {
-                let (ns, name) = v
-                    .split_once('/')
-                    .filter(|(n, m)| !n.is_empty() && !m.is_empty() && !m.contains('/'))
-                    .ok_or_else(|| {
-                        err("MESHCA_DENYLIST_CONFIGMAP", v, "expected namespace/name")
-                    })?;
-                if !kube_on {
-                    return Err(err("MESHCA_DENYLIST_CONFIGMAP", v, "needs Kubernetes"));
-                }
-                Some((ns.to_string(), name.to_string()))
-            }
-        };
+        let configmap = configmap_flag(
+            "MESHCA_DENYLIST_CONFIGMAP",
+            self.denylist_configmap.as_deref(),
+            kube_on,
+        )?;
         let denylist = crate::denylist::DenylistSettings {
             file: self.denylist_file.clone(),
             poll: bounded_duration(
@@ -433,21 +423,11 @@ impl KillSwitchArgs {
             )?,
             configmap,
         };
-        let revocation_configmap = match self.revocation_configmap.as_deref().map(str::trim) {
-            None | Some("") => None,
-            Some(v) => {
-                let (ns, name) = v
-                    .split_once('/')
-                    .filter(|(n, m)| !n.is_empty() && !m.is_empty() && !m.contains('/'))
-                    .ok_or_else(|| {
-                        err("MESHCA_REVOCATION_CONFIGMAP", v, "expected namespace/name")
-                    })?;
-                if !kube_on {
-                    return Err(err("MESHCA_REVOCATION_CONFIGMAP", v, "needs Kubernetes"));
-                }
-                Some((ns.to_string(), name.to_string()))
-            }
-        };
+        let revocation_configmap = configmap_flag(
+            "MESHCA_REVOCATION_CONFIGMAP",
+            self.revocation_configmap.as_deref(),
+            kube_on,
+        )?;
         let revocation_on = self.revocation_file.is_some() || revocation_configmap.is_some();
         let publish = if self.publish_crl {
             if !kube_on {
@@ -955,6 +935,33 @@ pub(crate) fn duration_between(
         return Err(err(name, v, format!("must be at least {shown}")));
     }
     Ok(d)
+}
+
+/// A ConfigMap reference `namespace/name` (both parts non-empty, one slash).
+pub fn parse_configmap_ref(v: &str) -> Option<(String, String)> {
+    v.split_once('/')
+        .filter(|(n, m)| !n.is_empty() && !m.is_empty() && !m.contains('/'))
+        .map(|(n, m)| (n.to_string(), m.to_string()))
+}
+
+/// A `namespace/name` ConfigMap flag of `meshca serve`: unset or blank is
+/// none; set, it must parse and Kubernetes must be on.
+fn configmap_flag(
+    name: &'static str,
+    v: Option<&str>,
+    kube_on: bool,
+) -> Result<Option<(String, String)>, ConfigError> {
+    match v.map(str::trim) {
+        None | Some("") => Ok(None),
+        Some(v) => {
+            let r =
+                parse_configmap_ref(v).ok_or_else(|| err(name, v, "expected namespace/name"))?;
+            if !kube_on {
+                return Err(err(name, v, "needs Kubernetes"));
+            }
+            Ok(Some(r))
+        }
+    }
 }
 
 /// A count or size flag within `[min, max]`.

@@ -451,11 +451,7 @@ async fn a_denylisted_signing_key_refuses_locally_verified_tokens_within_seconds
     use meshca::config::AuditSinkKind;
     let k = kte().await;
     let ns = k.namespace("leak").await;
-    k.service_account(&ns, "ztunnel").await;
-    let uid = k.pod(&ns, "ztunnel-a", "ztunnel", "node-a").await;
-    let token = k
-        .token(&ns, "ztunnel", Some(("ztunnel-a", &uid)), "istio-ca")
-        .await;
+    let (_, token) = k.pod_token(&ns, "ztunnel", "ztunnel-a", "node-a").await;
     let kid = kid_of(&token);
     let id = spiffe(&ns, "ztunnel");
     let dir = tempfile::tempdir().unwrap();
