@@ -1043,13 +1043,23 @@ async fn two_replicas_share_revocations_and_publish_one_growing_crl() {
             .await
             .unwrap();
         let key = rcgen::KeyPair::generate().unwrap();
-        let req = meshca::testing::request(meshca::testing::csr_for(&key, id), 0, &[]);
-        match c.create_certificate(req).await {
-            Ok(_) => true,
-            Err(e) => {
-                let reason = audit.requests().last().unwrap().reason.clone();
-                assert_eq!(reason, "mtls_cert_revoked", "{e:?}");
-                false
+        // A replica that has not read the store yet refuses retryably
+        // (revocations_not_loaded): that is no verdict, so ask again.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let req = meshca::testing::request(meshca::testing::csr_for(&key, id), 0, &[]);
+            match c.create_certificate(req).await {
+                Ok(_) => return true,
+                Err(e) => {
+                    let reason = audit.requests().last().unwrap().reason.clone();
+                    if reason == "revocations_not_loaded" && Instant::now() < deadline {
+                        assert_eq!(e.code(), tonic::Code::Unavailable);
+                        tokio::time::sleep(Duration::from_millis(25)).await;
+                        continue;
+                    }
+                    assert_eq!(reason, "mtls_cert_revoked", "{e:?}");
+                    return false;
+                }
             }
         }
     }
