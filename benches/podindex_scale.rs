@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use meshca::podindex::accounts::{AccountState, LeanAccount};
-use meshca::podindex::{IndexEvent, IndexState, LeanPod, Phase, PodIndex};
+use meshca::podindex::{IndexEvent, IndexState, Indexed, LeanPod, Phase, PodIndex};
 use stats_alloc::{Region, StatsAlloc, INSTRUMENTED_SYSTEM};
 
 #[global_allocator]
@@ -212,12 +212,7 @@ fn synthetic_run(n: usize) {
         })
         .collect();
     let region = Region::new(GLOBAL);
-    let mut acct = AccountState::default();
-    acct.apply(kube::runtime::watcher::Event::Init);
-    for a in &lean {
-        acct.apply(kube::runtime::watcher::Event::InitApply(a.clone()));
-    }
-    acct.apply(kube::runtime::watcher::Event::InitDone);
+    let acct = AccountState::from_list(lean.clone());
     let acct_bytes = net_bytes(&region);
     assert_eq!(acct.len(), lean.len());
     println!(

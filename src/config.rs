@@ -408,21 +408,11 @@ impl KillSwitchArgs {
                 MAX_PERIOD,
             )?,
         };
-        let configmap = match self.denylist_configmap.as_deref().map(str::trim) {
-            None | Some("") => None,
-            Some(v) => {
-                let (ns, name) = v
-                    .split_once('/')
-                    .filter(|(n, m)| !n.is_empty() && !m.is_empty() && !m.contains('/'))
-                    .ok_or_else(|| {
-                        err("MESHCA_DENYLIST_CONFIGMAP", v, "expected namespace/name")
-                    })?;
-                if !kube_on {
-                    return Err(err("MESHCA_DENYLIST_CONFIGMAP", v, "needs Kubernetes"));
-                }
-                Some((ns.to_string(), name.to_string()))
-            }
-        };
+        let configmap = configmap_flag(
+            "MESHCA_DENYLIST_CONFIGMAP",
+            self.denylist_configmap.as_deref(),
+            kube_on,
+        )?;
         let denylist = crate::denylist::DenylistSettings {
             file: self.denylist_file.clone(),
             poll: bounded_duration(
@@ -433,21 +423,11 @@ impl KillSwitchArgs {
             )?,
             configmap,
         };
-        let revocation_configmap = match self.revocation_configmap.as_deref().map(str::trim) {
-            None | Some("") => None,
-            Some(v) => {
-                let (ns, name) = v
-                    .split_once('/')
-                    .filter(|(n, m)| !n.is_empty() && !m.is_empty() && !m.contains('/'))
-                    .ok_or_else(|| {
-                        err("MESHCA_REVOCATION_CONFIGMAP", v, "expected namespace/name")
-                    })?;
-                if !kube_on {
-                    return Err(err("MESHCA_REVOCATION_CONFIGMAP", v, "needs Kubernetes"));
-                }
-                Some((ns.to_string(), name.to_string()))
-            }
-        };
+        let revocation_configmap = configmap_flag(
+            "MESHCA_REVOCATION_CONFIGMAP",
+            self.revocation_configmap.as_deref(),
+            kube_on,
+        )?;
         let revocation_on = self.revocation_file.is_some() || revocation_configmap.is_some();
         let publish = if self.publish_crl {
             if !kube_on {
@@ -787,19 +767,12 @@ impl MultiClusterArgs {
             1,
             1000,
         )?;
-        let sync_timeout = bounded_duration(
+        let sync_timeout = duration_between(
             "MESHCA_REMOTE_CLUSTER_SYNC_TIMEOUT",
             &self.remote_cluster_sync_timeout,
-            false,
+            Duration::from_secs(1),
             Duration::from_secs(600),
         )?;
-        if sync_timeout < Duration::from_secs(1) {
-            return Err(err(
-                "MESHCA_REMOTE_CLUSTER_SYNC_TIMEOUT",
-                &self.remote_cluster_sync_timeout,
-                "must be at least 1s",
-            ));
-        }
         Ok(MultiClusterSettings {
             remote_secrets: Some(crate::cluster::secrets::RemoteSecrets {
                 namespace: ns.to_string(),
@@ -944,6 +917,51 @@ pub(crate) fn bounded_duration(
         ));
     }
     Ok(d)
+}
+
+/// A duration flag within `[min, max]` (`min` > 0).
+pub(crate) fn duration_between(
+    name: &'static str,
+    v: &str,
+    min: Duration,
+    max: Duration,
+) -> Result<Duration, ConfigError> {
+    let d = bounded_duration(name, v, false, max)?;
+    if d < min {
+        let shown = match min.subsec_millis() {
+            0 => format!("{}s", min.as_secs()),
+            _ => format!("{}ms", min.as_millis()),
+        };
+        return Err(err(name, v, format!("must be at least {shown}")));
+    }
+    Ok(d)
+}
+
+/// A ConfigMap reference `namespace/name` (both parts non-empty, one slash).
+pub fn parse_configmap_ref(v: &str) -> Option<(String, String)> {
+    v.split_once('/')
+        .filter(|(n, m)| !n.is_empty() && !m.is_empty() && !m.contains('/'))
+        .map(|(n, m)| (n.to_string(), m.to_string()))
+}
+
+/// A `namespace/name` ConfigMap flag of `meshca serve`: unset or blank is
+/// none; set, it must parse and Kubernetes must be on.
+fn configmap_flag(
+    name: &'static str,
+    v: Option<&str>,
+    kube_on: bool,
+) -> Result<Option<(String, String)>, ConfigError> {
+    match v.map(str::trim) {
+        None | Some("") => Ok(None),
+        Some(v) => {
+            let r =
+                parse_configmap_ref(v).ok_or_else(|| err(name, v, "expected namespace/name"))?;
+            if !kube_on {
+                return Err(err(name, v, "needs Kubernetes"));
+            }
+            Ok(Some(r))
+        }
+    }
 }
 
 /// A count or size flag within `[min, max]`.
@@ -1395,38 +1413,24 @@ impl Config {
             Duration::from_secs(1),
         )?;
         bounded("MESHCA_AUDIT_QUEUE", a.audit_queue, 1, 1 << 20)?;
-        let handshake_interval = bounded_duration(
+        let handshake_interval = duration_between(
             "MESHCA_AUDIT_HANDSHAKE_INTERVAL",
             &a.audit_handshake_interval,
-            false,
+            Duration::from_secs(1),
             Duration::from_secs(3600),
         )?;
-        if handshake_interval < Duration::from_secs(1) {
-            return Err(err(
-                "MESHCA_AUDIT_HANDSHAKE_INTERVAL",
-                &a.audit_handshake_interval,
-                "must be at least 1s",
-            ));
-        }
         bounded(
             "MESHCA_AUDIT_HANDSHAKE_MAX_SOURCES",
             a.audit_handshake_max_sources,
             1,
             1 << 20,
         )?;
-        let aggregate_interval = bounded_duration(
+        let aggregate_interval = duration_between(
             "MESHCA_AUDIT_AGGREGATE_INTERVAL",
             &a.audit_aggregate_interval,
-            false,
+            Duration::from_millis(100),
             Duration::from_secs(3600),
         )?;
-        if aggregate_interval < Duration::from_millis(100) {
-            return Err(err(
-                "MESHCA_AUDIT_AGGREGATE_INTERVAL",
-                &a.audit_aggregate_interval,
-                "must be at least 100ms",
-            ));
-        }
         bounded(
             "MESHCA_AUDIT_AGGREGATE_MAX_KEYS",
             a.audit_aggregate_max_keys,
@@ -1471,20 +1475,13 @@ impl Config {
                     e.to_string(),
                 )
             })?;
-            let interval = bounded_duration(
+            // Each anchor is an object kept for the retention period.
+            let interval = duration_between(
                 "MESHCA_AUDIT_ANCHOR_INTERVAL",
                 &a.audit_anchor_interval,
-                false,
+                Duration::from_secs(1),
                 Duration::from_secs(24 * 3600),
             )?;
-            // Each anchor is an object kept for the retention period.
-            if interval < Duration::from_secs(1) {
-                return Err(err(
-                    "MESHCA_AUDIT_ANCHOR_INTERVAL",
-                    &a.audit_anchor_interval,
-                    "must be at least 1s",
-                ));
-            }
             audit.anchor = Some(AnchorTarget {
                 namespace: a.audit_anchor_namespace.clone(),
                 set: a.audit_anchor_configmap.clone(),

@@ -399,6 +399,19 @@ pub async fn follow_file(
     }
 }
 
+/// The text under `key` of a ConfigMap, empty when it has none: how the
+/// denylist and the revocation store read their ConfigMaps.
+pub(crate) fn configmap_text<'a>(
+    cm: &'a k8s_openapi::api::core::v1::ConfigMap,
+    key: &str,
+) -> &'a str {
+    cm.data
+        .as_ref()
+        .and_then(|d| d.get(key))
+        .map(String::as_str)
+        .unwrap_or("")
+}
+
 /// Watches one ConfigMap; its `denylist` key is the ConfigMap source.
 pub async fn follow_configmap(
     client: kube::Client,
@@ -416,23 +429,15 @@ pub async fn follow_configmap(
     let mut stream = watcher::watcher(api, config).default_backoff().boxed();
     // A relist that finds nothing means the ConfigMap is gone.
     let mut seen_in_list = false;
-    let apply = |cm: &ConfigMap| {
-        let text = cm
-            .data
-            .as_ref()
-            .and_then(|d| d.get(CONFIGMAP_KEY))
-            .map(String::as_str)
-            .unwrap_or("");
-        match Denylist::parse(text) {
-            Ok(list) => {
-                tracing::info!(configmap = %format!("{namespace}/{name}"), entries = list.len(), "denylist reloaded");
-                live.set(Source::ConfigMap, list);
-                reloaded(metrics.as_deref(), Source::ConfigMap, "ok");
-            }
-            Err(e) => {
-                tracing::error!(configmap = %format!("{namespace}/{name}"), reason = e.reason(), error = %e, "denylist refused; keeping the list in force");
-                reloaded(metrics.as_deref(), Source::ConfigMap, "invalid");
-            }
+    let apply = |cm: &ConfigMap| match Denylist::parse(configmap_text(cm, CONFIGMAP_KEY)) {
+        Ok(list) => {
+            tracing::info!(configmap = %format!("{namespace}/{name}"), entries = list.len(), "denylist reloaded");
+            live.set(Source::ConfigMap, list);
+            reloaded(metrics.as_deref(), Source::ConfigMap, "ok");
+        }
+        Err(e) => {
+            tracing::error!(configmap = %format!("{namespace}/{name}"), reason = e.reason(), error = %e, "denylist refused; keeping the list in force");
+            reloaded(metrics.as_deref(), Source::ConfigMap, "invalid");
         }
     };
     while let Some(event) = stream.next().await {

@@ -808,59 +808,59 @@ mod tests {
         }
     }
 
-    /// A node proxy authenticated by token, bound to pod ztunnel-a on zt-node.
+    /// A token authenticator that accepts any token as this caller.
     #[derive(Debug)]
-    struct ZtunnelToken;
+    struct TokenAs(Caller);
 
     #[tonic::async_trait]
-    impl crate::authn::TokenAuthenticator for ZtunnelToken {
+    impl crate::authn::TokenAuthenticator for TokenAs {
         async fn authenticate(
             &self,
             _: &str,
             _: Option<&str>,
         ) -> Result<Caller, crate::authn::AuthnError> {
-            Ok(Caller {
-                method: crate::authn::AuthnMethod::TokenReview,
-                identity: "spiffe://cluster.local/ns/istio-system/sa/ztunnel"
-                    .parse()
-                    .unwrap(),
-                kube: Some(crate::authn::KubernetesInfo {
-                    pod_namespace: "istio-system".into(),
-                    pod_name: "ztunnel-a".into(),
-                    pod_uid: "zt-uid".into(),
-                    service_account: "ztunnel".into(),
-                    node_name: Some("zt-node".into()),
-                    cluster_id: None,
-                }),
-            })
+            Ok(self.0.clone())
         }
+    }
+
+    /// A token caller verified through `method`, bound to pod `ns/pod`
+    /// (uid `uid`) of service account `ns/sa` on `node`.
+    fn token_caller(
+        method: crate::authn::AuthnMethod,
+        (ns, sa): (&str, &str),
+        (pod, uid): (&str, &str),
+        node: &str,
+    ) -> Caller {
+        Caller {
+            method,
+            identity: format!("spiffe://cluster.local/ns/{ns}/sa/{sa}")
+                .parse()
+                .unwrap(),
+            kube: Some(crate::authn::KubernetesInfo {
+                pod_namespace: ns.into(),
+                pod_name: pod.into(),
+                pod_uid: uid.into(),
+                service_account: sa.into(),
+                node_name: Some(node.into()),
+                cluster_id: None,
+            }),
+        }
+    }
+
+    /// A node proxy authenticated by token, bound to pod ztunnel-a on zt-node.
+    fn ztunnel_token() -> TokenAs {
+        TokenAs(token_caller(
+            crate::authn::AuthnMethod::TokenReview,
+            ("istio-system", "ztunnel"),
+            ("ztunnel-a", "zt-uid"),
+            "zt-node",
+        ))
     }
 
     /// A caller authenticated by token through `method`, bound to pod
     /// app/app-0 (uid u1) on node n1.
-    #[derive(Debug)]
-    struct AsMethod(crate::authn::AuthnMethod);
-
-    #[tonic::async_trait]
-    impl crate::authn::TokenAuthenticator for AsMethod {
-        async fn authenticate(
-            &self,
-            _: &str,
-            _: Option<&str>,
-        ) -> Result<Caller, crate::authn::AuthnError> {
-            Ok(Caller {
-                method: self.0,
-                identity: "spiffe://cluster.local/ns/app/sa/app".parse().unwrap(),
-                kube: Some(crate::authn::KubernetesInfo {
-                    pod_namespace: "app".into(),
-                    pod_name: "app-0".into(),
-                    pod_uid: "u1".into(),
-                    service_account: "app".into(),
-                    node_name: Some("n1".into()),
-                    cluster_id: None,
-                }),
-            })
-        }
+    fn app_token(method: crate::authn::AuthnMethod) -> TokenAs {
+        TokenAs(token_caller(method, ("app", "app"), ("app-0", "u1"), "n1"))
     }
 
     /// Every denylist entry kind against every authentication method: each
@@ -934,7 +934,7 @@ mod tests {
                     bearer: Some(token.into()),
                     ..Default::default()
                 };
-                let got = run(issuer(Some(Arc::new(AsMethod(m)))), creds).await;
+                let got = run(issuer(Some(Arc::new(app_token(m)))), creds).await;
                 assert_eq!(got, Err(reason), "{entry} x {m:?}");
                 checked += 1;
             }
@@ -997,7 +997,7 @@ mod tests {
                 ca: ca.clone(),
                 ttl: TtlPolicy::default(),
                 csr_policy: CsrPolicy::Strict,
-                tokens: Some(Arc::new(ZtunnelToken)),
+                tokens: Some(Arc::new(ztunnel_token())),
                 node_authz: Some(Arc::new(authz)),
                 audit: sink.clone(),
                 metrics: None,

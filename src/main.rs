@@ -140,6 +140,18 @@ struct RevokeArgs {
     trust_domains: meshca::config::TrustDomainArgs,
 }
 
+/// The cluster and the anchor set the audit commands read anchors from.
+#[derive(clap::Args)]
+struct AnchorSet {
+    #[arg(long)]
+    kubeconfig: Option<PathBuf>,
+    #[arg(long, default_value = "istio-system")]
+    anchor_namespace: String,
+    /// The anchor set (MESHCA_AUDIT_ANCHOR_CONFIGMAP of the server).
+    #[arg(long, default_value = "meshca-audit-anchors")]
+    anchor_configmap: String,
+}
+
 #[derive(Subcommand)]
 enum AuditCommand {
     /// Check the chain and checkpoints; report the first broken record.
@@ -173,13 +185,8 @@ enum AuditCommand {
         /// must form one history, and each must stand in the log.
         #[arg(long)]
         anchors: bool,
-        #[arg(long)]
-        kubeconfig: Option<PathBuf>,
-        #[arg(long, default_value = "istio-system")]
-        anchor_namespace: String,
-        /// The anchor set (MESHCA_AUDIT_ANCHOR_CONFIGMAP of the server).
-        #[arg(long, default_value = "meshca-audit-anchors")]
-        anchor_configmap: String,
+        #[command(flatten)]
+        set: AnchorSet,
         /// With --anchors: also accept the public keys meshca published
         /// beside its anchors (trust them as much as the cluster's RBAC).
         #[arg(long, requires = "anchors")]
@@ -226,13 +233,8 @@ enum AuditCommand {
         /// Print what would be removed; remove nothing.
         #[arg(long)]
         dry_run: bool,
-        #[arg(long)]
-        kubeconfig: Option<PathBuf>,
-        #[arg(long, default_value = "istio-system")]
-        anchor_namespace: String,
-        /// The anchor set (MESHCA_AUDIT_ANCHOR_CONFIGMAP of the server).
-        #[arg(long, default_value = "meshca-audit-anchors")]
-        anchor_configmap: String,
+        #[command(flatten)]
+        set: AnchorSet,
     },
     /// Generate an ECDSA P-256 checkpoint signing key; prints its public key.
     Keygen {
@@ -490,6 +492,22 @@ fn rfc3339(s: &Option<String>) -> anyhow::Result<Option<OffsetDateTime>> {
         .transpose()
 }
 
+impl AnchorSet {
+    /// Runs `f` with a client of `--kubeconfig` from the synchronous audit
+    /// commands.
+    fn with_client<T>(
+        &self,
+        f: impl AsyncFnOnce(&kube::Client) -> anyhow::Result<T>,
+    ) -> anyhow::Result<T> {
+        tokio::task::block_in_place(|| {
+            tokio::runtime::Handle::current().block_on(async {
+                let client = meshca::app::kube_client(self.kubeconfig.as_deref()).await?;
+                f(&client).await
+            })
+        })
+    }
+}
+
 fn audit(cmd: AuditCommand) -> anyhow::Result<()> {
     use meshca::audit::chain::{CheckpointKey, VerifyKey};
     use meshca::audit::verify;
@@ -501,9 +519,7 @@ fn audit(cmd: AuditCommand) -> anyhow::Result<()> {
             partial,
             anchor,
             anchors: from_kube,
-            kubeconfig,
-            anchor_namespace,
-            anchor_configmap,
+            set,
             keys_from_anchors,
             files,
         } => {
@@ -537,18 +553,13 @@ fn audit(cmd: AuditCommand) -> anyhow::Result<()> {
                 .collect::<anyhow::Result<Vec<Vec<_>>>>()?;
             let mut anchors: Vec<verify::Anchor> = anchors.into_iter().flatten().collect();
             if from_kube {
-                let fetched = tokio::task::block_in_place(|| {
-                    tokio::runtime::Handle::current().block_on(async {
-                        let client = meshca::app::kube_client(kubeconfig.as_deref()).await?;
-                        anyhow::Ok(
-                            meshca::audit::anchor::fetch(
-                                &client,
-                                &anchor_namespace,
-                                &anchor_configmap,
-                            )
-                            .await?,
-                        )
-                    })
+                let fetched = set.with_client(async |client| {
+                    Ok(meshca::audit::anchor::fetch(
+                        client,
+                        &set.anchor_namespace,
+                        &set.anchor_configmap,
+                    )
+                    .await?)
                 })?;
                 anchors.extend(fetched.checkpoints);
                 if keys_from_anchors {
@@ -733,9 +744,7 @@ fn audit(cmd: AuditCommand) -> anyhow::Result<()> {
         AuditCommand::PruneAnchors {
             older_than,
             dry_run,
-            kubeconfig,
-            anchor_namespace,
-            anchor_configmap,
+            set,
         } => {
             let age = meshca::ca::ttl::parse_go_duration(&older_than)
                 .map_err(|e| anyhow::anyhow!("--older-than {}: {e}", older_than.escape_debug()))?;
@@ -743,25 +752,21 @@ fn audit(cmd: AuditCommand) -> anyhow::Result<()> {
             let cutoff = OffsetDateTime::now_utc()
                 .unix_timestamp()
                 .saturating_sub(age);
-            let report = tokio::task::block_in_place(|| {
-                tokio::runtime::Handle::current().block_on(async {
-                    let client = meshca::app::kube_client(kubeconfig.as_deref()).await?;
-                    anyhow::Ok(
-                        meshca::audit::anchor::prune(
-                            &client,
-                            &anchor_namespace,
-                            &anchor_configmap,
-                            cutoff,
-                            dry_run,
-                        )
-                        .await?,
-                    )
-                })
+            let report = set.with_client(async |client| {
+                Ok(meshca::audit::anchor::prune(
+                    client,
+                    &set.anchor_namespace,
+                    &set.anchor_configmap,
+                    cutoff,
+                    dry_run,
+                )
+                .await?)
             })?;
             for name in &report.removed {
                 println!(
-                    "{} {anchor_namespace}/{name}",
-                    if dry_run { "would remove" } else { "removed" }
+                    "{} {}/{name}",
+                    if dry_run { "would remove" } else { "removed" },
+                    set.anchor_namespace
                 );
             }
             println!(
@@ -788,9 +793,7 @@ async fn revoke(a: RevokeArgs) -> anyhow::Result<()> {
     let configmap = match a.revocation_configmap.as_deref().map(str::trim) {
         None | Some("") => None,
         Some(v) => Some(
-            v.split_once('/')
-                .filter(|(n, m)| !n.is_empty() && !m.is_empty() && !m.contains('/'))
-                .map(|(n, m)| (n.to_string(), m.to_string()))
+            meshca::config::parse_configmap_ref(v)
                 .with_context(|| format!("--revocation-configmap {v}: expected namespace/name"))?,
         ),
     };

@@ -16,11 +16,13 @@ use std::collections::hash_map::{Entry, RandomState};
 use std::collections::HashMap;
 use std::hash::{BuildHasher, BuildHasherDefault, Hasher};
 use std::net::IpAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::Arc;
 
 pub mod accounts;
+mod shared;
 pub mod watch;
+
+pub use shared::{Indexed, Shared, WatchHealth};
 
 /// Pod lifecycle phase, as far as authorization cares.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -84,16 +86,17 @@ impl LeanPod {
 /// `(namespace, name)`.
 pub type PodKey = (Arc<str>, Box<str>);
 
-/// One watch event, in kube-runtime's vocabulary, over lean pods.
+/// One watch event, in kube-runtime's vocabulary, over lean objects (pods
+/// unless said otherwise).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum IndexEvent {
+pub enum IndexEvent<T = LeanPod> {
     /// A (re)list starts; buffer until `InitDone`.
     Init,
-    InitApply(LeanPod),
-    /// The list is complete: it replaces the index (pods absent from it are gone).
+    InitApply(T),
+    /// The list is complete: it replaces the index (objects absent from it are gone).
     InitDone,
-    Apply(LeanPod),
-    Delete(LeanPod),
+    Apply(T),
+    Delete(T),
 }
 
 /// A pod UID as stored: 16 bytes for a canonical (lower-case, hyphenated)
@@ -956,185 +959,23 @@ impl IndexState {
     }
 }
 
-/// The shared, concurrently readable index.
-#[derive(Debug, Default)]
-pub struct PodIndex {
-    state: RwLock<IndexState>,
-    /// A (re)list in progress, built into a new state without the lock the
-    /// request path reads, then swapped in at `InitDone`.
-    relist: Mutex<Option<Vec<LeanPod>>>,
-    // Readiness and size are mirrored in atomics so health checks and metrics
-    // never take the lock the request path uses.
-    synced: AtomicBool,
-    /// Wakes [`PodIndex::wait_synced`] callers when the first list lands.
-    synced_notify: tokio::sync::Notify,
-    size: AtomicU64,
-    events: AtomicU64,
-    health: WatchHealth,
-}
+/// The shared, concurrently readable pod index.
+pub type PodIndex = Shared<IndexState>;
 
-/// Whether a watch is following its API server, lock-free: how long it has
-/// been disconnected, if it is.
-#[derive(Debug)]
-pub struct WatchHealth {
-    /// Milliseconds since `epoch` + 1 at which the watch lost the API
-    /// server; 0 while connected.
-    disconnected_at: AtomicU64,
-    epoch: std::time::Instant,
-}
-
-impl Default for WatchHealth {
-    fn default() -> Self {
-        Self {
-            disconnected_at: AtomicU64::new(0),
-            epoch: std::time::Instant::now(),
-        }
+impl Indexed for IndexState {
+    type Item = LeanPod;
+    fn from_list(items: Vec<LeanPod>) -> Self {
+        IndexState::from_list(items)
     }
-}
-
-impl WatchHealth {
-    fn now_ms(&self) -> u64 {
-        u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX - 1)
+    fn apply(&mut self, event: IndexEvent) {
+        IndexState::apply(self, event)
     }
-
-    /// The watch failed: it stops following the API server from now (the
-    /// first failure counts; later ones do not move it).
-    pub fn mark_disconnected(&self) {
-        let now = self.now_ms() + 1;
-        let _ = self
-            .disconnected_at
-            .compare_exchange(0, now, Ordering::AcqRel, Ordering::Acquire);
+    fn synced(&self) -> bool {
+        IndexState::synced(self)
     }
-
-    /// The watch delivered a current event again.
-    pub fn mark_connected(&self) {
-        self.disconnected_at.store(0, Ordering::Release);
+    fn len(&self) -> usize {
+        IndexState::len(self)
     }
-
-    /// How long the watch has been disconnected; `None` while connected.
-    pub fn disconnected_for(&self) -> Option<std::time::Duration> {
-        match self.disconnected_at.load(Ordering::Acquire) {
-            0 => None,
-            at => Some(std::time::Duration::from_millis(
-                self.now_ms().saturating_sub(at - 1),
-            )),
-        }
-    }
-}
-
-impl PodIndex {
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// The watch failed: the index stops following the API server from now
-    /// (the first failure counts; later ones do not move it).
-    pub fn mark_disconnected(&self) {
-        self.health.mark_disconnected()
-    }
-
-    /// The watch delivered a current event again.
-    pub fn mark_connected(&self) {
-        self.health.mark_connected()
-    }
-
-    /// How long the watch has been disconnected; `None` while connected.
-    pub fn disconnected_for(&self) -> Option<std::time::Duration> {
-        self.health.disconnected_for()
-    }
-
-    pub fn apply(&self, event: IndexEvent) {
-        let event = match event {
-            IndexEvent::Init => {
-                *lock(&self.relist) = Some(Vec::new());
-                None
-            }
-            IndexEvent::InitApply(pod) => match lock(&self.relist).as_mut() {
-                Some(buf) => {
-                    buf.push(pod);
-                    None
-                }
-                None => Some(IndexEvent::InitApply(pod)),
-            },
-            IndexEvent::InitDone => {
-                let pods = lock(&self.relist).take().unwrap_or_default();
-                let fresh = IndexState::from_list(pods);
-                let old = std::mem::replace(&mut *self.write(), fresh);
-                drop(old); // freed outside the lock
-                None
-            }
-            other => Some(other),
-        };
-        let (synced, len) = {
-            let mut s = self.write();
-            if let Some(e) = event {
-                s.apply(e);
-            }
-            (s.synced(), s.len())
-        };
-        self.synced.store(synced, Ordering::Release);
-        if synced {
-            self.synced_notify.notify_waiters();
-        }
-        self.size.store(len as u64, Ordering::Relaxed);
-        self.events.fetch_add(1, Ordering::Relaxed);
-    }
-
-    fn write(&self) -> std::sync::RwLockWriteGuard<'_, IndexState> {
-        self.state
-            .write()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-    }
-
-    /// True once the first full list has been applied.
-    pub fn is_synced(&self) -> bool {
-        self.synced.load(Ordering::Acquire)
-    }
-
-    /// Waits at most `within` for the first full list; returns whether the
-    /// index is synced. After a (re)start every caller arrives before the
-    /// list does: waiting the second or two it takes beats refusing them
-    /// (their clients back off for seconds, ztunnel doubling from ~1 s) or
-    /// sending every token to TokenReview.
-    pub async fn wait_synced(&self, within: std::time::Duration) -> bool {
-        let deadline = tokio::time::Instant::now() + within;
-        loop {
-            let notified = self.synced_notify.notified();
-            tokio::pin!(notified);
-            // Registered before the check, so a sync between the two still wakes us.
-            notified.as_mut().enable();
-            if self.is_synced() {
-                return true;
-            }
-            if tokio::time::timeout_at(deadline, notified).await.is_err() {
-                return self.is_synced();
-            }
-        }
-    }
-
-    pub fn len(&self) -> u64 {
-        self.size.load(Ordering::Relaxed)
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    pub fn events_applied(&self) -> u64 {
-        self.events.load(Ordering::Relaxed)
-    }
-
-    /// Runs `f` over a consistent view of the index.
-    pub fn read<R>(&self, f: impl FnOnce(&IndexState) -> R) -> R {
-        match self.state.read() {
-            Ok(s) => f(&s),
-            Err(poisoned) => f(&poisoned.into_inner()),
-        }
-    }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 #[cfg(test)]

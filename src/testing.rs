@@ -114,6 +114,33 @@ pub fn client_identity(
         .expect("client identity")
 }
 
+/// A leaf for `id` with a fresh key, signed by `bundle`, valid from two
+/// minutes before `now` to half an hour after.
+pub fn leaf(bundle: &crate::ca::CaBundle, id: &str, now: OffsetDateTime) -> crate::ca::IssuedLeaf {
+    let key = KeyPair::generate().expect("key");
+    let validity = crate::ca::Validity {
+        not_before: now - time::Duration::minutes(2),
+        not_after: now + time::Duration::minutes(30),
+        clamped: false,
+    };
+    bundle
+        .sign_leaf(
+            &rcgen::PublicKeyData::subject_public_key_info(&key),
+            &id.parse().expect("spiffe id"),
+            false,
+            &validity,
+        )
+        .expect("leaf")
+}
+
+/// The serial of the first certificate in `pem`, as the audit log writes it.
+pub fn leaf_serial(pem: &str) -> String {
+    use rustls_pki_types::pem::PemObject;
+    let der = rustls_pki_types::CertificateDer::from_pem_slice(pem.as_bytes()).expect("PEM");
+    let (_, cert) = x509_parser::parse_x509_certificate(&der).expect("X.509");
+    crate::ca::serial_hex(cert.raw_serial())
+}
+
 /// A validity window of `hours` from now (negative for already expired).
 pub fn validity_hours(from_hours: i64, to_hours: i64) -> crate::ca::Validity {
     let now = OffsetDateTime::now_utc();
@@ -149,6 +176,26 @@ pub async fn client(
         .connect()
         .await?;
     Ok(crate::proto::istio_certificate_service_client::IstioCertificateServiceClient::new(channel))
+}
+
+/// A client of the `serve --dev` server at `addr` presenting the dev client
+/// identity that server wrote to `data/dev-client`.
+pub async fn dev_client(
+    addr: std::net::SocketAddr,
+    data: &Path,
+) -> crate::proto::istio_certificate_service_client::IstioCertificateServiceClient<
+    tonic::transport::Channel,
+> {
+    let read = |f: &str| {
+        std::fs::read_to_string(data.join("dev-client").join(f)).expect("dev-client file")
+    };
+    client(
+        addr,
+        &read("root-cert.pem"),
+        Some((&read("cert-chain.pem"), &read("key.pem"))),
+    )
+    .await
+    .expect("dev client connects")
 }
 
 /// A request message with string metadata.
@@ -332,4 +379,45 @@ pub async fn spawn_listening(
     let stderr = child.stderr.take().expect("stderr piped");
     let (grpc, admin) = await_listening(stderr, std::time::Duration::from_secs(30)).await;
     (child, grpc, admin)
+}
+
+/// Stops `child` with SIGTERM and waits, at most `within`, for its exit
+/// status.
+pub async fn terminate(
+    mut child: tokio::process::Child,
+    within: std::time::Duration,
+) -> std::process::ExitStatus {
+    let pid = child.id().expect("running").to_string();
+    std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .expect("kill");
+    tokio::time::timeout(within, child.wait())
+        .await
+        .unwrap_or_else(|_| panic!("stopped within {within:?}"))
+        .expect("wait")
+}
+
+/// Reads `stdout` (an audit stream) to its end while the server is stopped
+/// with SIGTERM a moment after reading starts; returns its lines numbered as
+/// `stdout:N`, ready for [`crate::audit::verify::verify_lines`].
+pub async fn stop_and_read_stdout(
+    child: tokio::process::Child,
+    mut stdout: tokio::process::ChildStdout,
+) -> Vec<(String, String)> {
+    use tokio::io::AsyncReadExt;
+    let reader = tokio::spawn(async move {
+        let mut buf = Vec::new();
+        stdout.read_to_end(&mut buf).await.expect("read stdout");
+        buf
+    });
+    // Let the writer drain what it held before it is asked to stop.
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    terminate(child, std::time::Duration::from_secs(20)).await;
+    let out = reader.await.expect("reader");
+    String::from_utf8_lossy(&out)
+        .lines()
+        .enumerate()
+        .map(|(i, l)| (format!("stdout:{}", i + 1), l.to_string()))
+        .collect()
 }

@@ -441,15 +441,7 @@ async fn call(
     san: &str,
     metadata: &[(&str, prost_types::Value)],
 ) -> Result<Vec<String>, tonic::Status> {
-    let dir = data.join("dev-client");
-    let read = |f: &str| std::fs::read_to_string(dir.join(f)).unwrap();
-    let mut c = meshca::testing::client(
-        addr,
-        &read("root-cert.pem"),
-        Some((&read("cert-chain.pem"), &read("key.pem"))),
-    )
-    .await
-    .unwrap();
+    let mut c = meshca::testing::dev_client(addr, data).await;
     let key = rcgen::KeyPair::generate().unwrap();
     c.create_certificate(meshca::testing::request(
         meshca::testing::csr_for(&key, san),
@@ -700,15 +692,7 @@ async fn a_record_over_the_line_cap_is_written_reduced_and_verify_says_so() {
         )
     };
     let sans: Vec<rcgen::SanType> = (0..20).map(uri).collect();
-    let dir = data.path().join("dev-client");
-    let read = |f: &str| std::fs::read_to_string(dir.join(f)).unwrap();
-    let mut c = meshca::testing::client(
-        addr,
-        &read("root-cert.pem"),
-        Some((&read("cert-chain.pem"), &read("key.pem"))),
-    )
-    .await
-    .unwrap();
+    let mut c = meshca::testing::dev_client(addr, data.path()).await;
     let err = c
         .create_certificate(meshca::testing::request(
             meshca::testing::csr_pem(&key, &sans, false),

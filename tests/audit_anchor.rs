@@ -13,7 +13,6 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::{ConfigMap, Event};
-use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::Api;
 use meshca::audit::anchor::{self, AnchorSettings, LABEL_SET};
@@ -22,28 +21,10 @@ use serde_json::json;
 const SET: &str = "meshca-audit-anchors";
 const REPLICA: &str = "meshca-0";
 
-/// The chart's anchor Role (the fixture tests/chart.rs compares the chart
-/// with), bound to the test user `meshca`.
+/// The chart's anchor Role, bound to the test user `meshca`.
 async fn anchor_rbac(k: &common::Kte, ns: &str) {
-    let fixture = std::fs::read_to_string(
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/rbac-audit-anchor.yaml"),
-    )
-    .unwrap();
-    let role: Role = serde_yaml_ng::from_str(&fixture).unwrap();
-    Api::<Role>::namespaced(k.admin.clone(), ns)
-        .create(&PostParams::default(), &role)
-        .await
-        .unwrap();
-    let rb: RoleBinding = serde_json::from_value(json!({
-        "metadata": {"name": "meshca-audit-anchor"},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "meshca-audit-anchor"},
-        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": "meshca"}]
-    }))
-    .unwrap();
-    Api::<RoleBinding>::namespaced(k.admin.clone(), ns)
-        .create(&PostParams::default(), &rb)
-        .await
-        .unwrap();
+    k.meshca_role(ns, "tests/fixtures/rbac-audit-anchor.yaml")
+        .await;
 }
 
 /// One run of `meshca serve --dev` on stdout with anchoring on, as the
@@ -78,15 +59,8 @@ async fn run_once(
     .env("POD_NAME", REPLICA)
     .env("MESHCA_AUDIT_CHECKPOINT_KEY", key)
     .stdout(stdout);
-    let (mut child, addr, admin) = meshca::testing::spawn_listening(cmd).await;
-    let read = |f: &str| std::fs::read_to_string(data.join("dev-client").join(f)).unwrap();
-    let mut c = meshca::testing::client(
-        addr,
-        &read("root-cert.pem"),
-        Some((&read("cert-chain.pem"), &read("key.pem"))),
-    )
-    .await
-    .unwrap();
+    let (child, addr, admin) = meshca::testing::spawn_listening(cmd).await;
+    let mut c = meshca::testing::dev_client(addr, data).await;
     let csr_key = rcgen::KeyPair::generate().unwrap();
     let csr = meshca::testing::csr_for(&csr_key, "spiffe://cluster.local/ns/default/sa/default");
     let until = Instant::now() + load;
@@ -103,15 +77,7 @@ async fn run_once(
         .args(["-sf", &format!("http://{admin}/metrics")])
         .output()
         .unwrap();
-    let pid = child.id().unwrap();
-    std::process::Command::new("kill")
-        .args(["-TERM", &pid.to_string()])
-        .status()
-        .unwrap();
-    let status = tokio::time::timeout(Duration::from_secs(20), child.wait())
-        .await
-        .unwrap()
-        .unwrap();
+    let status = meshca::testing::terminate(child, Duration::from_secs(20)).await;
     assert!(status.success(), "{status}");
     String::from_utf8_lossy(&metrics.stdout).into_owned()
 }

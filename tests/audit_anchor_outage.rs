@@ -11,32 +11,8 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::ConfigMap;
-use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
-use kube::api::{ListParams, PostParams};
+use kube::api::ListParams;
 use kube::Api;
-use serde_json::json;
-
-async fn anchor_rbac(k: &common::Kte, ns: &str) {
-    let fixture = std::fs::read_to_string(
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/rbac-audit-anchor.yaml"),
-    )
-    .unwrap();
-    let role: Role = serde_yaml_ng::from_str(&fixture).unwrap();
-    Api::<Role>::namespaced(k.admin.clone(), ns)
-        .create(&PostParams::default(), &role)
-        .await
-        .unwrap();
-    let rb: RoleBinding = serde_json::from_value(json!({
-        "metadata": {"name": "meshca-audit-anchor"},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "meshca-audit-anchor"},
-        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": "meshca"}]
-    }))
-    .unwrap();
-    Api::<RoleBinding>::namespaced(k.admin.clone(), ns)
-        .create(&PostParams::default(), &rb)
-        .await
-        .unwrap();
-}
 
 /// A file-sink meshca anchoring into `ns`: (child, gRPC address, admin address).
 async fn start(
@@ -71,14 +47,7 @@ async fn start(
 }
 
 async fn issue_one(data: &Path, addr: std::net::SocketAddr) {
-    let read = |f: &str| std::fs::read_to_string(data.join("dev-client").join(f)).unwrap();
-    let mut c = meshca::testing::client(
-        addr,
-        &read("root-cert.pem"),
-        Some((&read("cert-chain.pem"), &read("key.pem"))),
-    )
-    .await
-    .unwrap();
+    let mut c = meshca::testing::dev_client(addr, data).await;
     let csr_key = rcgen::KeyPair::generate().unwrap();
     c.create_certificate(meshca::testing::request(
         meshca::testing::csr_for(&csr_key, "spiffe://cluster.local/ns/default/sa/default"),
@@ -89,16 +58,8 @@ async fn issue_one(data: &Path, addr: std::net::SocketAddr) {
     .unwrap();
 }
 
-async fn stop(mut child: tokio::process::Child) {
-    let pid = child.id().unwrap();
-    std::process::Command::new("kill")
-        .args(["-TERM", &pid.to_string()])
-        .status()
-        .unwrap();
-    let status = tokio::time::timeout(Duration::from_secs(30), child.wait())
-        .await
-        .unwrap()
-        .unwrap();
+async fn stop(child: tokio::process::Child) {
+    let status = meshca::testing::terminate(child, Duration::from_secs(30)).await;
     assert!(status.success(), "{status}");
 }
 
@@ -136,7 +97,8 @@ async fn anchored_lines(k: &common::Kte, ns: &str) -> Vec<String> {
 async fn a_start_during_an_api_outage_is_anchored_when_it_returns() {
     let k = common::kte().await;
     let ns = k.namespace("audit-anchor-outage").await;
-    anchor_rbac(&k, &ns).await;
+    k.meshca_role(&ns, "tests/fixtures/rbac-audit-anchor.yaml")
+        .await;
     let dir = tempfile::tempdir().unwrap();
     let (data, key, log) = (
         dir.path().join("data"),

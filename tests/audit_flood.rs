@@ -13,8 +13,6 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::io::AsyncReadExt;
-
 const FLOOD: &str = "spiffe://cluster.local/ns/default/sa/default";
 const PROBE: &str = "spiffe://cluster.local/ns/probe/sa/probe";
 /// Not the caller's identity: every request is refused (csr_san_not_authorized).
@@ -35,7 +33,7 @@ async fn every_refusal_is_named_in_the_log_when_the_writer_cannot_keep_up() {
     ])
     .stdout(std::process::Stdio::piped());
     let (mut child, addr, _admin) = meshca::testing::spawn_listening(cmd).await;
-    let mut stdout = child.stdout.take().unwrap();
+    let stdout = child.stdout.take().unwrap();
 
     let read = |f: &str| std::fs::read_to_string(data.join("dev-client").join(f)).unwrap();
     let root = read("root-cert.pem");
@@ -132,27 +130,7 @@ async fn every_refusal_is_named_in_the_log_when_the_writer_cannot_keep_up() {
     let flood_calls = flood_calls.load(Ordering::Relaxed);
 
     // Resume reading, then stop meshca: the whole stream is the log.
-    let reader = tokio::spawn(async move {
-        let mut buf = Vec::new();
-        stdout.read_to_end(&mut buf).await.unwrap();
-        buf
-    });
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let pid = child.id().unwrap();
-    std::process::Command::new("kill")
-        .args(["-TERM", &pid.to_string()])
-        .status()
-        .unwrap();
-    tokio::time::timeout(Duration::from_secs(20), child.wait())
-        .await
-        .unwrap()
-        .unwrap();
-    let text = String::from_utf8(reader.await.unwrap()).unwrap();
-    let lines: Vec<(String, String)> = text
-        .lines()
-        .enumerate()
-        .map(|(i, l)| (format!("stdout:{}", i + 1), l.to_string()))
-        .collect();
+    let lines = meshca::testing::stop_and_read_stdout(child, stdout).await;
     let rep = meshca::audit::verify::verify_lines(&lines, None).unwrap();
     assert_eq!(rep.last_checkpoint_reason.as_deref(), Some("shutdown"));
     assert!(rep.shed > 0, "the writer's queue was full: {}", rep.shed);

@@ -43,7 +43,7 @@ async fn a_blocked_stdout_reader_sheds_requests_and_health_still_answers() {
         // Nobody reads this pipe until the end of the stall.
         .stdout(std::process::Stdio::piped());
     let (mut child, addr, admin) = meshca::testing::spawn_listening(cmd).await;
-    let mut stdout = child.stdout.take().unwrap();
+    let stdout = child.stdout.take().unwrap();
 
     let read = |f: &str| std::fs::read_to_string(data.join("dev-client").join(f)).unwrap();
     let (root, chain, key) = (
@@ -118,28 +118,7 @@ async fn a_blocked_stdout_reader_sheds_requests_and_health_still_answers() {
     );
 
     // Resume reading, then stop meshca: the whole stream is the log.
-    let reader = tokio::spawn(async move {
-        let mut buf = Vec::new();
-        stdout.read_to_end(&mut buf).await.unwrap();
-        buf
-    });
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    let pid = child.id().unwrap();
-    std::process::Command::new("kill")
-        .args(["-TERM", &pid.to_string()])
-        .status()
-        .unwrap();
-    tokio::time::timeout(Duration::from_secs(20), child.wait())
-        .await
-        .unwrap()
-        .unwrap();
-    let out = reader.await.unwrap();
-    let text = String::from_utf8(out).unwrap();
-    let lines: Vec<(String, String)> = text
-        .lines()
-        .enumerate()
-        .map(|(i, l)| (format!("stdout:{}", i + 1), l.to_string()))
-        .collect();
+    let lines = meshca::testing::stop_and_read_stdout(child, stdout).await;
     let rep = meshca::audit::verify::verify_lines(&lines, None).unwrap();
     assert_eq!(rep.last_checkpoint_reason.as_deref(), Some("shutdown"));
     assert!(

@@ -367,11 +367,17 @@ async fn ztunnel_config_dump_as_ztunnel_writes_it() {
 /// `kubectl exec ds/ztunnel -- curl -s localhost:15000/config_dump | meshca certs --ztunnel-dump -`
 #[tokio::test]
 async fn ztunnel_config_dump_piped_on_stdin() {
-    use std::io::Write;
     let d = NodeDump::new().await;
     let dump = ztunnel::config_dump(&d.entries(), ztunnel::PemField::Base64);
-    let mut child = Command::new(env!("CARGO_BIN_EXE_meshca"))
-        .args(["certs", "--root", &d.root(), "--ztunnel-dump", "-"])
+    let mut certs = Command::new(env!("CARGO_BIN_EXE_meshca"));
+    certs.args(["certs", "--root", &d.root(), "--ztunnel-dump", "-"]);
+    assert_node_rows(&d, &with_stdin(certs, &dump));
+}
+
+/// The stdout of `cmd` fed `input` on stdin; it must succeed.
+fn with_stdin(mut cmd: Command, input: &str) -> String {
+    use std::io::Write;
+    let mut child = cmd
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
@@ -381,7 +387,7 @@ async fn ztunnel_config_dump_piped_on_stdin() {
         .stdin
         .take()
         .unwrap()
-        .write_all(dump.as_bytes())
+        .write_all(input.as_bytes())
         .unwrap();
     let out = child.wait_with_output().unwrap();
     assert!(
@@ -389,7 +395,7 @@ async fn ztunnel_config_dump_piped_on_stdin() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert_node_rows(&d, &String::from_utf8_lossy(&out.stdout));
+    String::from_utf8(out.stdout).unwrap()
 }
 
 /// Raw PEM in `pem` (hand-edited dumps) and istioctl's `ztunnel-config certificates -o json`
@@ -533,26 +539,7 @@ fn istioctl_certsummary() -> std::path::PathBuf {
 }
 
 fn istioctl_table(dump: &str) -> String {
-    use std::io::Write;
-    let mut child = Command::new(istioctl_certsummary())
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(dump.as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap()
+    with_stdin(Command::new(istioctl_certsummary()), dump)
 }
 
 /// A fixed dump in ztunnel's format (tests/fixtures/ztunnel-certs, made by its generate.sh: an
@@ -592,16 +579,20 @@ async fn live_dump_prints_what_istioctl_prints() {
     let dump = ztunnel::config_dump(&same, ztunnel::PemField::Base64);
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("config_dump.json");
-    std::fs::write(&path, &dump).unwrap();
-    let (code, out, err) = meshca(&[
-        "certs",
-        "--root",
-        &d.root(),
-        "--ztunnel-dump",
-        path.to_str().unwrap(),
-    ]);
-    assert_eq!(code, 0, "{err}");
-    assert_eq!(out, istioctl_table(&dump));
+    // `meshca certs` of `dump` as a file.
+    let ours = |dump: &str| {
+        std::fs::write(&path, dump).unwrap();
+        let (code, out, err) = meshca(&[
+            "certs",
+            "--root",
+            &d.root(),
+            "--ztunnel-dump",
+            path.to_str().unwrap(),
+        ]);
+        assert_eq!(code, 0, "{err}");
+        out
+    };
+    assert_eq!(ours(&dump), istioctl_table(&dump));
 
     for (id, diverging) in [(d.foreign, vec![0, 1, 2, 3]), (d.expired, vec![1, 4])] {
         let dump = ztunnel::config_dump(
@@ -611,15 +602,7 @@ async fn live_dump_prints_what_istioctl_prints() {
                 .collect::<Vec<_>>(),
             ztunnel::PemField::Base64,
         );
-        std::fs::write(&path, &dump).unwrap();
-        let (code, out, err) = meshca(&[
-            "certs",
-            "--root",
-            &d.root(),
-            "--ztunnel-dump",
-            path.to_str().unwrap(),
-        ]);
-        assert_eq!(code, 0, "{err}");
+        let out = ours(&dump);
         let theirs = istioctl_table(&dump);
         let (ours, theirs_rows) = (parse_rows(&out), parse_rows(&theirs));
         assert_eq!(ours.len(), theirs_rows.len());

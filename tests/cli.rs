@@ -70,15 +70,7 @@ async fn dev_mode_serves_and_reuses_its_ca_across_restarts() {
     let mut fingerprints = Vec::new();
     for _ in 0..2 {
         let (mut child, addr) = serve_dev(data.path()).await;
-        let client_dir = data.path().join("dev-client");
-        let read = |f: &str| std::fs::read_to_string(client_dir.join(f)).unwrap();
-        let mut c = meshca::testing::client(
-            addr,
-            &read("root-cert.pem"),
-            Some((&read("cert-chain.pem"), &read("key.pem"))),
-        )
-        .await
-        .unwrap();
+        let mut c = meshca::testing::dev_client(addr, data.path()).await;
         let id = "spiffe://cluster.local/ns/default/sa/default";
         let key = KeyPair::generate().unwrap();
         let chain = c
@@ -91,7 +83,8 @@ async fn dev_mode_serves_and_reuses_its_ca_across_restarts() {
             .unwrap()
             .into_inner()
             .cert_chain;
-        assert_eq!(chain.last().unwrap(), &read("root-cert.pem"));
+        let root = std::fs::read_to_string(data.path().join("dev-client/root-cert.pem")).unwrap();
+        assert_eq!(chain.last().unwrap(), &root);
         fingerprints.push(
             CaBundle::load_dir(&data.path().join("cacerts"), OffsetDateTime::now_utc())
                 .unwrap()

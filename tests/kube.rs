@@ -24,11 +24,7 @@ struct Setup {
 async fn setup(node: &str) -> Setup {
     let k = kte().await;
     let zt_ns = k.namespace("zt").await;
-    k.service_account(&zt_ns, ZT_SA).await;
-    let zt_uid = k.pod(&zt_ns, "ztunnel-a", ZT_SA, node).await;
-    let zt_token = k
-        .token(&zt_ns, ZT_SA, Some(("ztunnel-a", &zt_uid)), "istio-ca")
-        .await;
+    let (zt_uid, zt_token) = k.pod_token(&zt_ns, ZT_SA, "ztunnel-a", node).await;
     let pki = TestPki::new(KeyType::EcdsaP256);
     let cfg = common::kube_config(&pki, k.meshca_kubeconfig(), &[format!("{zt_ns}/{ZT_SA}")]);
     let srv = start(cfg, pki).await;
@@ -400,11 +396,7 @@ async fn sidecar_token_gets_exactly_its_own_identity_and_reviews_are_cached() {
 async fn impersonation_before_the_index_syncs_is_unavailable_and_not_ready() {
     let k = kte().await;
     let zt_ns = k.namespace("zt").await;
-    k.service_account(&zt_ns, ZT_SA).await;
-    let uid = k.pod(&zt_ns, "ztunnel-a", ZT_SA, "node-a").await;
-    let token = k
-        .token(&zt_ns, ZT_SA, Some(("ztunnel-a", &uid)), "istio-ca")
-        .await;
+    let (_, token) = k.pod_token(&zt_ns, ZT_SA, "ztunnel-a", "node-a").await;
     // This identity may review tokens but not list pods: the index never syncs.
     let kubeconfig = k.kubeconfig_without_pod_access().await;
     let pki = TestPki::new(KeyType::EcdsaP256);
@@ -468,11 +460,7 @@ async fn no_secret_appears_in_any_log_line_or_audit_record() {
     use tokio::io::{AsyncBufReadExt, BufReader};
     let k = kte().await;
     let zt_ns = k.namespace("zt").await;
-    k.service_account(&zt_ns, ZT_SA).await;
-    let zt_uid = k.pod(&zt_ns, "ztunnel-a", ZT_SA, "node-a").await;
-    let zt_token = k
-        .token(&zt_ns, ZT_SA, Some(("ztunnel-a", &zt_uid)), "istio-ca")
-        .await;
+    let (_, zt_token) = k.pod_token(&zt_ns, ZT_SA, "ztunnel-a", "node-a").await;
     let ns = k.namespace("app").await;
     k.service_account(&ns, "app").await;
     let app_uid = workload(&k, &ns, "app", "app-0", "node-a").await;
@@ -742,20 +730,12 @@ async fn mtls_node_proxy_impersonates_by_source_ip_only_when_enabled() {
 
 #[tokio::test]
 async fn serve_with_root_publishing_writes_the_root_configmap() {
-    use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
+    use k8s_openapi::api::core::v1::ConfigMap;
     let k = kte().await;
     let label = common::unique("pub");
     let selected = k.namespace("sel").await;
     let other = k.namespace("unsel").await;
-    let patch = serde_json::json!({"metadata": {"labels": {"meshca-test": label}}});
-    kube::Api::<Namespace>::all(k.admin.clone())
-        .patch(
-            &selected,
-            &kube::api::PatchParams::default(),
-            &kube::api::Patch::Merge(&patch),
-        )
-        .await
-        .unwrap();
+    k.label_namespace(&selected, "meshca-test", &label).await;
     let pki = TestPki::new(KeyType::EcdsaP256);
     // The admin identity stands in for the chart's publisher RBAC (tests/rootpub.rs
     // runs the publisher with exactly those rules).

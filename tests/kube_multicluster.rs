@@ -11,9 +11,8 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use common::{kte, kte_remote, leaf_uri, spiffe, start, Kte, Server};
+use common::{kte, kte_remote, leaf_uri, spiffe, start, Ask, Kte, Server};
 use k8s_openapi::api::core::v1::Secret;
-use k8s_openapi::api::rbac::v1::{Role, RoleBinding, RoleRef, Subject};
 use k8s_openapi::ByteString;
 use kube::api::{DeleteParams, PostParams};
 use kube::Api;
@@ -72,38 +71,8 @@ struct Mc {
 
 async fn secrets_namespace(a: &Kte) -> String {
     let ns = a.namespace("mc").await;
-    // The chart's Role, from the fixture tests/chart.rs checks it against.
-    let text = std::fs::read_to_string(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/fixtures/rbac-remote-secrets.yaml"
-    ))
-    .unwrap();
-    let role: Role = serde_yaml_ng::from_str(&text).unwrap();
-    Api::<Role>::namespaced(a.admin.clone(), &ns)
-        .create(&PostParams::default(), &role)
-        .await
-        .unwrap();
-    let binding = RoleBinding {
-        metadata: kube::api::ObjectMeta {
-            name: Some("meshca-remote-secrets".into()),
-            ..Default::default()
-        },
-        role_ref: RoleRef {
-            api_group: Some("rbac.authorization.k8s.io".into()),
-            kind: "Role".into(),
-            name: role.metadata.name.clone().unwrap(),
-        },
-        subjects: Some(vec![Subject {
-            api_group: Some("rbac.authorization.k8s.io".into()),
-            kind: "User".into(),
-            name: "meshca".into(),
-            ..Default::default()
-        }]),
-    };
-    Api::<RoleBinding>::namespaced(a.admin.clone(), &ns)
-        .create(&PostParams::default(), &binding)
-        .await
-        .unwrap();
+    a.meshca_role(&ns, "tests/fixtures/rbac-remote-secrets.yaml")
+        .await;
     ns
 }
 
@@ -154,11 +123,7 @@ async fn setup_with(
     let (a, b) = (kte().await, kte_remote().await);
     assert_ne!(a.issuer, b.issuer, "the two clusters need distinct issuers");
     let zt_ns = b.namespace("zt").await;
-    b.service_account(&zt_ns, "ztunnel").await;
-    let zt_uid = b.pod(&zt_ns, "ztunnel-r", "ztunnel", "node-r").await;
-    let zt_token = b
-        .token(&zt_ns, "ztunnel", Some(("ztunnel-r", &zt_uid)), "istio-ca")
-        .await;
+    let (_, zt_token) = b.pod_token(&zt_ns, "ztunnel", "ztunnel-r", "node-r").await;
     let app_ns = b.namespace("app").await;
     b.service_account(&app_ns, "app").await;
     b.service_account(&app_ns, "far").await;
@@ -545,23 +510,8 @@ async fn an_exec_plugin_kubeconfig_is_refused_and_the_other_clusters_keep_workin
 
 /// One mTLS CreateCertificate for `id` with a client certificate for it.
 async fn renew(srv: &Server, id: &str) -> Result<Vec<String>, tonic::Status> {
-    let bundle =
-        meshca::ca::CaBundle::load_dir(srv.pki.path(), time::OffsetDateTime::now_utc()).unwrap();
-    let now = time::OffsetDateTime::now_utc();
-    let v = meshca::ca::Validity {
-        not_before: now - time::Duration::minutes(5),
-        not_after: now + time::Duration::hours(1),
-        clamped: false,
-    };
-    let (cert, key) = meshca::testing::client_identity(&bundle, id, &v);
-    let mut c = meshca::testing::client(srv.app.addr, &srv.pki.ca.root_cert, Some((&cert, &key)))
-        .await
-        .unwrap();
-    let k = rcgen::KeyPair::generate().unwrap();
-    let req = meshca::testing::request(meshca::testing::csr_for(&k, id), 0, &[]);
-    c.create_certificate(req)
-        .await
-        .map(|r| r.into_inner().cert_chain)
+    let cert = common::client_cert(&srv.pki, id, 3600);
+    mtls_call(srv, &cert, id, None, None).await
 }
 
 /// Bounded renewal looks for a live pod in the cluster the certificate was
@@ -608,29 +558,13 @@ async fn mtls_call(
     impersonate: Option<&str>,
     cluster: Option<&str>,
 ) -> Result<Vec<String>, tonic::Status> {
-    let mut c = meshca::testing::client(
-        srv.app.addr,
-        &srv.pki.ca.root_cert,
-        Some((&cert.0, &cert.1)),
-    )
-    .await
-    .unwrap();
-    let k = rcgen::KeyPair::generate().unwrap();
-    let meta: Vec<(&str, prost_types::Value)> = impersonate
-        .map(|i| ("ImpersonatedIdentity", meshca::testing::string_value(i)))
-        .into_iter()
-        .collect();
-    let mut req = tonic::Request::new(meshca::testing::request(
-        meshca::testing::csr_for(&k, id),
-        0,
-        &meta,
-    ));
-    if let Some(c) = cluster {
-        req.metadata_mut().insert("clusterid", c.parse().unwrap());
-    }
-    c.create_certificate(req)
-        .await
-        .map(|r| r.into_inner().cert_chain)
+    let ask = Ask {
+        cert: Some(cert),
+        impersonate,
+        cluster,
+        ..Default::default()
+    };
+    srv.ask(id, ask).await.0
 }
 
 /// A certificate the server issued for `id` to a token caller of cluster
@@ -642,29 +576,14 @@ async fn issued_by_token(
     impersonate: Option<&str>,
     cluster: &str,
 ) -> (String, String) {
-    let mut c = meshca::testing::client(srv.app.addr, &srv.pki.ca.root_cert, None)
-        .await
-        .unwrap();
-    let k = rcgen::KeyPair::generate().unwrap();
-    let meta: Vec<(&str, prost_types::Value)> = impersonate
-        .map(|i| ("ImpersonatedIdentity", meshca::testing::string_value(i)))
-        .into_iter()
-        .collect();
-    let mut req = tonic::Request::new(meshca::testing::request(
-        meshca::testing::csr_for(&k, id),
-        0,
-        &meta,
-    ));
-    req.metadata_mut()
-        .insert("authorization", format!("Bearer {token}").parse().unwrap());
-    req.metadata_mut()
-        .insert("clusterid", cluster.parse().unwrap());
-    let chain = c
-        .create_certificate(req)
-        .await
-        .unwrap()
-        .into_inner()
-        .cert_chain;
+    let ask = Ask {
+        token: Some(token),
+        impersonate,
+        cluster: Some(cluster),
+        ..Default::default()
+    };
+    let (chain, k) = srv.ask(id, ask).await;
+    let chain = chain.unwrap();
     (chain[..chain.len() - 1].concat(), k.serialize_pem())
 }
 

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use base64::Engine;
 use common::{kte, spiffe, start, Kte, Server};
-use k8s_openapi::api::core::v1::{Container, Pod, PodSpec, ServiceAccount};
+use k8s_openapi::api::core::v1::{Pod, ServiceAccount};
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::Api;
 use meshca::authn::local::TokenVerificationMode;
@@ -96,36 +96,6 @@ async fn service_account(k: &Kte, ns: &str, name: &str, held: bool) -> String {
     let sa: ServiceAccount = serde_json::from_value(json!({ "metadata": meta })).unwrap();
     Api::<ServiceAccount>::namespaced(k.admin.clone(), ns)
         .create(&PostParams::default(), &sa)
-        .await
-        .unwrap()
-        .metadata
-        .uid
-        .unwrap()
-}
-
-/// A pod on node-a held by a finalizer; returns its UID.
-async fn held_pod(k: &Kte, ns: &str, name: &str, sa: &str) -> String {
-    let pod = Pod {
-        metadata: kube::api::ObjectMeta {
-            name: Some(name.into()),
-            finalizers: Some(vec![FINALIZER.into()]),
-            ..Default::default()
-        },
-        spec: Some(PodSpec {
-            node_name: Some("node-a".into()),
-            service_account_name: Some(sa.into()),
-            automount_service_account_token: Some(false),
-            containers: vec![Container {
-                name: "app".into(),
-                image: Some("example.invalid/app:0".into()),
-                ..Default::default()
-            }],
-            ..Default::default()
-        }),
-        ..Default::default()
-    };
-    Api::<Pod>::namespaced(k.admin.clone(), ns)
-        .create(&PostParams::default(), &pod)
         .await
         .unwrap()
         .metadata
@@ -291,7 +261,9 @@ async fn local_verification_refuses_what_tokenreview_refuses() {
         .token(&ns, "held-sa", Some(("of-held-sa", &p)), "istio-ca")
         .await;
     // A pod deleting, held by a finalizer.
-    let p = held_pod(&k, &ns, "held", "app").await;
+    let p = k
+        .pod_with_finalizers(&ns, "held", "app", "node-a", &[FINALIZER])
+        .await;
     let held = k.token(&ns, "app", Some(("held", &p)), "istio-ca").await;
     // A deleted pod, and a pod recreated under the same name.
     let p = k.pod(&ns, "deleted", "app", "node-a").await;
@@ -479,11 +451,7 @@ async fn a_denylisted_signing_key_refuses_locally_verified_tokens_within_seconds
     use meshca::config::AuditSinkKind;
     let k = kte().await;
     let ns = k.namespace("leak").await;
-    k.service_account(&ns, "ztunnel").await;
-    let uid = k.pod(&ns, "ztunnel-a", "ztunnel", "node-a").await;
-    let token = k
-        .token(&ns, "ztunnel", Some(("ztunnel-a", &uid)), "istio-ca")
-        .await;
+    let (_, token) = k.pod_token(&ns, "ztunnel", "ztunnel-a", "node-a").await;
     let kid = kid_of(&token);
     let id = spiffe(&ns, "ztunnel");
     let dir = tempfile::tempdir().unwrap();

@@ -6,14 +6,15 @@
 #![allow(clippy::unwrap_used)]
 
 mod common;
+mod revoking;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{kte, spiffe, start, Server};
+use common::{client_cert, kte, spiffe, start, Ask, Server};
 use meshca::ca::generate::KeyType;
-use meshca::ca::{CaBundle, Validity};
+use meshca::ca::CaBundle;
 use meshca::testing::TestPki;
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
@@ -22,18 +23,6 @@ use time::OffsetDateTime;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tonic::Code;
 
-/// A client certificate for `id` from the server's CA, valid until `secs` from now.
-fn client_cert(srv_pki: &TestPki, id: &str, secs: i64) -> (String, String) {
-    let bundle = CaBundle::load_dir(srv_pki.path(), OffsetDateTime::now_utc()).unwrap();
-    let now = OffsetDateTime::now_utc();
-    let v = Validity {
-        not_before: now - time::Duration::minutes(5),
-        not_after: now + time::Duration::seconds(secs),
-        clamped: false,
-    };
-    meshca::testing::client_identity(&bundle, id, &v)
-}
-
 /// One mTLS CreateCertificate for `id` asking for `ttl_secs`.
 async fn renew(
     srv: &Server,
@@ -41,18 +30,12 @@ async fn renew(
     id: &str,
     ttl_secs: i64,
 ) -> Result<Vec<String>, tonic::Status> {
-    let mut c = meshca::testing::client(
-        srv.app.addr,
-        &srv.pki.ca.root_cert,
-        Some((&cert.0, &cert.1)),
-    )
-    .await
-    .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
-    let key = rcgen::KeyPair::generate().unwrap();
-    let req = meshca::testing::request(meshca::testing::csr_for(&key, id), ttl_secs, &[]);
-    c.create_certificate(req)
-        .await
-        .map(|r| r.into_inner().cert_chain)
+    let ask = Ask {
+        cert: Some(cert),
+        ttl: ttl_secs,
+        ..Default::default()
+    };
+    srv.ask(id, ask).await.0
 }
 
 fn not_after(pem: &str) -> OffsetDateTime {
@@ -693,19 +676,11 @@ async fn denylist_changes_take_effect_within_seconds_under_load() {
 
 #[tokio::test]
 async fn revoked_serial_is_in_a_crl_openssl_verifies_and_in_the_configmap() {
-    use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
+    use k8s_openapi::api::core::v1::ConfigMap;
     let k = kte().await;
     let label = common::unique("crl");
     let selected = k.namespace("crl").await;
-    let patch = serde_json::json!({"metadata": {"labels": {"meshca-crl": label}}});
-    kube::Api::<Namespace>::all(k.admin.clone())
-        .patch(
-            &selected,
-            &kube::api::PatchParams::default(),
-            &kube::api::Patch::Merge(&patch),
-        )
-        .await
-        .unwrap();
+    k.label_namespace(&selected, "meshca-crl", &label).await;
     let dir = tempfile::tempdir().unwrap();
     let store = dir.path().join("revoked-serials.jsonl");
     // Exactly the chart's RBAC with CRL publishing on.
@@ -735,11 +710,7 @@ async fn revoked_serial_is_in_a_crl_openssl_verifies_and_in_the_configmap() {
     let issued = srv.audit.requests().last().cloned().unwrap();
     let serial = issued.serial.clone().unwrap();
     // The client certificate's own serial: revoked, it may not renew.
-    let client_serial = {
-        let der = CertificateDer::from_pem_slice(cert.0.as_bytes()).unwrap();
-        let (_, c) = x509_parser::parse_x509_certificate(&der).unwrap();
-        meshca::ca::serial_hex(c.raw_serial())
-    };
+    let client_serial = meshca::testing::leaf_serial(&cert.0);
 
     // What `meshca revoke --identity` does: find the serials in the audit log, append them.
     let now = OffsetDateTime::now_utc();
@@ -768,15 +739,8 @@ async fn revoked_serial_is_in_a_crl_openssl_verifies_and_in_the_configmap() {
     let deadline = Instant::now() + Duration::from_secs(15);
     let crl_pem = loop {
         let (code, body) = meshca::testing::http_get(srv.app.admin_addr, "/ca-crl.pem").await;
-        if code == 200 {
-            let der =
-                rustls_pki_types::CertificateRevocationListDer::from_pem_slice(body.as_bytes())
-                    .unwrap();
-            let (_, crl) = x509_parser::parse_x509_crl(&der).unwrap();
-            let n = crl.iter_revoked_certificates().count();
-            if n == 2 {
-                break body;
-            }
+        if code == 200 && revoking::crl(&body).1.len() == 2 {
+            break body;
         }
         assert!(Instant::now() < deadline, "CRL never listed both serials");
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -867,11 +831,7 @@ async fn revoked_serial_is_in_a_crl_openssl_verifies_and_in_the_configmap() {
 async fn revoke_node_follows_certificates_renewed_over_mtls() {
     let k = kte().await;
     let zt_ns = k.namespace("zt").await;
-    k.service_account(&zt_ns, "ztunnel").await;
-    let zt_uid = k.pod(&zt_ns, "ztunnel-a", "ztunnel", "node-a").await;
-    let zt_token = k
-        .token(&zt_ns, "ztunnel", Some(("ztunnel-a", &zt_uid)), "istio-ca")
-        .await;
+    let (_, zt_token) = k.pod_token(&zt_ns, "ztunnel", "ztunnel-a", "node-a").await;
     let ns = k.namespace("app").await;
     k.service_account(&ns, "app").await;
     k.pod(&ns, "app-0", "app", "node-a").await;
@@ -897,55 +857,28 @@ async fn revoke_node_follows_certificates_renewed_over_mtls() {
     }
 
     // W1: ztunnel impersonates app on node-a.
-    let key1 = rcgen::KeyPair::generate().unwrap();
-    let mut c = meshca::testing::client(app.addr, &pki.ca.root_cert, None)
-        .await
-        .unwrap();
-    let mut req = tonic::Request::new(meshca::testing::request(
-        meshca::testing::csr_for(&key1, &id),
-        0,
-        &[("ImpersonatedIdentity", meshca::testing::string_value(&id))],
-    ));
-    req.metadata_mut().insert(
-        "authorization",
-        format!("Bearer {zt_token}").parse().unwrap(),
-    );
-    req.metadata_mut()
-        .insert("clusterid", "Kubernetes".parse().unwrap());
-    let w1 = c
-        .create_certificate(req)
-        .await
-        .unwrap()
-        .into_inner()
-        .cert_chain;
+    let w1 = Ask {
+        token: Some(&zt_token),
+        impersonate: Some(&id),
+        cluster: Some("Kubernetes"),
+        ..Default::default()
+    };
+    let (w1, key1) = w1.send(app.addr, &pki.ca.root_cert, &id).await;
+    let w1 = w1.unwrap();
 
     // W1 -> W2 -> W3 over mTLS, each presenting the previous leaf and its key.
-    let serial_of = |pem: &str| {
-        let der = CertificateDer::from_pem_slice(pem.as_bytes()).unwrap();
-        let (_, c) = x509_parser::parse_x509_certificate(&der).unwrap();
-        meshca::ca::serial_hex(c.raw_serial())
-    };
-    let mut serials = vec![serial_of(&w1[0])];
+    let mut serials = vec![meshca::testing::leaf_serial(&w1[0])];
     let (mut chain, mut key) = (w1, key1);
     for _ in 0..2 {
         let presented = (chain[..chain.len() - 1].concat(), key.serialize_pem());
-        let mut c = meshca::testing::client(
-            app.addr,
-            &pki.ca.root_cert,
-            Some((&presented.0, &presented.1)),
-        )
-        .await
-        .unwrap();
-        let next = rcgen::KeyPair::generate().unwrap();
-        let req = meshca::testing::request(meshca::testing::csr_for(&next, &id), 0, &[]);
-        chain = c
-            .create_certificate(req)
-            .await
-            .unwrap()
-            .into_inner()
-            .cert_chain;
+        let renewal = Ask {
+            cert: Some(&presented),
+            ..Default::default()
+        };
+        let (next_chain, next) = renewal.send(app.addr, &pki.ca.root_cert, &id).await;
+        chain = next_chain.unwrap();
         key = next;
-        serials.push(serial_of(&chain[0]));
+        serials.push(meshca::testing::leaf_serial(&chain[0]));
     }
     app.shutdown().await.unwrap();
     let mut want = serials.clone();
@@ -967,17 +900,7 @@ async fn revoke_node_follows_certificates_renewed_over_mtls() {
             .arg(audit_s)
             .output()
             .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let mut got: Vec<String> = String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .map(|l| l.split('\t').next().unwrap().to_string())
-            .collect();
-        got.sort();
-        got
+        revoking::printed_serials(&out)
     };
     assert_eq!(revoke(&["--node", "node-a"]), want, "--node node-a");
     assert_eq!(
@@ -1002,12 +925,9 @@ async fn revoke_node_follows_certificates_renewed_over_mtls() {
         ])
         .output()
         .unwrap();
-    let mut issued: Vec<String> = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            v["serial"].as_str().unwrap().to_string()
-        })
+    let mut issued: Vec<String> = revoking::json_lines(&out)
+        .into_iter()
+        .map(|v| v["serial"].as_str().unwrap().to_string())
         .collect();
     issued.sort();
     assert_eq!(issued, want, "audit query --node node-a");
@@ -1015,22 +935,8 @@ async fn revoke_node_follows_certificates_renewed_over_mtls() {
 
 /// The serials and number of the CRL in a published `ca-crl.pem`.
 fn crl_contents(pem: &str) -> (u128, std::collections::BTreeSet<String>) {
-    let der =
-        rustls_pki_types::CertificateRevocationListDer::from_pem_slice(pem.as_bytes()).unwrap();
-    let (_, crl) = x509_parser::parse_x509_crl(&der).unwrap();
-    let number = crl
-        .crl_number()
-        .map(|n| {
-            n.to_bytes_be()
-                .iter()
-                .fold(0u128, |a, b| (a << 8) | u128::from(*b))
-        })
-        .unwrap_or(0);
-    let serials = crl
-        .iter_revoked_certificates()
-        .map(|r| meshca::ca::serial_hex(r.raw_serial()))
-        .collect();
-    (number, serials)
+    let (number, serials) = revoking::crl(pem);
+    (number, serials.into_iter().collect())
 }
 
 /// CRL versions seen: (number, serials), in order.
@@ -1072,20 +978,12 @@ fn watch_crl(k: &common::Kte, ns: &str) -> (CrlHistory, tokio::task::JoinHandle<
 /// but the one un-revoked.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn two_replicas_share_revocations_and_publish_one_growing_crl() {
-    use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
+    use k8s_openapi::api::core::v1::ConfigMap;
     let k = kte().await;
     let ca_ns = k.namespace("meshca").await;
     let label = common::unique("crl");
     let selected = k.namespace("crl").await;
-    let patch = serde_json::json!({"metadata": {"labels": {"meshca-crl": label}}});
-    kube::Api::<Namespace>::all(k.admin.clone())
-        .patch(
-            &selected,
-            &kube::api::PatchParams::default(),
-            &kube::api::Patch::Merge(&patch),
-        )
-        .await
-        .unwrap();
+    k.label_namespace(&selected, "meshca-crl", &label).await;
     let (history, watcher) = watch_crl(&k, &selected);
     let kc = kubeconfig_with(
         &k,
@@ -1131,11 +1029,7 @@ async fn two_replicas_share_revocations_and_publish_one_growing_crl() {
         .collect();
     let serials: Vec<String> = certs
         .iter()
-        .map(|(c, _)| {
-            let der = CertificateDer::from_pem_slice(c.as_bytes()).unwrap();
-            let (_, c) = x509_parser::parse_x509_certificate(&der).unwrap();
-            meshca::ca::serial_hex(c.raw_serial())
-        })
+        .map(|(c, _)| meshca::testing::leaf_serial(c))
         .collect();
     // Does replica `r` accept client certificate `i` (false: refused as revoked)?
     async fn accepts(
@@ -1149,13 +1043,23 @@ async fn two_replicas_share_revocations_and_publish_one_growing_crl() {
             .await
             .unwrap();
         let key = rcgen::KeyPair::generate().unwrap();
-        let req = meshca::testing::request(meshca::testing::csr_for(&key, id), 0, &[]);
-        match c.create_certificate(req).await {
-            Ok(_) => true,
-            Err(e) => {
-                let reason = audit.requests().last().unwrap().reason.clone();
-                assert_eq!(reason, "mtls_cert_revoked", "{e:?}");
-                false
+        // A replica that has not read the store yet refuses retryably
+        // (revocations_not_loaded): that is no verdict, so ask again.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let req = meshca::testing::request(meshca::testing::csr_for(&key, id), 0, &[]);
+            match c.create_certificate(req).await {
+                Ok(_) => return true,
+                Err(e) => {
+                    let reason = audit.requests().last().unwrap().reason.clone();
+                    if reason == "revocations_not_loaded" && Instant::now() < deadline {
+                        assert_eq!(e.code(), tonic::Code::Unavailable);
+                        tokio::time::sleep(Duration::from_millis(25)).await;
+                        continue;
+                    }
+                    assert_eq!(reason, "mtls_cert_revoked", "{e:?}");
+                    return false;
+                }
             }
         }
     }

@@ -31,48 +31,43 @@ async fn warm_key_set_verifies_new_callers_through_an_api_server_outage() {
     // Minted now, first presented during the outage.
     let unseen = k.token(&ns, "app", Some(("p1", &uid1)), "istio-ca").await;
 
-    let mut servers = Vec::new();
-    for mode in [
+    // A server in `mode`, warm (its indexes show both pods, `seen` was
+    // verified), with the staleness bound `staleness` when given.
+    let warm = |mode, staleness: Option<Duration>| {
+        let (k, ns, id, seen) = (&k, ns.clone(), id.clone(), seen.clone());
+        async move {
+            let pki = TestPki::new(KeyType::EcdsaP256);
+            let mut cfg = common::kube_config(&pki, k.meshca_kubeconfig(), &[]);
+            let kube = cfg.kube.as_mut().unwrap();
+            kube.token_verification.mode = mode;
+            // Refresh as often as allowed, so the outage is felt by the key loop.
+            kube.token_verification.refresh.min_interval = Duration::from_millis(200);
+            if let Some(s) = staleness {
+                cfg.kill_switch.renewal.max_index_staleness = s;
+            }
+            let srv = start(cfg, pki).await;
+            srv.wait_index("pods", move |s| {
+                s.get(&ns, "p0").is_some() && s.get(&ns, "p1").is_some()
+            })
+            .await;
+            srv.call(&seen, &id, None, None).await.unwrap();
+            srv
+        }
+    };
+    let modes = [
         TokenVerificationMode::Local,
         TokenVerificationMode::LocalThenReview,
-    ] {
-        let pki = TestPki::new(KeyType::EcdsaP256);
-        let mut cfg = common::kube_config(&pki, k.meshca_kubeconfig(), &[]);
-        cfg.kube.as_mut().unwrap().token_verification.mode = mode;
-        // Refresh as often as allowed, so the outage is felt by the key loop.
-        cfg.kube
-            .as_mut()
-            .unwrap()
-            .token_verification
-            .refresh
-            .min_interval = Duration::from_millis(200);
-        let srv = start(cfg, pki).await;
-        let n = ns.clone();
-        srv.wait_index("pods", move |s| {
-            s.get(&n, "p0").is_some() && s.get(&n, "p1").is_some()
-        })
-        .await;
-        srv.call(&seen, &id, None, None).await.unwrap();
-        servers.push(srv);
+    ];
+    let mut servers = Vec::new();
+    for mode in modes {
+        servers.push(warm(mode, None).await);
     }
     // The same modes with a short staleness bound: once the watches have been
     // down longer than it, the indexes vouch for nothing (a deleted pod would
     // still be in them), and no token is allowed on their word.
     let mut strict = Vec::new();
-    for mode in [
-        TokenVerificationMode::Local,
-        TokenVerificationMode::LocalThenReview,
-    ] {
-        let pki = TestPki::new(KeyType::EcdsaP256);
-        let mut cfg = common::kube_config(&pki, k.meshca_kubeconfig(), &[]);
-        cfg.kube.as_mut().unwrap().token_verification.mode = mode;
-        cfg.kill_switch.renewal.max_index_staleness = STRICT;
-        let srv = start(cfg, pki).await;
-        let n = ns.clone();
-        srv.wait_index("pods", move |s| s.get(&n, "p0").is_some())
-            .await;
-        srv.call(&seen, &id, None, None).await.unwrap();
-        strict.push((mode, srv));
+    for mode in modes {
+        strict.push((mode, warm(mode, Some(STRICT)).await));
     }
 
     kte_script("stop-apiserver", &k.dir);

@@ -352,38 +352,14 @@ async fn every_metric_the_rules_and_dashboard_use_is_exported() {
 /// checkpoints anchored as ConfigMaps by the real audit writer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kube_only_metrics_exist_with_the_api_server() {
-    use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
-    use kube::api::{Api, PostParams};
-    use serde_json::json;
-
     let needs = all_needs();
     let k = common::kte().await;
     let ns = k.namespace("metrics").await;
-    // The chart's anchor RBAC (the fixture tests/chart.rs compares the
-    // chart with) for the test user `meshca`.
-    let fixture =
-        std::fs::read_to_string(monitoring::repo().join("tests/fixtures/rbac-audit-anchor.yaml"))
-            .unwrap();
-    let role: Role = serde_yaml_ng::from_str(&fixture).unwrap();
-    Api::<Role>::namespaced(k.admin.clone(), &ns)
-        .create(&PostParams::default(), &role)
-        .await
-        .unwrap();
-    let rb: RoleBinding = serde_json::from_value(json!({
-        "metadata": {"name": "meshca-audit-anchor"},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role.metadata.name.clone().unwrap()},
-        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": "meshca"}]
-    }))
-    .unwrap();
-    Api::<RoleBinding>::namespaced(k.admin.clone(), &ns)
-        .create(&PostParams::default(), &rb)
-        .await
-        .unwrap();
-
-    k.service_account(&ns, "ztunnel").await;
-    let zt_uid = k.pod(&ns, "ztunnel-a", "ztunnel", "node-metrics").await;
-    let zt_token = k
-        .token(&ns, "ztunnel", Some(("ztunnel-a", &zt_uid)), "istio-ca")
+    // The chart's anchor RBAC for the test user `meshca`.
+    k.meshca_role(&ns, "tests/fixtures/rbac-audit-anchor.yaml")
+        .await;
+    let (_, zt_token) = k
+        .pod_token(&ns, "ztunnel", "ztunnel-a", "node-metrics")
         .await;
 
     let pki = TestPki::new(KeyType::EcdsaP256);

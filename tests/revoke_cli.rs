@@ -5,14 +5,18 @@
 //! denylist file written by `--deny-file` stops new issuance.
 #![allow(clippy::unwrap_used)]
 
+mod revoking;
+
+use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use meshca::app::App;
 use meshca::ca::generate::KeyType;
 use meshca::ca::CaBundle;
-use meshca::config::AuditSinkKind;
+use meshca::config::{AuditSinkKind, Config};
 use meshca::testing::{self, TestPki};
-use rustls_pki_types::pem::PemObject;
+use revoking::{json_lines, printed_serials};
 use time::OffsetDateTime;
 
 fn meshca(args: &[&str]) -> std::process::Output {
@@ -22,6 +26,37 @@ fn meshca(args: &[&str]) -> std::process::Output {
         .unwrap()
 }
 
+/// A server of `pki` writing its chained audit log to `dir/audit.log` and
+/// polling the denylist file `dir/denylist` every 100 ms.
+fn file_config(pki: &TestPki, dir: &Path) -> Config {
+    let mut cfg = testing::test_config(pki.path_buf());
+    cfg.audit.sink = AuditSinkKind::File;
+    cfg.audit.file = dir.join("audit.log");
+    cfg.kill_switch.denylist = meshca::denylist::DenylistSettings {
+        file: Some(dir.join("denylist")),
+        poll: Duration::from_millis(100),
+        configmap: None,
+    };
+    cfg
+}
+
+/// A CreateCertificate for `id` over mTLS with a fresh client certificate
+/// for `id` from `bundle`.
+async fn request_as(
+    app: &App,
+    pki: &TestPki,
+    bundle: &CaBundle,
+    id: &str,
+) -> Result<tonic::Response<meshca::proto::IstioCertificateResponse>, tonic::Status> {
+    let (cert, key) = testing::client_identity(bundle, id, &testing::validity_hours(-1, 1));
+    let mut c = testing::client(app.addr, &pki.ca.root_cert, Some((&cert, &key)))
+        .await
+        .unwrap();
+    let k = rcgen::KeyPair::generate().unwrap();
+    c.create_certificate(testing::request(testing::csr_for(&k, id), 0, &[]))
+        .await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn revoke_finds_serials_in_the_audit_log_and_the_server_enforces_them() {
     let pki = TestPki::new(KeyType::EcdsaP256);
@@ -29,14 +64,7 @@ async fn revoke_finds_serials_in_the_audit_log_and_the_server_enforces_them() {
     let audit = dir.path().join("audit.log");
     let store = dir.path().join("revoked-serials.jsonl");
     let deny = dir.path().join("denylist");
-    let mut cfg = testing::test_config(pki.path_buf());
-    cfg.audit.sink = AuditSinkKind::File;
-    cfg.audit.file = audit.clone();
-    cfg.kill_switch.denylist = meshca::denylist::DenylistSettings {
-        file: Some(deny.clone()),
-        poll: Duration::from_millis(100),
-        configmap: None,
-    };
+    let mut cfg = file_config(&pki, dir.path());
     cfg.kill_switch.revocation = Some(meshca::revocation::RevocationSettings {
         file: Some(store.clone()),
         configmap: None,
@@ -52,25 +80,12 @@ async fn revoke_finds_serials_in_the_audit_log_and_the_server_enforces_them() {
         "spiffe://cluster.local/ns/shop/sa/cart",
         "spiffe://cluster.local/ns/shop/sa/web",
     );
-    let ask = |id: &'static str| {
-        let (cert, key) = testing::client_identity(&bundle, id, &testing::validity_hours(-1, 1));
-        let (addr, root) = (app.addr, pki.ca.root_cert.clone());
-        async move {
-            let mut c = testing::client(addr, &root, Some((&cert, &key)))
-                .await
-                .unwrap();
-            let k = rcgen::KeyPair::generate().unwrap();
-            c.create_certificate(testing::request(testing::csr_for(&k, id), 0, &[]))
-                .await
-        }
-    };
+    let ask = |id: &'static str| request_as(&app, &pki, &bundle, id);
     let mut serials_a = Vec::new();
     for id in [a, a, b] {
         let chain = ask(id).await.unwrap().into_inner().cert_chain;
-        let der = rustls_pki_types::CertificateDer::from_pem_slice(chain[0].as_bytes()).unwrap();
-        let (_, c) = x509_parser::parse_x509_certificate(&der).unwrap();
         if id == a {
-            serials_a.push(meshca::ca::serial_hex(c.raw_serial()));
+            serials_a.push(testing::leaf_serial(&chain[0]));
         }
     }
     serials_a.sort();
@@ -110,18 +125,9 @@ async fn revoke_finds_serials_in_the_audit_log_and_the_server_enforces_them() {
         store_s,
         audit_s,
     ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let mut printed: Vec<String> = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(|l| l.split('\t').next().unwrap().to_string())
-        .collect();
-    printed.sort();
     assert_eq!(
-        printed, serials_a,
+        printed_serials(&out),
+        serials_a,
         "exactly the identity's two certificates"
     );
     let stored: Vec<String> = meshca::revocation::read_store(&store)
@@ -151,14 +157,7 @@ async fn revoke_finds_serials_in_the_audit_log_and_the_server_enforces_them() {
     loop {
         let (code, body) = testing::http_get(app.admin_addr, "/ca-crl.pem").await;
         let listed = (code == 200).then(|| {
-            let der =
-                rustls_pki_types::CertificateRevocationListDer::from_pem_slice(body.as_bytes())
-                    .unwrap();
-            let (_, crl) = x509_parser::parse_x509_crl(&der).unwrap();
-            let mut s: Vec<String> = crl
-                .iter_revoked_certificates()
-                .map(|r| meshca::ca::serial_hex(r.raw_serial()))
-                .collect();
+            let mut s = revoking::crl(&body).1;
             s.sort();
             s
         });
@@ -207,13 +206,7 @@ async fn revoke_finds_serials_in_the_audit_log_and_the_server_enforces_them() {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let (_, body) = testing::http_get(app.admin_addr, "/ca-crl.pem").await;
-        let der = rustls_pki_types::CertificateRevocationListDer::from_pem_slice(body.as_bytes())
-            .unwrap();
-        let (_, crl) = x509_parser::parse_x509_crl(&der).unwrap();
-        let listed: Vec<String> = crl
-            .iter_revoked_certificates()
-            .map(|r| meshca::ca::serial_hex(r.raw_serial()))
-            .collect();
+        let listed = revoking::crl(&body).1;
         if listed == [serials_a[1].clone()] {
             break;
         }
@@ -230,10 +223,7 @@ async fn revoke_finds_serials_in_the_audit_log_and_the_server_enforces_them() {
         "json",
         audit_s,
     ]);
-    let un: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let un = json_lines(&out);
     assert_eq!(un.len(), 1, "{un:?}");
     assert_eq!(un[0]["serial"], serials_a[0].as_str());
     assert!(un[0]["detail"].as_str().unwrap().contains("INC-1"));
@@ -248,10 +238,9 @@ async fn revoke_finds_serials_in_the_audit_log_and_the_server_enforces_them() {
     let out = meshca(&[
         "audit", "query", "--reason", "revoked", "-o", "json", audit_s,
     ]);
-    let mut revoked: Vec<String> = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+    let mut revoked: Vec<String> = json_lines(&out)
+        .into_iter()
+        .map(|v| {
             assert_eq!(v["revocation_reason"], "key-compromise");
             assert_eq!(v["requested_identity"], a);
             v["serial"].as_str().unwrap().to_string()
@@ -275,39 +264,17 @@ async fn trust_domain_aliases_do_not_get_around_the_denylist_or_revoke() {
     let store = dir.path().join("revoked-serials.jsonl");
     let deny = dir.path().join("denylist");
     std::fs::write(&deny, "").unwrap();
-    let mut cfg = testing::test_config(pki.path_buf());
+    let mut cfg = file_config(&pki, dir.path());
     cfg.trust_domain_aliases = vec![meshca::identity::TrustDomain::new("alias.local").unwrap()];
-    cfg.audit.sink = AuditSinkKind::File;
-    cfg.audit.file = audit.clone();
-    cfg.kill_switch.denylist = meshca::denylist::DenylistSettings {
-        file: Some(deny.clone()),
-        poll: Duration::from_millis(100),
-        configmap: None,
-    };
     let app = meshca::app::App::start(&cfg, Default::default())
         .await
         .unwrap();
     let bundle = CaBundle::load_dir(pki.path(), OffsetDateTime::now_utc()).unwrap();
     let mesh = "spiffe://cluster.local/ns/shop/sa/cart";
     let alias = "spiffe://alias.local/ns/shop/sa/cart";
-    let ask = |id: &'static str| {
-        let (cert, key) = testing::client_identity(&bundle, id, &testing::validity_hours(-1, 1));
-        let (addr, root) = (app.addr, pki.ca.root_cert.clone());
-        async move {
-            let mut c = testing::client(addr, &root, Some((&cert, &key)))
-                .await
-                .unwrap();
-            let k = rcgen::KeyPair::generate().unwrap();
-            c.create_certificate(testing::request(testing::csr_for(&k, id), 0, &[]))
-                .await
-        }
-    };
+    let ask = |id: &'static str| request_as(&app, &pki, &bundle, id);
     // One certificate under each spelling, before any deny.
-    let serial_of = |chain: Vec<String>| {
-        let der = rustls_pki_types::CertificateDer::from_pem_slice(chain[0].as_bytes()).unwrap();
-        let (_, c) = x509_parser::parse_x509_certificate(&der).unwrap();
-        meshca::ca::serial_hex(c.raw_serial())
-    };
+    let serial_of = |chain: Vec<String>| testing::leaf_serial(&chain[0]);
     let mut both = vec![
         serial_of(ask(mesh).await.unwrap().into_inner().cert_chain),
         serial_of(ask(alias).await.unwrap().into_inner().cert_chain),
@@ -325,17 +292,7 @@ async fn trust_domain_aliases_do_not_get_around_the_denylist_or_revoke() {
             .args(["--dry-run", "--revocation-file", store_s, audit_s])
             .output()
             .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let mut printed: Vec<String> = String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .map(|l| l.split('\t').next().unwrap().to_string())
-            .collect();
-        printed.sort();
-        assert_eq!(printed, both, "revoke --identity {target}");
+        assert_eq!(printed_serials(&out), both, "revoke --identity {target}");
         // Without the alias the two spellings are different identities.
         let out = Command::new(env!("CARGO_BIN_EXE_meshca"))
             .env_remove("TRUST_DOMAIN_ALIASES")
@@ -370,12 +327,9 @@ async fn trust_domain_aliases_do_not_get_around_the_denylist_or_revoke() {
         "json",
         audit_s,
     ]);
-    let denied: Vec<String> = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            v["caller_identity"].as_str().unwrap().to_string()
-        })
+    let denied: Vec<String> = json_lines(&out)
+        .into_iter()
+        .map(|v| v["caller_identity"].as_str().unwrap().to_string())
         .collect();
     assert!(denied.contains(&alias.to_string()), "{denied:?}");
     assert!(denied.contains(&mesh.to_string()), "{denied:?}");

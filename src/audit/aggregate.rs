@@ -283,13 +283,19 @@ impl Aggregator {
         sink: std::sync::Arc<dyn AuditSink>,
         interval: std::time::Duration,
     ) {
-        let mut tick = tokio::time::interval(interval);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        every(interval, || self.flush(sink.as_ref())).await
+    }
+}
+
+/// Calls `f` every `interval` (the first time one interval from now),
+/// forever; a late tick is not made up for.
+pub async fn every(interval: std::time::Duration, mut f: impl FnMut()) {
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tick.tick().await;
+    loop {
         tick.tick().await;
-        loop {
-            tick.tick().await;
-            self.flush(sink.as_ref());
-        }
+        f();
     }
 }
 

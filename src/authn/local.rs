@@ -499,7 +499,7 @@ impl LocalVerifier {
             self.index.is_synced(),
             self.accounts.is_synced(),
             self.index.disconnected_for(),
-            self.accounts.health().disconnected_for(),
+            self.accounts.disconnected_for(),
             self.max_index_staleness,
         )?;
         let now = time::OffsetDateTime::now_utc().unix_timestamp();

@@ -366,7 +366,6 @@ impl TwoTier {
 mod tests {
     use super::*;
     use crate::ca::generate::{generate, InitOptions};
-    use crate::identity::SpiffeId;
 
     fn custody(now: OffsetDateTime) -> CaBundle {
         let ca = generate(&InitOptions::default(), now).unwrap();
@@ -393,21 +392,7 @@ mod tests {
         assert_ne!(b.key_id(), c.key_id());
         assert_eq!(b.roots(), c.roots());
         assert!(b.signing_not_after() <= now + time::Duration::hours(1));
-        let id: SpiffeId = "spiffe://cluster.local/ns/a/sa/b".parse().unwrap();
-        let v = crate::ca::Validity {
-            not_before: now - time::Duration::minutes(2),
-            not_after: now + time::Duration::minutes(30),
-            clamped: false,
-        };
-        let key = rcgen::KeyPair::generate().unwrap();
-        let leaf = b
-            .sign_leaf(
-                &rcgen::PublicKeyData::subject_public_key_info(&key),
-                &id,
-                false,
-                &v,
-            )
-            .unwrap();
+        let leaf = crate::testing::leaf(b, "spiffe://cluster.local/ns/a/sa/b", now);
         // Verified with the custody bundle's roots and the response chain's intermediates.
         let chain = b.response_chain(&leaf.pem);
         // The custody chain (intermediate, root) plus the issuing CA.

@@ -6,14 +6,13 @@ use std::borrow::Cow;
 use std::net::IpAddr;
 use std::sync::Arc;
 
-use futures::StreamExt;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use kube::runtime::watcher::{self, Event};
+use kube::runtime::watcher;
 use kube::runtime::WatchStreamExt;
 use kube::{Api, Client, Resource};
 use serde::Deserialize;
 
-use super::{IndexEvent, LeanPod, Phase, PodIndex};
+use super::{LeanPod, Phase, PodIndex};
 
 /// A pod as decoded from the API server: metadata plus four fields.
 #[derive(Debug, Clone, Deserialize)]
@@ -95,42 +94,14 @@ impl From<PodWire> for LeanPod {
     }
 }
 
-fn convert(e: Event<PodWire>) -> IndexEvent {
-    match e {
-        Event::Init => IndexEvent::Init,
-        Event::InitApply(p) => IndexEvent::InitApply(p.into()),
-        Event::InitDone => IndexEvent::InitDone,
-        Event::Apply(p) => IndexEvent::Apply(p.into()),
-        Event::Delete(p) => IndexEvent::Delete(p.into()),
-    }
-}
-
 /// Watches all pods forever, re-listing after errors (including 410 Gone)
 /// with kube-runtime's backoff. The index keeps serving its last state while
 /// the API server is unreachable.
 pub async fn run(client: Client, index: Arc<PodIndex>) {
     let api: Api<PodWire> = Api::all(client);
     let config = watcher::Config::default().fields("status.phase!=Failed");
-    let mut stream = watcher::watcher(api, config).default_backoff().boxed();
-    while let Some(event) = stream.next().await {
-        match event {
-            Ok(e) => {
-                let done = matches!(e, Event::InitDone);
-                // A relist in progress is not current yet; anything else is.
-                if !matches!(e, Event::Init | Event::InitApply(_)) {
-                    index.mark_connected();
-                }
-                index.apply(convert(e));
-                if done {
-                    tracing::info!(pods = index.len(), "pod index synced");
-                }
-            }
-            Err(e) => {
-                index.mark_disconnected();
-                tracing::warn!(error = %e, "pod watch error; retrying with backoff");
-            }
-        }
-    }
+    let stream = watcher::watcher(api, config).default_backoff();
+    super::shared::follow(stream, &index, "pod", LeanPod::from).await
 }
 
 #[cfg(test)]

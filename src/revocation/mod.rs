@@ -1098,23 +1098,11 @@ mod tests {
 
     /// A leaf signed by the leaf-signing CA of `store` now: its PEM and serial.
     fn leaf(store: &CaStore) -> (String, String) {
-        let now = OffsetDateTime::now_utc();
-        let key = rcgen::KeyPair::generate().unwrap();
-        let id: crate::identity::SpiffeId = "spiffe://cluster.local/ns/a/sa/b".parse().unwrap();
-        let v = crate::ca::Validity {
-            not_before: now - time::Duration::minutes(2),
-            not_after: now + time::Duration::minutes(30),
-            clamped: false,
-        };
-        let l = store
-            .snapshot()
-            .sign_leaf(
-                &rcgen::PublicKeyData::subject_public_key_info(&key),
-                &id,
-                false,
-                &v,
-            )
-            .unwrap();
+        let l = crate::testing::leaf(
+            &store.snapshot(),
+            "spiffe://cluster.local/ns/a/sa/b",
+            OffsetDateTime::now_utc(),
+        );
         (l.pem, l.serial_hex)
     }
 

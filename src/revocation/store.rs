@@ -148,18 +148,10 @@ pub async fn read_configmap(client: &kube::Client, namespace: &str, name: &str) 
     let api: kube::Api<ConfigMap> = kube::Api::namespaced(client.clone(), namespace);
     match api.get_opt(name).await {
         Ok(None) => SourceRead::Missing,
-        Ok(Some(cm)) => {
-            let text = cm
-                .data
-                .as_ref()
-                .and_then(|d| d.get(CONFIGMAP_KEY))
-                .map(String::as_str)
-                .unwrap_or("");
-            match parse_store(text) {
-                Ok(e) => SourceRead::Entries(e),
-                Err(e) => SourceRead::Unreadable(e),
-            }
-        }
+        Ok(Some(cm)) => match parse_store(crate::denylist::configmap_text(&cm, CONFIGMAP_KEY)) {
+            Ok(e) => SourceRead::Entries(e),
+            Err(e) => SourceRead::Unreadable(e),
+        },
         Err(e) => SourceRead::Unreadable(kube_err(e)),
     }
 }
@@ -195,14 +187,8 @@ pub async fn append_configmap(
                 if cm.immutable == Some(true) {
                     return Err(err("the ConfigMap is immutable; delete it and revoke again (the server keeps what it read)".into()));
                 }
-                let text = cm
-                    .data
-                    .as_ref()
-                    .and_then(|d| d.get(CONFIGMAP_KEY))
-                    .cloned()
-                    .unwrap_or_default();
                 (
-                    parse_store(&text)
+                    parse_store(crate::denylist::configmap_text(&cm, CONFIGMAP_KEY))
                         .map_err(|e| err(format!("does not parse ({e}); fix it first")))?,
                     Some(cm),
                 )

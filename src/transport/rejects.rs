@@ -185,13 +185,7 @@ impl HandshakeRejects {
 
     /// Flushes every `interval` until aborted.
     pub async fn run(self: Arc<Self>, sink: Arc<dyn AuditSink>, interval: Duration) {
-        let mut tick = tokio::time::interval(interval);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        tick.tick().await;
-        loop {
-            tick.tick().await;
-            self.flush(sink.as_ref());
-        }
+        crate::audit::aggregate::every(interval, || self.flush(sink.as_ref())).await
     }
 }
 

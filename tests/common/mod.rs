@@ -10,7 +10,9 @@ use std::time::Duration;
 use base64::Engine;
 use k8s_openapi::api::authentication::v1::{BoundObjectReference, TokenRequest, TokenRequestSpec};
 use k8s_openapi::api::core::v1::{Container, Namespace, Pod, PodSpec, ServiceAccount};
-use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, PolicyRule, RoleRef, Subject};
+use k8s_openapi::api::rbac::v1::{
+    ClusterRole, ClusterRoleBinding, PolicyRule, Role, RoleBinding, RoleRef, Subject,
+};
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client};
 use meshca::app::{App, Deps};
@@ -96,9 +98,24 @@ impl Kte {
 
     /// Creates a pod bound to `node` (no scheduler runs); returns its UID.
     pub async fn pod(&self, ns: &str, name: &str, sa: &str, node: &str) -> String {
+        self.pod_with_finalizers(ns, name, sa, node, &[]).await
+    }
+
+    /// [`Self::pod`] held by `finalizers` once deleted (it keeps a
+    /// `deletionTimestamp` until they are removed).
+    pub async fn pod_with_finalizers(
+        &self,
+        ns: &str,
+        name: &str,
+        sa: &str,
+        node: &str,
+        finalizers: &[&str],
+    ) -> String {
         let pod = Pod {
             metadata: kube::api::ObjectMeta {
                 name: Some(name.into()),
+                finalizers: Some(finalizers.iter().map(|f| f.to_string()).collect())
+                    .filter(|f: &Vec<String>| !f.is_empty()),
                 ..Default::default()
             },
             spec: Some(PodSpec {
@@ -120,6 +137,48 @@ impl Kte {
             .await
             .unwrap();
         created.metadata.uid.unwrap()
+    }
+
+    /// Service account `sa` in `ns`, its pod `pod` on `node`, and a token
+    /// for `istio-ca` bound to that pod: (pod UID, token).
+    pub async fn pod_token(&self, ns: &str, sa: &str, pod: &str, node: &str) -> (String, String) {
+        self.service_account(ns, sa).await;
+        let uid = self.pod(ns, pod, sa, node).await;
+        let token = self.token(ns, sa, Some((pod, &uid)), "istio-ca").await;
+        (uid, token)
+    }
+
+    /// Sets the label `key=value` on namespace `ns`.
+    pub async fn label_namespace(&self, ns: &str, key: &str, value: &str) {
+        let patch = json!({"metadata": {"labels": {key: value}}});
+        Api::<Namespace>::all(self.admin.clone())
+            .patch(ns, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .unwrap();
+    }
+
+    /// The chart's Role from fixture `rel` (tests/chart.rs checks the chart
+    /// renders exactly it) in `ns`, bound to the test user `meshca`.
+    pub async fn meshca_role(&self, ns: &str, rel: &str) {
+        let fixture =
+            std::fs::read_to_string(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(rel))
+                .unwrap();
+        let role: Role = serde_yaml_ng::from_str(&fixture).unwrap();
+        Api::<Role>::namespaced(self.admin.clone(), ns)
+            .create(&PostParams::default(), &role)
+            .await
+            .unwrap();
+        let name = role.metadata.name.unwrap();
+        let rb: RoleBinding = serde_json::from_value(json!({
+            "metadata": {"name": name},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": "meshca"}]
+        }))
+        .unwrap();
+        Api::<RoleBinding>::namespaced(self.admin.clone(), ns)
+            .create(&PostParams::default(), &rb)
+            .await
+            .unwrap();
     }
 
     pub async fn delete_pod(&self, ns: &str, name: &str) {
@@ -405,27 +464,24 @@ impl Server {
         impersonate: Option<&str>,
         cluster: Option<&str>,
     ) -> Result<Vec<String>, tonic::Status> {
-        let mut c = testing::client(self.app.addr, &self.pki.ca.root_cert, None)
+        let ask = Ask {
+            token: Some(token),
+            impersonate,
+            cluster,
+            ..Default::default()
+        };
+        self.ask(csr_identity, ask).await.0
+    }
+
+    /// Sends `ask` for a CSR of `csr_identity` (see [`Ask::send`]); not
+    /// counted like [`Self::call`].
+    pub async fn ask(
+        &self,
+        csr_identity: &str,
+        ask: Ask<'_>,
+    ) -> (Result<Vec<String>, tonic::Status>, KeyPair) {
+        ask.send(self.app.addr, &self.pki.ca.root_cert, csr_identity)
             .await
-            .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
-        let key = KeyPair::generate().unwrap();
-        let meta: Vec<(&str, prost_types::Value)> = impersonate
-            .map(|i| ("ImpersonatedIdentity", testing::string_value(i)))
-            .into_iter()
-            .collect();
-        let mut req = tonic::Request::new(testing::request(
-            testing::csr_for(&key, csr_identity),
-            0,
-            &meta,
-        ));
-        req.metadata_mut()
-            .insert("authorization", format!("Bearer {token}").parse().unwrap());
-        if let Some(c) = cluster {
-            req.metadata_mut().insert("clusterid", c.parse().unwrap());
-        }
-        c.create_certificate(req)
-            .await
-            .map(|r| r.into_inner().cert_chain)
     }
 
     pub fn last_reason(&self) -> String {
@@ -446,6 +502,72 @@ impl Server {
             .unwrap();
         String::from_utf8_lossy(&out.stdout).parse().unwrap_or(0)
     }
+}
+
+/// How a test's CreateCertificate authenticates and what it asks for
+/// besides the CSR: a bearer token and/or a client certificate (chain
+/// without the root, key), impersonation, a `clusterid` header, a TTL.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Ask<'a> {
+    pub token: Option<&'a str>,
+    pub cert: Option<&'a (String, String)>,
+    pub impersonate: Option<&'a str>,
+    pub cluster: Option<&'a str>,
+    pub ttl: i64,
+}
+
+impl Ask<'_> {
+    /// Sends it to the server at `addr` (trusting `root`) with a CSR of
+    /// `csr_identity` for a fresh key: the chain or the status (Unavailable
+    /// when no connection is made), and the CSR's key.
+    pub async fn send(
+        self,
+        addr: std::net::SocketAddr,
+        root: &str,
+        csr_identity: &str,
+    ) -> (Result<Vec<String>, tonic::Status>, KeyPair) {
+        let key = KeyPair::generate().unwrap();
+        let chain = async {
+            let mut c = testing::client(addr, root, self.cert.map(|(c, k)| (&c[..], &k[..])))
+                .await
+                .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
+            let meta: Vec<(&str, prost_types::Value)> = self
+                .impersonate
+                .map(|i| ("ImpersonatedIdentity", testing::string_value(i)))
+                .into_iter()
+                .collect();
+            let mut req = tonic::Request::new(testing::request(
+                testing::csr_for(&key, csr_identity),
+                self.ttl,
+                &meta,
+            ));
+            if let Some(token) = self.token {
+                req.metadata_mut()
+                    .insert("authorization", format!("Bearer {token}").parse().unwrap());
+            }
+            if let Some(c) = self.cluster {
+                req.metadata_mut().insert("clusterid", c.parse().unwrap());
+            }
+            c.create_certificate(req)
+                .await
+                .map(|r| r.into_inner().cert_chain)
+        }
+        .await;
+        (chain, key)
+    }
+}
+
+/// A client certificate for `id` from the CA of `pki`, valid from five
+/// minutes ago until `secs` from now: (chain without the root, key).
+pub fn client_cert(pki: &TestPki, id: &str, secs: i64) -> (String, String) {
+    let now = time::OffsetDateTime::now_utc();
+    let bundle = meshca::ca::CaBundle::load_dir(pki.path(), now).unwrap();
+    let v = meshca::ca::Validity {
+        not_before: now - time::Duration::minutes(5),
+        not_after: now + time::Duration::seconds(secs),
+        clamped: false,
+    };
+    testing::client_identity(&bundle, id, &v)
 }
 
 /// The SPIFFE id of a Kubernetes service account in the test trust domain.

@@ -203,20 +203,17 @@ pub struct Uses {
     pub grouping: BTreeSet<String>,
 }
 
-const KEYWORDS: &[&str] = &[
-    "and",
-    "or",
-    "unless",
-    "bool",
-    "offset",
+/// Keywords that take a list of labels: `by (..)`, `on (..)`, ...
+const TAKES_LABELS: &[&str] = &[
     "by",
     "without",
     "on",
     "ignoring",
     "group_left",
     "group_right",
-    "atan2",
 ];
+/// The other keywords (not metric names).
+const KEYWORDS: &[&str] = &["and", "or", "unless", "bool", "offset", "atan2"];
 
 #[derive(Debug, Clone, PartialEq)]
 enum Tok {
@@ -300,19 +297,13 @@ pub fn uses(expr: &str) -> Result<Uses, String> {
                 }
                 i += 1;
             }
-            Tok::Ident(id) if KEYWORDS.contains(&id.as_str()) => {
+            Tok::Ident(id)
+                if KEYWORDS.contains(&id.as_str()) || TAKES_LABELS.contains(&id.as_str()) =>
+            {
                 i += 1;
-                let takes_labels = [
-                    "by",
-                    "without",
-                    "on",
-                    "ignoring",
-                    "group_left",
-                    "group_right",
-                ];
                 if id == "offset" {
                     i += 1; // its duration
-                } else if takes_labels.contains(&id.as_str()) && t.get(i) == Some(&Tok::Punct('('))
+                } else if TAKES_LABELS.contains(&id.as_str()) && t.get(i) == Some(&Tok::Punct('('))
                 {
                     i += 1;
                     while i < t.len() && t[i] != Tok::Punct(')') {
