@@ -610,7 +610,9 @@ where
         // anything else: a stream over it costs its headers only.
         let in_progress = match (
             &gate.concurrency,
-            req.extensions().get::<ConnInfo>().map(|c| c.control.clone()),
+            req.extensions()
+                .get::<ConnInfo>()
+                .map(|c| c.control.clone()),
         ) {
             (Some(c), Some(control)) => match InProgress::start(control, c.clone()) {
                 Ok(p) => Some(p),

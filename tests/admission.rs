@@ -402,3 +402,116 @@ async fn the_identity_cap_sheds_over_the_cap_with_its_own_reason() {
         2
     );
 }
+
+/// Client-side latency of one request sent with `grpc-timeout: deadline`.
+/// The client itself waits much longer than the deadline, so that an answer
+/// the server sends late is seen as late instead of being cut off.
+async fn timed_call(
+    mut c: Client,
+    csr: String,
+    deadline: Duration,
+) -> (Result<(), Code>, Duration) {
+    let t0 = Instant::now();
+    let got = tokio::time::timeout(deadline * 10, call(&mut c, &csr, Some(deadline))).await;
+    let r = match got {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(st)) => Err(st.code()),
+        Err(_) => Err(Code::Unknown),
+    };
+    (r, t0.elapsed())
+}
+
+/// A renewal storm on a server with one signing thread (its capacity, not a
+/// CPU cgroup, is what is confined, so the test needs no privileges): first
+/// its capacity in a closed loop, then 16 callers offering three times that
+/// on a fixed schedule, each request with a deadline of 40 mean service
+/// times. The answers that do come back come back in time (p99 of the
+/// successes under the deadline, as the client sees it), the excess is
+/// refused rather than answered late, and most of the capacity still goes
+/// to answers in time. Every bound is a ratio of this run's own capacity.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_storm_on_a_confined_server_keeps_successes_within_their_deadline() {
+    let _serial = SERIAL.lock().await;
+    let s = start(AdmissionConfig {
+        max_running: 1,
+        ..AdmissionConfig::default()
+    })
+    .await;
+    let mut callers = Vec::new();
+    for i in 0..16 {
+        callers.push(s.caller(&format!("storm-{i}")).await);
+    }
+    // Capacity: four callers, four requests in flight each, no deadline.
+    let measure = Duration::from_secs(1);
+    let stop = Instant::now() + measure;
+    let mut tasks = Vec::new();
+    for (c, csr) in callers.iter().take(4) {
+        for _ in 0..4 {
+            let (mut c, csr) = (c.clone(), csr.clone());
+            tasks.push(tokio::spawn(async move {
+                let mut n = 0u64;
+                while Instant::now() < stop {
+                    if call(&mut c, &csr, None).await.is_ok() {
+                        n += 1;
+                    }
+                }
+                n
+            }));
+        }
+    }
+    let mut served = 0u64;
+    for t in tasks {
+        served += t.await.unwrap();
+    }
+    assert!(served >= 20, "too few served to measure capacity: {served}");
+    let capacity = served as f64 / measure.as_secs_f64();
+    let deadline = Duration::from_secs_f64(40.0 / capacity).max(Duration::from_millis(100));
+
+    // The storm: 3x capacity on a fixed schedule, spread over the callers.
+    let storm = Duration::from_secs(2);
+    let offered = (capacity * 3.0 * storm.as_secs_f64()) as usize;
+    let interval = storm / offered as u32;
+    let start = Instant::now();
+    let mut tasks = Vec::with_capacity(offered);
+    for i in 0..offered {
+        tokio::time::sleep_until((start + interval * i as u32).into()).await;
+        let (c, csr) = &callers[i % callers.len()];
+        tasks.push(tokio::spawn(timed_call(c.clone(), csr.clone(), deadline)));
+    }
+    let mut ok = Vec::new();
+    let mut refused: HashMap<Code, usize> = HashMap::new();
+    for t in tasks {
+        match t.await.unwrap() {
+            (Ok(()), took) => ok.push(took),
+            (Err(code), _) => *refused.entry(code).or_default() += 1,
+        }
+    }
+    let elapsed = start.elapsed().as_secs_f64();
+    ok.sort();
+    let late = ok.iter().filter(|t| **t > deadline).count();
+    let summary = format!(
+        "capacity {capacity:.0}/s, deadline {deadline:?}, offered {offered}, ok {}, late {late}, \
+         refused {refused:?}, p99 {:?}",
+        ok.len(),
+        ok.get(ok.len() * 99 / 100)
+    );
+    assert!(
+        refused.get(&Code::ResourceExhausted).copied().unwrap_or(0) > offered / 10,
+        "not overloaded: {summary}"
+    );
+    assert!(ok.len() > offered / 10, "{summary}");
+    let p99 = ok[(ok.len() * 99 / 100).min(ok.len() - 1)];
+    assert!(p99 < deadline, "{summary}");
+    // A response racing its deadline on a loaded machine, not a backlog
+    // answered late (before the sized queue, 6,354 of 8,000 were late).
+    assert!(late * 100 <= ok.len(), "{summary}");
+    // Goodput: answers in time per second, against the closed-loop capacity
+    // (the generator shares the two threads with the server here, so the
+    // bound is looser than the storm bar's 0.9 measured on a separate core).
+    let goodput = (ok.len() - late) as f64 / elapsed;
+    assert!(
+        goodput >= capacity * 0.5,
+        "goodput {goodput:.0}/s: {summary}"
+    );
+    eprintln!("{summary}, goodput {goodput:.0}/s");
+}

@@ -354,13 +354,54 @@ mod tests {
             // A deadline shorter than one signature: still the minimum.
             (Some(ms(5)), 2, ms(1), 3, b, 16, 6),
             // The configured maximum caps the sized queue.
-            (Some(us(100)), 1, ms(5000), 20, SizingBounds { max_queued: 64, ..b }, 64, 4),
+            (
+                Some(us(100)),
+                1,
+                ms(5000),
+                20,
+                SizingBounds {
+                    max_queued: 64,
+                    ..b
+                },
+                64,
+                4,
+            ),
             // A floor above the advertised maximum yields to it.
-            (Some(us(800)), 1, ms(1000), 1000, SizingBounds { min_per_connection: 500, ..b }, 1_249, 100),
+            (
+                Some(us(800)),
+                1,
+                ms(1000),
+                1000,
+                SizingBounds {
+                    min_per_connection: 500,
+                    ..b
+                },
+                1_249,
+                100,
+            ),
             // Zero service time is "not measured".
-            (Some(Duration::ZERO), 1, ms(1000), 20, SizingBounds { max_queued: 64, ..b }, 64, 4),
+            (
+                Some(Duration::ZERO),
+                1,
+                ms(1000),
+                20,
+                SizingBounds {
+                    max_queued: 64,
+                    ..b
+                },
+                64,
+                4,
+            ),
             // A huge deadline does not overflow.
-            (Some(Duration::from_nanos(1)), 4096, Duration::MAX, 1, b, 65_536, 100),
+            (
+                Some(Duration::from_nanos(1)),
+                4096,
+                Duration::MAX,
+                1,
+                b,
+                65_536,
+                100,
+            ),
         ];
         for (i, (service, running, deadline, busy, bounds, queued, per)) in
             cases.into_iter().enumerate()

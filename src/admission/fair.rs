@@ -273,7 +273,11 @@ impl<T> FairTable<T> {
         scan: usize,
     ) -> Option<Place> {
         let mut seen: Vec<&Arc<str>> = Vec::new();
-        for (place, key) in self.turns.iter().take(scan.saturating_mul(SCAN_TURNS_PER_CALLER)) {
+        for (place, key) in self
+            .turns
+            .iter()
+            .take(scan.saturating_mul(SCAN_TURNS_PER_CALLER))
+        {
             if seen.len() >= scan {
                 break;
             }
@@ -291,7 +295,7 @@ impl<T> FairTable<T> {
                 Pick::Oldest => Some(oldest),
                 Pick::Newest => w.items.last_key_value().map(|(_, t)| t),
             };
-            if candidate.is_some_and(|c| fresh(c)) {
+            if candidate.is_some_and(&mut *fresh) {
                 return Some(*place);
             }
         }
@@ -333,7 +337,9 @@ mod tests {
                 inflight[c] -= 1;
             }
             while running.len() < max_running {
-                let Some(c) = t.pop_next(|_| true, |_| Pick::Oldest) else { break };
+                let Some(c) = t.pop_next(|_| true, |_| Pick::Oldest) else {
+                    break;
+                };
                 running.push(c);
                 served[c] += 1;
             }
@@ -405,7 +411,11 @@ mod tests {
         );
         t.push(a.clone(), 4);
         t.push(b.clone(), 5);
-        assert_eq!(t.pop_next(|_| false, |_| Pick::Oldest), None, "dead waiters leave too");
+        assert_eq!(
+            t.pop_next(|_| false, |_| Pick::Oldest),
+            None,
+            "dead waiters leave too"
+        );
         assert!(!t.others_waiting("c"));
     }
     #[test]

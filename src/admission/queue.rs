@@ -454,7 +454,10 @@ mod tests {
 
     /// Occupies the `n` signing threads of `q` until the returned senders
     /// are dropped; returns once all of them run.
-    async fn hold(q: &FairQueue, n: usize) -> (Vec<mpsc::Sender<()>>, Vec<tokio::task::JoinHandle<()>>) {
+    async fn hold(
+        q: &FairQueue,
+        n: usize,
+    ) -> (Vec<mpsc::Sender<()>>, Vec<tokio::task::JoinHandle<()>>) {
         let mut gates = Vec::new();
         let mut tasks = Vec::new();
         for i in 0..n {
@@ -493,7 +496,10 @@ mod tests {
             .await
             .unwrap();
         assert_ne!(there, here);
-        assert_eq!(name.as_deref().map(|n| n.starts_with("meshca-sign-")), Some(true));
+        assert_eq!(
+            name.as_deref().map(|n| n.starts_with("meshca-sign-")),
+            Some(true)
+        );
         assert!(q.service_time().is_some());
         assert_eq!(q.completed(), 1);
     }
@@ -778,7 +784,10 @@ mod tests {
         drop(q);
         let t0 = Instant::now();
         while weak.strong_count() > 0 {
-            assert!(t0.elapsed() < Duration::from_secs(10), "threads still hold the pool");
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "threads still hold the pool"
+            );
             std::thread::sleep(Duration::from_millis(1));
         }
     }
