@@ -155,7 +155,7 @@ impl Default for AdmissionConfig {
             identity_cap: None,
             lifo_after: Duration::from_millis(10),
             signing_nice: 10,
-            queue_target: Duration::from_millis(50),
+            queue_target: Duration::ZERO,
             min_streams_per_connection: 8,
             max_streams_per_connection: 100,
         }
@@ -204,8 +204,9 @@ pub struct AdmissionArgs {
     /// A caller's oldest queued request waiting this long: its turns serve its newest first.
     #[arg(long, env = "MESHCA_ADMISSION_LIFO_AFTER", default_value = "10ms")]
     pub admission_lifo_after: String,
-    /// While requests keep arriving, a queued request that waited longer is not started (0s: off).
-    #[arg(long, env = "MESHCA_ADMISSION_QUEUE_TARGET", default_value = "50ms")]
+    /// While requests keep arriving, a queued request that waited longer is not started while
+    /// another caller has a fresh one (0s: off, the default: it costs fairness, see README).
+    #[arg(long, env = "MESHCA_ADMISSION_QUEUE_TARGET", default_value = "0s")]
     pub admission_queue_target: String,
     /// Niceness added to the signing threads (0-19; 0: same priority as request I/O).
     #[arg(long, env = "MESHCA_SIGNING_NICE", default_value_t = 10)]
