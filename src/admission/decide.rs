@@ -85,21 +85,33 @@ pub fn pick(oldest_waited: Duration, lifo_after: Duration) -> Pick {
 
 /// Whether a request that has waited `waited` is stale: past the queue
 /// target, which is at least four service times (so a slow signer, an HSM,
-/// with a short queue is not taken for overload). Zero turns it off.
-pub fn stale(waited: Duration, target: Duration, service: Option<Duration>) -> bool {
+/// with a short queue is not taken for overload) and at least two fair
+/// rounds of the `callers` waiting over the `running` signing threads (a
+/// request waiting its fair turn is not stale). Zero turns it off.
+pub fn stale(
+    waited: Duration,
+    target: Duration,
+    service: Option<Duration>,
+    callers: usize,
+    running: usize,
+) -> bool {
     if target.is_zero() {
         return false;
     }
-    let floor = service.map_or(Duration::ZERO, |s| s.saturating_mul(4));
+    let rounds = (callers.saturating_mul(2) / running.max(1)).max(4);
+    let floor = service.map_or(Duration::ZERO, |s| {
+        s.saturating_mul(u32::try_from(rounds).unwrap_or(u32::MAX))
+    });
     waited > target.max(floor)
 }
 
-/// Whether stale requests are held back: while requests keep arriving (the
-/// last came less than `target` ago), a signing thread with only stale work
-/// waits for a fresh request, and the stale ones are shed at their deadline,
-/// so the answers that go out are still useful (CoDel-style queue target).
-/// Once arrivals stop (`quiet` reaches the target), the stale requests of a
-/// burst's tail are served however old. Zero turns it off.
+/// Whether stale requests are shed: while requests keep arriving (the last
+/// came less than `target` ago), a stale request is shed instead of started,
+/// so the answers that go out are still useful and the queue's delay stays
+/// near the target (CoDel-style queue target; within a backlogged caller,
+/// adaptive LIFO serves the fresh ones first). Once arrivals stop (`quiet`
+/// reaches the target), the stale requests of a burst's tail are served
+/// however old. Zero turns it off.
 pub fn hold_stale(quiet: Duration, target: Duration) -> bool {
     !target.is_zero() && quiet < target
 }
@@ -301,16 +313,34 @@ mod tests {
         assert_eq!(pick(ms(waited_ms), ms(lifo_after_ms)), want);
     }
 
-    #[test_case(0, 50, None, false ; "fresh")]
-    #[test_case(50, 50, None, false ; "at the target")]
-    #[test_case(51, 50, None, true ; "past the target")]
-    #[test_case(51, 0, None, false ; "zero turns it off")]
-    #[test_case(150, 50, Some(40), false ; "slow signer: four service times")]
-    #[test_case(161, 50, Some(40), true ; "slow signer past four service times")]
-    #[test_case(60, 50, Some(1), true ; "fast signer: the target")]
-    fn stale_table(waited: u64, target: u64, service: Option<u64>, want: bool) {
+    #[test_case(0, 50, None, 1, false ; "fresh")]
+    #[test_case(50, 50, None, 1, false ; "at the target")]
+    #[test_case(51, 50, None, 1, true ; "past the target")]
+    #[test_case(51, 0, None, 1, false ; "zero turns it off")]
+    #[test_case(150, 50, Some(40), 1, false ; "slow signer: four service times")]
+    #[test_case(161, 50, Some(40), 1, true ; "slow signer past four service times")]
+    #[test_case(60, 50, Some(1), 1, true ; "fast signer: the target")]
+    #[test_case(60, 50, Some(1), 40, false ; "forty callers: two rounds of 40 ms")]
+    #[test_case(81, 50, Some(1), 40, true ; "past two rounds of forty callers")]
+    #[test_case(60, 50, Some(1), 1_000_000, false ; "a huge round does not overflow")]
+    fn stale_table(waited: u64, target: u64, service: Option<u64>, callers: usize, want: bool) {
         let ms = Duration::from_millis;
-        assert_eq!(stale(ms(waited), ms(target), service.map(ms)), want);
+        assert_eq!(
+            stale(ms(waited), ms(target), service.map(ms), callers, 1),
+            want
+        );
+    }
+
+    #[test]
+    fn stale_rounds_share_the_running_threads() {
+        let ms = Duration::from_millis;
+        // Forty callers on four threads: ten turns each round, floor 20 ms.
+        assert!(stale(ms(51), ms(50), Some(ms(1)), 40, 4));
+        assert!(!stale(ms(51), ms(50), Some(ms(2)), 40, 2));
+        assert!(
+            !stale(ms(51), ms(50), Some(ms(1)), 40, 0),
+            "0 threads counts as 1"
+        );
     }
 
     #[test_case(0, 50, true ; "arriving now")]

@@ -49,10 +49,13 @@ pub enum ShedReason {
     /// Checked after the CSR was verified, right before signing.
     #[error("the caller's deadline passed before its certificate was signed")]
     DeadlineBeforeSign,
+    /// Waited past the queue target while requests kept arriving.
+    #[error("waited in the signing queue past its target while newer work arrived")]
+    QueueTimeout,
 }
 
 impl ShedReason {
-    pub const ALL: [ShedReason; 8] = [
+    pub const ALL: [ShedReason; 9] = [
         Self::QueueFull,
         Self::QueueDisplaced,
         Self::DeadlineExceeded,
@@ -61,6 +64,7 @@ impl ShedReason {
         Self::IdentityCap,
         Self::IdentityCapTableFull,
         Self::DeadlineBeforeSign,
+        Self::QueueTimeout,
     ];
 
     pub fn reason(&self) -> &'static str {
@@ -73,6 +77,7 @@ impl ShedReason {
             Self::IdentityCap => "admission_identity_cap",
             Self::IdentityCapTableFull => "admission_identity_cap_table_full",
             Self::DeadlineBeforeSign => "admission_deadline_before_sign",
+            Self::QueueTimeout => "admission_queue_timeout",
         }
     }
 }
@@ -116,7 +121,7 @@ pub struct AdmissionConfig {
     /// and shedding requests come first under a CPU limit.
     pub signing_nice: i32,
     /// While requests keep arriving, a queued request that has waited
-    /// longer is not started: it waits for its deadline ([`decide::stale`]).
+    /// longer is shed instead of started ([`decide::stale`]).
     pub queue_target: Duration,
     /// Fewest streams in progress one connection is always allowed, however
     /// small the sized share ([`decide::size`]).
@@ -155,7 +160,7 @@ impl Default for AdmissionConfig {
             identity_cap: None,
             lifo_after: Duration::from_millis(10),
             signing_nice: 10,
-            queue_target: Duration::ZERO,
+            queue_target: Duration::from_millis(50),
             min_streams_per_connection: 8,
             max_streams_per_connection: 100,
         }
@@ -204,9 +209,9 @@ pub struct AdmissionArgs {
     /// A caller's oldest queued request waiting this long: its turns serve its newest first.
     #[arg(long, env = "MESHCA_ADMISSION_LIFO_AFTER", default_value = "10ms")]
     pub admission_lifo_after: String,
-    /// While requests keep arriving, a queued request that waited longer is not started while
-    /// another caller has a fresh one (0s: off, the default: it costs fairness, see README).
-    #[arg(long, env = "MESHCA_ADMISSION_QUEUE_TARGET", default_value = "0s")]
+    /// While requests keep arriving, a queued request that waited longer is shed, not started
+    /// (at least two fair rounds of the waiting callers; 0s: off).
+    #[arg(long, env = "MESHCA_ADMISSION_QUEUE_TARGET", default_value = "50ms")]
     pub admission_queue_target: String,
     /// Niceness added to the signing threads (0-19; 0: same priority as request I/O).
     #[arg(long, env = "MESHCA_SIGNING_NICE", default_value_t = 10)]

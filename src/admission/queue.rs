@@ -134,10 +134,6 @@ impl Drop for WaitGuard<'_> {
     }
 }
 
-/// Turns looked at for a caller with a fresh request before a stale one is
-/// served (bounds the work of one pick).
-const FRESH_SCAN: usize = 64;
-
 /// Weight of a new sample in the mean service time (1/16).
 const EWMA_SHIFT: u32 = 4;
 
@@ -191,21 +187,38 @@ impl Inner {
                 .last_arrival
                 .map_or(Duration::MAX, |t| now.saturating_duration_since(t));
             let arriving = hold_stale(quiet, target);
+            let callers = s.table.callers_waiting();
+            let running = self.max_running;
+            let is_stale = |w: &Waiter| {
+                stale(
+                    now.saturating_duration_since(w.since),
+                    target,
+                    service,
+                    callers,
+                    running,
+                )
+            };
             let next = s.table.pop_next_into(
-                |w| w.start_by > now,
+                |w| w.start_by > now && !(arriving && is_stale(w)),
                 |oldest| pick(now.saturating_duration_since(oldest.since), lifo_after),
-                |w| !stale(now.saturating_duration_since(w.since), target, service),
-                FRESH_SCAN,
-                arriving,
+                |_| true,
+                1,
+                false,
                 &mut passed,
             );
             if !passed.is_empty() {
                 self.gauges(&s);
                 drop(s);
-                // Past their start-by time: shed (their callers' own timers
-                // usually got there first).
+                // Past their start-by time (their callers' own timers
+                // usually got there first), or stale while newer work
+                // arrives: shed.
                 for w in passed.drain(..) {
-                    (w.job)(Err(ShedReason::DeadlineExceeded));
+                    let why = if w.start_by > now {
+                        ShedReason::QueueTimeout
+                    } else {
+                        ShedReason::DeadlineExceeded
+                    };
+                    (w.job)(Err(why));
                 }
                 s = self.lock();
                 if let Some(w) = next {
@@ -678,10 +691,8 @@ mod tests {
         assert_eq!(ran.load(Ordering::SeqCst), 0);
     }
 
-    #[tokio::test]
-    async fn while_requests_arrive_stale_work_waits_and_a_burst_tail_is_served() {
-        let target = Duration::from_millis(60);
-        let q = FairQueue::new(
+    fn with_target(target: Duration) -> FairQueue {
+        FairQueue::new(
             PoolConfig {
                 max_running: 1,
                 max_queued: 64,
@@ -690,17 +701,22 @@ mod tests {
                 target,
             },
             None,
-        );
-        // A measured service time far below the target (the held job's long
-        // run is an outlier the mean mostly ignores).
+        )
+    }
+
+    #[tokio::test]
+    async fn while_requests_arrive_stale_work_is_shed() {
+        let target = Duration::from_millis(60);
+        let q = with_target(target);
+        // A measured service time far below the target.
         for _ in 0..20 {
             q.run("warm", later(), || ()).await.unwrap();
         }
         let (gates, _held) = hold(&q, 1).await;
-        let served = Arc::new(Mutex::new(Vec::new()));
+        let ran = Arc::new(Mutex::new(Vec::new()));
         let job = |name: &'static str| {
-            let served = served.clone();
-            move || served.lock().unwrap().push((name, Instant::now()))
+            let ran = ran.clone();
+            move || ran.lock().unwrap().push(name)
         };
         let old = tokio::spawn({
             let (q, j) = (q.clone(), job("old"));
@@ -714,24 +730,29 @@ mod tests {
             async move { q.run("b", later(), j).await }
         });
         until_queued(&q, 2).await;
-        let released = Instant::now();
         drop(gates);
-        fresh.await.unwrap().unwrap();
-        old.await.unwrap().unwrap();
-        let order = served.lock().unwrap().clone();
-        assert_eq!(
-            order.iter().map(|(n, _)| *n).collect::<Vec<_>>(),
-            ["fresh", "old"],
-            "the fresh request goes first"
-        );
-        // The stale one waited for arrivals to stop (a quiet target) rather
-        // than going at once, and was then served: a burst's tail is not lost.
-        let old_at = order[1].1;
-        assert!(
-            old_at.duration_since(released) >= target / 2,
-            "served {:?} after release",
-            old_at.duration_since(released)
-        );
+        assert_eq!(fresh.await.unwrap(), Ok(()));
+        assert_eq!(old.await.unwrap(), Err(ShedReason::QueueTimeout));
+        assert_eq!(*ran.lock().unwrap(), ["fresh"]);
+    }
+
+    #[tokio::test]
+    async fn a_burst_tail_is_served_however_old_once_arrivals_stop() {
+        let target = Duration::from_millis(30);
+        let q = with_target(target);
+        for _ in 0..20 {
+            q.run("warm", later(), || ()).await.unwrap();
+        }
+        let (gates, _held) = hold(&q, 1).await;
+        let tail = tokio::spawn({
+            let q = q.clone();
+            async move { q.run("a", later(), || 5).await }
+        });
+        until_queued(&q, 1).await;
+        // Stale, and nothing else arrives: it is served, not shed.
+        tokio::time::sleep(target * 3).await;
+        drop(gates);
+        assert_eq!(tail.await.unwrap(), Ok(5));
     }
 
     #[tokio::test]
