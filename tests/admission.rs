@@ -84,7 +84,7 @@ impl Server {
 /// These tests are about the admission queue: each connection may have up
 /// to the advertised 100 streams in progress (the sized per-connection share
 /// would refuse some of the bursts at the request gate; see
-/// `a_connection_over_its_share_is_refused_before_its_message_is_read`).
+/// `a_connection_over_its_share_is_refused_at_the_gate`).
 ///
 /// The signing threads keep the priority of the rest: a test process has no
 /// CPU cgroup of its own, so a niced thread would compete with every other
@@ -562,4 +562,57 @@ async fn a_storm_on_a_confined_server_keeps_successes_within_their_deadline() {
         "goodput {goodput:.0}/s: {summary}"
     );
     eprintln!("{summary}, goodput {goodput:.0}/s");
+}
+
+/// The sized share of streams per connection: with room for 4 queued
+/// requests on one signing thread, one connection may have 5 in progress;
+/// a burst of 40 on it is partly refused at the request gate
+/// (`connection_stream_limit`, counted, RESOURCE_EXHAUSTED with pushback),
+/// and every other refusal is an audited admission shed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_over_its_share_is_refused_at_the_gate() {
+    let _serial = SERIAL.lock().await;
+    let s = start(AdmissionConfig {
+        min_streams_per_connection: 2,
+        ..config(1, 4)
+    })
+    .await;
+    let (mut c, csr) = s.caller("share").await;
+    // One request measures a service time: the sizing applies from then on.
+    call(&mut c, &csr, None).await.unwrap();
+    let mut refused = 0;
+    for _round in 0..20 {
+        let mut tasks = Vec::new();
+        for _ in 0..40 {
+            let (mut c, csr) = (c.clone(), csr.clone());
+            tasks.push(tokio::spawn(async move { call(&mut c, &csr, None).await }));
+        }
+        for t in tasks {
+            if let Err(st) = t.await.unwrap() {
+                assert_eq!(st.code(), Code::ResourceExhausted, "{st:?}");
+                assert!(st.metadata().get("grpc-retry-pushback-ms").is_some());
+                refused += 1;
+            }
+        }
+        if refused > 0 {
+            break;
+        }
+    }
+    let at_gate = s
+        .metric("meshca_transport_refusals_total{reason=\"connection_stream_limit\"}")
+        .await;
+    assert!(
+        at_gate > 0,
+        "no stream was refused for its connection's share"
+    );
+    let shed = s
+        .records()
+        .iter()
+        .filter(|r| r.reason.starts_with("admission_"))
+        .count();
+    assert_eq!(
+        at_gate as usize + shed,
+        refused,
+        "each refusal counted once"
+    );
 }
