@@ -10,7 +10,8 @@ use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
-use crate::audit::chain::{ChainedSink, CheckpointKey, RunInfo};
+use crate::audit::chain::{ChainedSink, Destination, RunInfo, SinkOptions};
+use crate::audit::keys::CheckpointKey;
 use crate::audit::writer::AuditWriter;
 use crate::audit::AuditSink;
 use crate::authn::token::KubeTokenAuthenticator;
@@ -52,21 +53,19 @@ pub fn audit_sink(
             None
         }
     };
-    let sink = match a.sink {
-        AuditSinkKind::Stdout => {
-            ChainedSink::stdout_linked(key, a.checkpoint_every, a.max_line_bytes, run, head)?
-        }
+    let to = match a.sink {
+        AuditSinkKind::Stdout => Destination::Stdout,
         AuditSinkKind::Null => anyhow::bail!("the null audit sink has no chain"),
-        AuditSinkKind::File => ChainedSink::file_run(
-            &a.file,
-            a.max_bytes,
-            a.max_files,
-            key,
-            a.checkpoint_every,
-            a.max_line_bytes,
-            run,
-        )?,
+        AuditSinkKind::File => Destination::file(a.file.clone(), a.max_bytes, a.max_files),
     };
+    let sink = ChainedSink::open(SinkOptions {
+        to,
+        key,
+        checkpoint_every: a.checkpoint_every,
+        max_line_bytes: a.max_line_bytes,
+        run,
+        head,
+    })?;
     Ok(sink)
 }
 

@@ -100,7 +100,7 @@ pub fn trust_bundle(roots: &[String]) -> Result<String, CtbError> {
         if !ca {
             return Err(CtbError::NotCa(i));
         }
-        out.push_str(&crate::audit::pem_encode("CERTIFICATE", der));
+        out.push_str(&crate::primitives::pem_encode("CERTIFICATE", der));
     }
     if out.len() > MAX_TRUST_BUNDLE_BYTES {
         return Err(CtbError::TooLarge(out.len()));

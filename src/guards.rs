@@ -1,6 +1,7 @@
-//! Wiring of the kill switch (issue 16): bounded renewal, the denylist and
-//! its reloaders, the revocation follower and the CRL publisher. Kept out of
-//! app.rs so the server's wiring only calls [`start`].
+//! Wiring of the kill switch, so that no identity outlives its pod: bounded
+//! renewal, the denylist and its reloaders, the revocation follower and the
+//! CRL publisher. Kept out of app.rs so the server's wiring only calls
+//! [`start`].
 
 use std::sync::Arc;
 

@@ -23,9 +23,9 @@ use std::net::IpAddr;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use crate::authn::token::TokenBucket;
 use crate::authn::Familiarity;
 use crate::config::ConfigError;
+use crate::ratelimit::TokenBucket;
 pub use queue::{FairQueue, Permit};
 
 /// Why a request was shed. Each is retryable: the caller is not at fault.

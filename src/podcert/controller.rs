@@ -34,6 +34,7 @@ use crate::ca::{CaBundle, CaStore, Validity};
 use crate::denylist::{Denylist, LiveDenylist};
 use crate::identity::TrustDomain;
 use crate::podindex::PodIndex;
+use crate::primitives::lock;
 
 /// API group of PodCertificateRequest.
 pub const GROUP: &str = "certificates.k8s.io";
@@ -262,10 +263,6 @@ pub async fn run(client: Client, signer: Arc<Signer>) {
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
 /// The decision's facts from one object.
 pub fn facts(obj: &DynamicObject, now: OffsetDateTime) -> Result<PcrFacts, String> {
     let spec: SpecWire = obj
@@ -407,7 +404,7 @@ async fn handle(
                 Ok((leaf, chain, times)) => {
                     let r = audit.record();
                     r.serial = Some(leaf.serial_hex.clone());
-                    r.spki_sha256 = Some(hex::encode(crate::ca::csr::sha256(&spki_der)));
+                    r.spki_sha256 = Some(hex::encode(crate::primitives::sha256(&spki_der)));
                     r.not_before = Some(times.not_before);
                     r.not_after = Some(times.not_after);
                     r.issuer_key_id = Some(bundle.key_id().to_string());
@@ -569,7 +566,7 @@ pub fn leaf_and_intermediates(bundle: &CaBundle, leaf_pem: &str) -> String {
             if bundle.roots().iter().any(|r| r.as_ref() == der.as_ref()) {
                 continue;
             }
-            out.push_str(&crate::audit::pem_encode("CERTIFICATE", der.as_ref()));
+            out.push_str(&crate::primitives::pem_encode("CERTIFICATE", der.as_ref()));
         }
     }
     out

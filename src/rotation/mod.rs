@@ -270,7 +270,7 @@ fn generation_of(key_id: &str, roots: &[rustls_pki_types::CertificateDer<'_>]) -
         key_id: key_id.to_string(),
         roots: roots
             .iter()
-            .map(|r| hex::encode(crate::ca::csr::sha256(r)))
+            .map(|r| hex::encode(crate::primitives::sha256(r)))
             .collect(),
     }
 }
@@ -1002,7 +1002,7 @@ mod tests {
     fn der(pem: &str) -> String {
         use rustls_pki_types::pem::PemObject;
         let c = rustls_pki_types::CertificateDer::from_pem_slice(pem.as_bytes()).unwrap();
-        hex::encode(crate::ca::csr::sha256(&c))
+        hex::encode(crate::primitives::sha256(&c))
     }
 
     struct Setup {
@@ -1052,7 +1052,7 @@ mod tests {
     fn served(t: &TwoTier) -> (String, usize) {
         let b = t.store().snapshot();
         (
-            hex::encode(crate::ca::csr::sha256(&b.intermediates()[1])),
+            hex::encode(crate::primitives::sha256(&b.intermediates()[1])),
             b.roots().len(),
         )
     }
