@@ -12,6 +12,7 @@ use tokio::task::JoinHandle;
 
 use crate::audit::chain::{ChainedSink, Destination, RunInfo, SinkOptions};
 use crate::audit::keys::CheckpointKey;
+use crate::audit::settings::{AuditSettings, AuditSinkKind};
 use crate::audit::writer::AuditWriter;
 use crate::audit::AuditSink;
 use crate::authn::token::KubeTokenAuthenticator;
@@ -20,7 +21,6 @@ use crate::authz::NodeAuthorizer;
 use crate::ca::generate::{self, InitOptions};
 use crate::ca::{ttl, CaBundle, CaStore};
 use crate::config::Config;
-use crate::config::{AuditSettings, AuditSinkKind};
 use crate::grpc::{self, CaService};
 use crate::identity::{SpiffeId, TrustDomain};
 use crate::issue::CertificateIssuer;
@@ -241,7 +241,7 @@ impl App {
             // secrets) lives in the registry, which routes tokens and
             // impersonations to it.
             let factory = Arc::new(crate::cluster::ClusterFactory {
-                cfg: cfg.clone(),
+                settings: cfg.cluster_settings(),
                 metrics: metrics.clone(),
             });
             let (local, tasks) = factory.build(

@@ -17,6 +17,7 @@ pub mod cluster;
 pub mod config;
 pub mod ctb;
 pub mod denylist;
+pub mod flags;
 pub mod grpc;
 pub mod guards;
 pub mod http;

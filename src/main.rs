@@ -137,7 +137,7 @@ struct RevokeArgs {
     audit_files: Vec<PathBuf>,
     /// `--identity` matches the identity under the mesh trust domain and every alias.
     #[command(flatten)]
-    trust_domains: meshca::config::TrustDomainArgs,
+    trust_domains: meshca::identity::TrustDomainArgs,
 }
 
 /// The cluster and the anchor set the audit commands read anchors from.
@@ -221,7 +221,7 @@ enum AuditCommand {
         files: Vec<PathBuf>,
         /// `--identity` matches the identity under the mesh trust domain and every alias.
         #[command(flatten)]
-        trust_domains: meshca::config::TrustDomainArgs,
+        trust_domains: meshca::identity::TrustDomainArgs,
     },
     /// Remove anchors older than the retention (an administrator's step:
     /// needs list and delete on ConfigMaps, which meshca itself lacks).
@@ -715,7 +715,7 @@ async fn revoke(a: RevokeArgs) -> anyhow::Result<()> {
     let configmap = match a.revocation_configmap.as_deref().map(str::trim) {
         None | Some("") => None,
         Some(v) => Some(
-            meshca::config::parse_configmap_ref(v)
+            meshca::flags::parse_configmap_ref(v)
                 .with_context(|| format!("--revocation-configmap {v}: expected namespace/name"))?,
         ),
     };

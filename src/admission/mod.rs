@@ -24,7 +24,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use crate::authn::Familiarity;
-use crate::config::ConfigError;
+use crate::flags::ConfigError;
 use crate::ratelimit::TokenBucket;
 pub use queue::{FairQueue, Permit};
 
@@ -179,15 +179,15 @@ impl AdmissionArgs {
     pub fn parse(&self) -> Result<AdmissionConfig, ConfigError> {
         let day = Duration::from_secs(24 * 3600);
         let dur = |name: &'static str, v: &str, zero_ok: bool| {
-            crate::config::bounded_duration(name, v, zero_ok, day)
+            crate::flags::bounded_duration(name, v, zero_ok, day)
         };
         let max_running = match self.admission_max_running {
             0 => cores(),
-            n => crate::config::bounded("MESHCA_ADMISSION_MAX_RUNNING", n, 1, 4096)?,
+            n => crate::flags::bounded("MESHCA_ADMISSION_MAX_RUNNING", n, 1, 4096)?,
         };
         let max_queued = match self.admission_max_queued {
             0 => 64 * max_running,
-            n => crate::config::bounded("MESHCA_ADMISSION_MAX_QUEUED", n, 1, 1_000_000)?,
+            n => crate::flags::bounded("MESHCA_ADMISSION_MAX_QUEUED", n, 1, 1_000_000)?,
         };
         let identity_cap = match self.identity_cap {
             0 => None,

@@ -12,6 +12,7 @@ pub mod chain;
 pub mod format;
 pub mod keys;
 pub mod query;
+pub mod settings;
 pub mod verify;
 pub mod writer;
 

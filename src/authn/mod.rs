@@ -1,5 +1,6 @@
 //! Caller authentication: who is asking, proven how.
 
+pub mod args;
 pub mod jwks;
 pub mod local;
 pub mod mtls;

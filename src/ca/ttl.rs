@@ -9,6 +9,8 @@
 //! a tight loop).
 
 use std::time::Duration;
+
+pub use crate::flags::{go_duration, parse_go_duration};
 use time::OffsetDateTime;
 
 /// istiod's `ClockSkewGracePeriod`: leaves are backdated by at most this much.
@@ -227,60 +229,6 @@ pub fn grant(
             backdate_secs,
         },
     })
-}
-
-/// Formats whole seconds the way Go's `time.Duration.String` does (`2160h0m0s`).
-pub fn go_duration(secs: u64) -> String {
-    let (h, m, s) = (secs / 3600, (secs % 3600) / 60, secs % 60);
-    if h > 0 {
-        format!("{h}h{m}m{s}s")
-    } else if m > 0 {
-        format!("{m}m{s}s")
-    } else {
-        format!("{s}s")
-    }
-}
-
-/// Parses a Go-style duration (`24h`, `90m`, `1h30m`, `3600s`, `2160h0m0s`).
-pub fn parse_go_duration(s: &str) -> Result<Duration, String> {
-    let s = s.trim();
-    if s.is_empty() {
-        return Err("empty duration".into());
-    }
-    if s == "0" {
-        return Ok(Duration::ZERO);
-    }
-    // In milliseconds: sub-second limits (e.g. a 250ms wait) matter; smaller units do not.
-    let mut total: u64 = 0;
-    let mut num = String::new();
-    let mut chars = s.chars().peekable();
-    while let Some(c) = chars.next() {
-        if c.is_ascii_digit() {
-            num.push(c);
-            continue;
-        }
-        let unit_ms: u64 = match c {
-            'h' => 3_600_000,
-            'm' if chars.peek() == Some(&'s') => {
-                chars.next();
-                1
-            }
-            'm' => 60_000,
-            's' => 1000,
-            'd' => 86_400_000,
-            _ => return Err(format!("invalid duration {s:?}: unknown unit {c:?}")),
-        };
-        let n: u64 = num.parse().map_err(|_| format!("invalid duration {s:?}"))?;
-        num.clear();
-        total = n
-            .checked_mul(unit_ms)
-            .and_then(|v| total.checked_add(v))
-            .ok_or_else(|| format!("duration {s:?} overflows"))?;
-    }
-    if !num.is_empty() {
-        return Err(format!("invalid duration {s:?}: missing unit"));
-    }
-    Ok(Duration::from_millis(total))
 }
 
 #[cfg(test)]
