@@ -360,7 +360,7 @@ impl App {
             metrics: Some(metrics.clone()),
             admission: Some(Arc::new(crate::admission::Admission::new(
                 cfg.admission,
-                Some(metrics.clone()),
+                Some(metrics.admission.clone()),
             ))),
             guards: kill_switch.guards.clone(),
         });

@@ -3,6 +3,7 @@
 pub mod args;
 pub mod jwks;
 pub mod local;
+pub mod metrics;
 pub mod mtls;
 pub mod token;
 

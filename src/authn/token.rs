@@ -40,8 +40,7 @@ pub const PRECHECK_EXPIRY_LEEWAY_SECS: i64 = 120;
 /// Reason codes of this module's refusals (audit records and metrics).
 pub const REASON_MALFORMED: &str = "token_malformed";
 pub const REASON_EXPIRED: &str = "token_expired";
-pub const REASON_BUDGET: &str = "tokenreview_budget_exhausted";
-pub const REASON_INFLIGHT: &str = "tokenreview_inflight_exhausted";
+pub use super::metrics::{REASON_BUDGET, REASON_INFLIGHT};
 
 /// base64url as go-jose decodes JWS segments: trailing `=` trimmed (see
 /// [`b64_segment`]), trailing bits ignored.

@@ -12,6 +12,7 @@
 
 pub mod args;
 pub mod kubeconfig;
+pub mod metrics;
 pub mod secrets;
 
 use std::collections::HashMap;

@@ -12,6 +12,7 @@ pub mod args;
 pub mod controller;
 pub mod decide;
 pub mod key;
+pub mod metrics;
 
 pub use crate::ctb::{parse_signer_name, trust_bundle_name, SignerNameError, TRUST_BUNDLE_SUFFIX};
 pub use args::PodCertArgs;

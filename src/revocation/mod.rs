@@ -32,6 +32,7 @@
 //! grows and no serial leaves it because a replica lags.
 
 pub mod ledger;
+pub mod metrics;
 pub mod publish;
 pub mod store;
 
