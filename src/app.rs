@@ -609,7 +609,7 @@ fn start_kill_switch(
     background: &mut Vec<JoinHandle<()>>,
 ) -> anyhow::Result<crate::issue::IssueGuards> {
     let kill_switch = crate::guards::start(
-        cfg,
+        &cfg.guard_settings(),
         kube.client.clone(),
         ca.clone(),
         kube.pod_index.clone(),

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use crate::ca::ttl::JitterBand;
 use crate::ca::{CsrPolicy, TtlPolicy};
-use crate::flags::{bounded_duration, configmap_flag, err, list, MAX_PERIOD};
+use crate::flags::{bounded_duration, err, list, MAX_PERIOD};
 use crate::identity::TrustDomain;
 use crate::transport::{AdminLimits, InputLimits, TransportLimits};
 
@@ -16,6 +16,7 @@ pub use crate::authn::args::TokenVerification;
 pub use crate::authz::{parse_service_accounts, ServiceAccountRef};
 pub use crate::cluster::args::{KubeSettings, MultiClusterSettings};
 pub use crate::flags::{ConfigError, MAX_TTL_LIMIT};
+pub use crate::guards::KillSwitchSettings;
 
 /// Flags of `meshca serve`.
 #[derive(Debug, Clone, clap::Args)]
@@ -137,7 +138,7 @@ pub struct ServeArgs {
     #[command(flatten)]
     pub admission: crate::admission::AdmissionArgs,
     #[command(flatten)]
-    pub kill_switch: KillSwitchArgs,
+    pub kill_switch: crate::guards::KillSwitchArgs,
     #[command(flatten)]
     pub token_verification: crate::authn::args::TokenVerificationArgs,
     #[command(flatten)]
@@ -187,142 +188,6 @@ impl ServeArgs {
             false,
             MAX_PERIOD,
         )
-    }
-}
-
-/// Bounded mTLS renewal, the denylist and revocation.
-#[derive(Debug, Clone, clap::Args)]
-pub struct KillSwitchArgs {
-    /// With Kubernetes on, run the pod index and let an mTLS caller renew its
-    /// own identity only while a live pod runs as that service account.
-    #[arg(long, env = "MESHCA_MTLS_RENEWAL_POD_CHECK", default_value_t = true, action = clap::ArgAction::Set)]
-    pub mtls_renewal_pod_check: bool,
-    /// Longest leaf issued to an mTLS caller (renewals); default: DEFAULT_WORKLOAD_CERT_TTL.
-    #[arg(long, env = "MESHCA_MTLS_RENEWAL_MAX_TTL")]
-    pub mtls_renewal_max_ttl: Option<String>,
-    /// Pod watch disconnected longer than this: mTLS renewals and source-IP
-    /// impersonation are refused (retryable).
-    #[arg(long, env = "MESHCA_POD_INDEX_MAX_STALENESS", default_value = "60s")]
-    pub pod_index_max_staleness: String,
-    /// Denylist file (one `<kind> <value>` per line), re-read every MESHCA_DENYLIST_POLL.
-    #[arg(long, env = "MESHCA_DENYLIST_FILE")]
-    pub denylist_file: Option<PathBuf>,
-    #[arg(long, env = "MESHCA_DENYLIST_POLL", default_value = "2s")]
-    pub denylist_poll: String,
-    /// Denylist ConfigMap `namespace/name` (key `denylist`), watched when Kubernetes is on.
-    #[arg(long, env = "MESHCA_DENYLIST_CONFIGMAP")]
-    pub denylist_configmap: Option<String>,
-    /// Revoked serials (JSON lines, appended by `meshca revoke`); enables the
-    /// CRL. Per process: for `serve --dev` and runs without a cluster.
-    #[arg(long, env = "MESHCA_REVOCATION_FILE")]
-    pub revocation_file: Option<PathBuf>,
-    /// Revocations shared by every replica: ConfigMap `namespace/name` (key
-    /// `revocations`), read every MESHCA_REVOCATION_POLL; enables the CRL.
-    #[arg(long, env = "MESHCA_REVOCATION_CONFIGMAP")]
-    pub revocation_configmap: Option<String>,
-    #[arg(long, env = "MESHCA_REVOCATION_POLL", default_value = "2s")]
-    pub revocation_poll: String,
-    /// CRL validity (nextUpdate - thisUpdate); re-signed at half.
-    #[arg(long, env = "MESHCA_CRL_VALIDITY", default_value = "24h")]
-    pub crl_validity: String,
-    /// Publish the CRL as the `istio-ca-crl` ConfigMap (key `ca-crl.pem`) in
-    /// the namespaces MESHCA_PUBLISH_ROOT_NAMESPACE_SELECTOR selects.
-    #[arg(long, env = "MESHCA_PUBLISH_CRL", default_value_t = false, action = clap::ArgAction::Set)]
-    pub publish_crl: bool,
-}
-
-/// Parsed [`KillSwitchArgs`].
-#[derive(Debug, Clone, Default)]
-pub struct KillSwitchSettings {
-    /// Run the pod index for renewals (with Kubernetes on).
-    pub renewal_pod_check: bool,
-    pub renewal: crate::renewal::RenewalPolicy,
-    pub denylist: crate::denylist::DenylistSettings,
-    pub revocation: Option<crate::revocation::RevocationSettings>,
-}
-
-impl KillSwitchArgs {
-    fn parse(
-        &self,
-        a: &ServeArgs,
-        ttl: &TtlPolicy,
-        kube_on: bool,
-    ) -> Result<KillSwitchSettings, ConfigError> {
-        let max_ttl = match &self.mtls_renewal_max_ttl {
-            Some(v) => bounded_duration("MESHCA_MTLS_RENEWAL_MAX_TTL", v, false, MAX_TTL_LIMIT)?,
-            None => ttl.default,
-        };
-        let renewal = crate::renewal::RenewalPolicy {
-            max_ttl,
-            max_index_staleness: bounded_duration(
-                "MESHCA_POD_INDEX_MAX_STALENESS",
-                &self.pod_index_max_staleness,
-                false,
-                MAX_PERIOD,
-            )?,
-        };
-        let configmap = configmap_flag(
-            "MESHCA_DENYLIST_CONFIGMAP",
-            self.denylist_configmap.as_deref(),
-            kube_on,
-        )?;
-        let denylist = crate::denylist::DenylistSettings {
-            file: self.denylist_file.clone(),
-            poll: bounded_duration(
-                "MESHCA_DENYLIST_POLL",
-                &self.denylist_poll,
-                false,
-                MAX_PERIOD,
-            )?,
-            configmap,
-        };
-        let revocation_configmap = configmap_flag(
-            "MESHCA_REVOCATION_CONFIGMAP",
-            self.revocation_configmap.as_deref(),
-            kube_on,
-        )?;
-        let revocation_on = self.revocation_file.is_some() || revocation_configmap.is_some();
-        let publish = if self.publish_crl {
-            if !kube_on {
-                return Err(err("MESHCA_PUBLISH_CRL", "true", "needs Kubernetes"));
-            }
-            if !revocation_on {
-                return Err(err(
-                    "MESHCA_PUBLISH_CRL",
-                    "true",
-                    "needs MESHCA_REVOCATION_CONFIGMAP or MESHCA_REVOCATION_FILE",
-                ));
-            }
-            Some(a.publisher(crate::revocation::CRL_CONFIGMAP.into())?)
-        } else {
-            None
-        };
-        let revocation = match revocation_on {
-            false => None,
-            true => Some(crate::revocation::RevocationSettings {
-                file: self.revocation_file.clone(),
-                configmap: revocation_configmap,
-                poll: bounded_duration(
-                    "MESHCA_REVOCATION_POLL",
-                    &self.revocation_poll,
-                    false,
-                    MAX_PERIOD,
-                )?,
-                crl_validity: bounded_duration(
-                    "MESHCA_CRL_VALIDITY",
-                    &self.crl_validity,
-                    false,
-                    Duration::from_secs(30 * 24 * 3600),
-                )?,
-                publish,
-            }),
-        };
-        Ok(KillSwitchSettings {
-            renewal_pod_check: self.mtls_renewal_pod_check,
-            renewal,
-            denylist,
-            revocation,
-        })
     }
 }
 
@@ -393,6 +258,19 @@ impl Config {
             mtls_impersonation: self.mtls_impersonation,
             max_index_staleness: self.kill_switch.renewal.max_index_staleness,
             renewal_pod_check: self.kill_switch.renewal_pod_check,
+        }
+    }
+
+    /// What the issuer's guards (the kill switch) are built from.
+    pub fn guard_settings(&self) -> crate::guards::GuardSettings {
+        crate::guards::GuardSettings {
+            kill_switch: self.kill_switch.clone(),
+            pod_index_sync_wait: self
+                .kube
+                .as_ref()
+                .map_or(Duration::ZERO, |k| k.pod_index_sync_wait),
+            trust_domains: self.trust_domain_set(),
+            cluster_id: self.cluster_id.clone(),
         }
     }
 
@@ -518,7 +396,9 @@ impl Config {
         };
         let (transport, input, admin) = a.limits.parse()?;
         let admission = a.admission.parse()?;
-        let kill_switch = a.kill_switch.parse(a, &ttl, kube.is_some())?;
+        let kill_switch = a
+            .kill_switch
+            .parse(ttl.default, kube.is_some(), |name| a.publisher(name))?;
         let multicluster = a.multicluster.parse(kube.is_some())?;
         let rotation = a.rotation.parse(duration)?;
         let custody = a.custody.parse()?;
