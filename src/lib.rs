@@ -23,6 +23,7 @@ pub mod guards;
 pub mod http;
 pub mod identity;
 pub mod issue;
+pub mod lifetime;
 pub mod metrics;
 pub mod outcome;
 pub mod podcert;

@@ -59,7 +59,7 @@ pub struct AuditRecord {
     pub issuer_key_id: Option<String>,
     /// Granted TTL, renewal-jitter band, drawn lifetime and backdate of the issued leaf.
     #[serde(default)]
-    pub lifetime: Option<crate::ca::ttl::LifetimeChoice>,
+    pub lifetime: Option<crate::lifetime::LifetimeChoice>,
     pub latency_ms: f64,
     /// Set by the sink when the full record exceeded the line cap and this
     /// reduced form was written instead.
