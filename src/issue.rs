@@ -648,7 +648,7 @@ impl SignJob {
         )?;
         Ok(Signed {
             choice,
-            spki_sha256: hex::encode(csr::sha256(&csr.spki_der)),
+            spki_sha256: hex::encode(crate::primitives::sha256(&csr.spki_der)),
             not_before: leaf.not_before,
             not_after: leaf.not_after,
             chain: self.bundle.response_chain(&leaf.pem),
@@ -807,7 +807,7 @@ mod tests {
                 .unwrap()
                 .serial_hex;
         assert_eq!(r.presented_serial.as_deref(), Some(presented.as_str()));
-        let q = |id: &str| crate::audit::verify::Query {
+        let q = |id: &str| crate::audit::query::Query {
             identity: Some(id.into()),
             ..Default::default()
         };

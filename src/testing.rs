@@ -7,7 +7,7 @@ use time::OffsetDateTime;
 
 use crate::ca::generate::{self, InitOptions, KeyType};
 
-pub use crate::ca::generate::pem_encode;
+pub use crate::primitives::pem_encode;
 
 /// A CSR signed by `key` with the given SANs, optionally asking for CA:true.
 pub fn csr_pem(key: &KeyPair, sans: &[SanType], ca: bool) -> String {

@@ -16,6 +16,7 @@
 
 pub mod decide;
 pub mod fair;
+pub mod metrics;
 pub mod queue;
 
 use std::collections::HashMap;
@@ -23,10 +24,18 @@ use std::net::IpAddr;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use crate::authn::token::TokenBucket;
 use crate::authn::Familiarity;
-use crate::config::ConfigError;
+use crate::flags::ConfigError;
+use crate::ratelimit::TokenBucket;
 pub use queue::{FairQueue, Permit};
+
+/// What admission reports: sheds by reason, and slots in use and waiters
+/// after each change. The server's metrics implement it (`metrics` here),
+/// so admission imports none.
+pub trait AdmissionObserver: Send + Sync + std::fmt::Debug {
+    fn shed(&self, reason: ShedReason);
+    fn occupancy(&self, running: usize, queued: usize);
+}
 
 /// Why a request was shed. Each is retryable: the caller is not at fault.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -179,15 +188,15 @@ impl AdmissionArgs {
     pub fn parse(&self) -> Result<AdmissionConfig, ConfigError> {
         let day = Duration::from_secs(24 * 3600);
         let dur = |name: &'static str, v: &str, zero_ok: bool| {
-            crate::config::bounded_duration(name, v, zero_ok, day)
+            crate::flags::bounded_duration(name, v, zero_ok, day)
         };
         let max_running = match self.admission_max_running {
             0 => cores(),
-            n => crate::config::bounded("MESHCA_ADMISSION_MAX_RUNNING", n, 1, 4096)?,
+            n => crate::flags::bounded("MESHCA_ADMISSION_MAX_RUNNING", n, 1, 4096)?,
         };
         let max_queued = match self.admission_max_queued {
             0 => 64 * max_running,
-            n => crate::config::bounded("MESHCA_ADMISSION_MAX_QUEUED", n, 1, 1_000_000)?,
+            n => crate::flags::bounded("MESHCA_ADMISSION_MAX_QUEUED", n, 1, 1_000_000)?,
         };
         let identity_cap = match self.identity_cap {
             0 => None,
@@ -230,7 +239,7 @@ pub struct Admission {
     queue: FairQueue,
     sources: Mutex<HashMap<IpAddr, SourceBucket>>,
     caps: Mutex<HashMap<String, decide::CapWindow>>,
-    metrics: Option<Arc<crate::metrics::Metrics>>,
+    metrics: Option<Arc<dyn AdmissionObserver>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -267,7 +276,7 @@ impl Drop for CapTicket<'_> {
 }
 
 impl Admission {
-    pub fn new(cfg: AdmissionConfig, metrics: Option<Arc<crate::metrics::Metrics>>) -> Self {
+    pub fn new(cfg: AdmissionConfig, metrics: Option<Arc<dyn AdmissionObserver>>) -> Self {
         Self {
             queue: FairQueue::new(cfg.max_running, cfg.max_queued, metrics.clone()),
             cfg,
@@ -288,11 +297,7 @@ impl Admission {
 
     fn shed(&self, reason: ShedReason, at_least: Duration) -> Shed {
         if let Some(m) = &self.metrics {
-            m.admission_shed
-                .get_or_create(&crate::metrics::RefusalLabels {
-                    reason: reason.reason(),
-                })
-                .inc();
+            m.shed(reason);
         }
         Shed {
             reason,

@@ -37,7 +37,7 @@ struct Inner {
     max_running: usize,
     max_queued: usize,
     state: Mutex<State>,
-    metrics: Option<Arc<crate::metrics::Metrics>>,
+    metrics: Option<Arc<dyn super::AdmissionObserver>>,
 }
 
 /// Shared handle to the slots and queue.
@@ -83,7 +83,7 @@ impl FairQueue {
     pub fn new(
         max_running: usize,
         max_queued: usize,
-        metrics: Option<Arc<crate::metrics::Metrics>>,
+        metrics: Option<Arc<dyn super::AdmissionObserver>>,
     ) -> Self {
         Self(Arc::new(Inner {
             max_running: max_running.max(1),
@@ -99,8 +99,7 @@ impl FairQueue {
 
     fn gauges(&self, s: &State) {
         if let Some(m) = &self.0.metrics {
-            m.admission_running.set(s.running as i64);
-            m.admission_queued.set(s.table.len() as i64);
+            m.occupancy(s.running, s.table.len());
         }
     }
 

@@ -13,10 +13,11 @@ use time::OffsetDateTime;
 use x509_parser::prelude::{FromDer, X509Certificate};
 
 use super::chain::split_elements;
-use super::csr::{sha256, KeyKind};
+use super::csr::KeyKind;
 use super::signer::{Signer, SignerError, SignerKey};
 use super::ttl::Validity;
 use crate::identity::SpiffeId;
+use crate::primitives::sha256;
 
 /// Istio `cacerts` file names.
 pub const CACERTS_FILES: [&str; 4] = [
@@ -778,7 +779,8 @@ fn encodable_oid(oid: &x509_parser::oid_registry::Oid<'_>) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ca::generate::{generate, pem_encode, InitOptions};
+    use crate::ca::generate::{generate, InitOptions};
+    use crate::primitives::pem_encode;
 
     fn files(ca: &crate::ca::generate::GeneratedCa) -> BundleFiles {
         BundleFiles {

@@ -3,6 +3,7 @@
 //! outlive `max_connection_age` + grace. HTTP/2 settings are applied by the
 //! caller through tonic's builder; this module owns what tonic lacks.
 
+pub mod args;
 pub mod coalesce;
 pub mod limits;
 pub mod rejects;
