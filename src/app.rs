@@ -706,9 +706,10 @@ pub fn default_data_dir() -> PathBuf {
 }
 
 /// Prepares the embedded default: a root + intermediate in `data_dir/cacerts`
-/// (created once, reused after), and a client certificate for
-/// `spiffe://<td>/ns/default/sa/default` in `data_dir/dev-client` so the
-/// example client can call the server over mTLS. Returns the CA directory.
+/// (created once, reused after). Returns the CA directory. The client
+/// identity of dev mode is issued by the running server
+/// ([`App::write_dev_client`]), so that it is audited like every other
+/// certificate meshca signs.
 pub fn prepare_dev(data_dir: &Path, trust_domain: &TrustDomain) -> anyhow::Result<PathBuf> {
     let ca_dir = data_dir.join("cacerts");
     if !ca_dir.join("ca-cert.pem").exists() {
@@ -720,29 +721,68 @@ pub fn prepare_dev(data_dir: &Path, trust_domain: &TrustDomain) -> anyhow::Resul
         generate::write_cacerts(&ca_dir, &ca, false)?;
         tracing::info!(dir = %ca_dir.display(), "generated a development root and intermediate");
     }
-    let bundle = CaBundle::load_dir(&ca_dir, OffsetDateTime::now_utc())?;
-    let id = SpiffeId::new(trust_domain.clone(), "default", "default")?;
-    write_client_identity(&data_dir.join("dev-client"), &bundle, &id)?;
     Ok(ca_dir)
 }
 
-/// Issues a 24h client certificate for `id` and writes `cert-chain.pem`,
-/// `key.pem` and `root-cert.pem` into `dir`.
-pub fn write_client_identity(dir: &Path, bundle: &CaBundle, id: &SpiffeId) -> anyhow::Result<()> {
-    let validity = ttl::validity(
+impl App {
+    /// Dev mode: issues a 24h client certificate for `id` (fresh key) under
+    /// the serving CA and writes `cert-chain.pem`, `key.pem` and
+    /// `root-cert.pem` into `dir`, so the example client can call the server
+    /// over mTLS. The issuance is written to the audit log first
+    /// (`issued_kind: dev_client`).
+    pub fn write_dev_client(&self, dir: &Path, id: &SpiffeId) -> anyhow::Result<()> {
+        let bundle = self.ca.snapshot();
+        let validity = ttl::validity(
+            OffsetDateTime::now_utc(),
+            0,
+            &Default::default(),
+            bundle.signing_not_after(),
+        )?;
+        let key = rcgen::KeyPair::generate().context("generating the dev client key")?;
+        let spki = rcgen::PublicKeyData::subject_public_key_info(&key);
+        let leaf = bundle.sign_leaf(&spki, id, false, &validity)?;
+        self.handshake_rejects
+            .1
+            .emit(&dev_client_record(&bundle, id, &leaf))
+            .map_err(|e| anyhow::anyhow!("auditing the dev client certificate: {e}"))?;
+        let chain = bundle.response_chain(&leaf.pem);
+        let without_root = chain[..chain.len().saturating_sub(1)].concat();
+        std::fs::create_dir_all(dir)?;
+        generate::write_file(&dir.join("cert-chain.pem"), without_root.as_bytes(), false)?;
+        generate::write_file(&dir.join("key.pem"), key.serialize_pem().as_bytes(), true)?;
+        generate::write_file(
+            &dir.join("root-cert.pem"),
+            bundle.root_bundle().as_bytes(),
+            false,
+        )?;
+        Ok(())
+    }
+}
+
+/// The audit record of dev mode's client certificate.
+fn dev_client_record(
+    bundle: &CaBundle,
+    id: &SpiffeId,
+    leaf: &crate::ca::IssuedLeaf,
+) -> crate::audit::AuditRecord {
+    let mut r = crate::audit::AuditRecord::new(
         OffsetDateTime::now_utc(),
-        0,
-        &Default::default(),
-        bundle.signing_not_after(),
-    )?;
-    let (chain, key) = bundle.client_identity(id, &validity)?;
-    std::fs::create_dir_all(dir)?;
-    generate::write_file(&dir.join("cert-chain.pem"), chain.as_bytes(), false)?;
-    generate::write_file(&dir.join("key.pem"), key.as_bytes(), true)?;
-    generate::write_file(
-        &dir.join("root-cert.pem"),
-        bundle.root_bundle().as_bytes(),
-        false,
-    )?;
-    Ok(())
+        crate::audit::random_id(),
+        crate::audit::Decision::Allow,
+        "dev_client_issued".into(),
+    );
+    r.requested_identity = Some(id.to_string());
+    r.serial = Some(leaf.serial_hex.clone());
+    use x509_parser::prelude::{FromDer, X509Certificate};
+    if let Ok((_, c)) = X509Certificate::from_der(&leaf.der) {
+        r.spki_sha256 = Some(hex::encode(crate::primitives::sha256(c.public_key().raw)));
+    }
+    r.not_before = Some(leaf.not_before);
+    r.not_after = Some(leaf.not_after);
+    r.issuer_key_id = Some(bundle.key_id().to_string());
+    r.issued_kind = Some("dev_client".into());
+    r.signer = Some(bundle.signer().kind().into());
+    r.certificate = Some(leaf.pem.clone());
+    r.bound();
+    r
 }

@@ -137,7 +137,8 @@ pub struct CertificateIssuer {
     pub metrics: Option<Arc<Metrics>>,
     /// Admission in front of signing; `None` admits everything at once.
     pub admission: Option<Arc<Admission>>,
-    /// Bounded renewal, denylist and revocation checks (issue 16).
+    /// Bounded renewal, denylist and revocation checks: the kill switch
+    /// for a stolen node or leaked key.
     pub guards: IssueGuards,
 }
 
@@ -488,7 +489,7 @@ impl CertificateIssuer {
         // Runs on this worker while its caller is alone: admission already
         // bounds signing to one per core, and handing each ~80 µs job to the
         // blocking pool and back cost two thread wake-ups per request
-        // (docs/BENCHMARKS.md, issue 20). When other callers wait, or under
+        // (docs/BENCHMARKS.md). When other callers wait, or under
         // overload, it goes to the blocking pool so the workers keep reading
         // requests into the fair queue (admission::decide::sign_off_worker).
         // A caller that cancels is seen at the queue (its future is dropped

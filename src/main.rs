@@ -11,7 +11,7 @@ use meshca::app::{self, App, Deps};
 use meshca::ca::generate::{self, InitOptions, KeyType};
 use meshca::ca::ttl::parse_go_duration;
 use meshca::config::{Config, ServeArgs};
-use meshca::identity::TrustDomain;
+use meshca::identity::{SpiffeId, TrustDomain};
 
 #[derive(Parser)]
 #[command(
@@ -31,9 +31,6 @@ struct Cli {
 enum Command {
     /// Serve IstioCertificateService over TLS.
     Serve(Box<ServeArgs>),
-    /// Load a running CA (meshca or istiod) with CreateCertificate requests and
-    /// measure this machine's crypto ceiling.
-    Bench(Box<meshca::bench::BenchArgs>),
     /// Generate a root and an intermediate in Istio's cacerts layout.
     Init {
         /// Output directory.
@@ -304,7 +301,6 @@ async fn main() -> anyhow::Result<()> {
     init_tracing(&cli.log_format);
     match cli.command {
         Command::Serve(args) => serve(*args).await,
-        Command::Bench(args) => meshca::bench::run(*args).await,
         Command::Audit(cmd) => audit(cmd),
         Command::Certs(args) => certs(args).await,
         Command::Request(args) => meshca::certs::request(&args).await,
@@ -427,22 +423,29 @@ fn rotate(cmd: RotateCommand) -> anyhow::Result<()> {
 }
 
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
-    let ca_dir = if args.dev {
-        let data_dir = args.data_dir.clone().unwrap_or_else(app::default_data_dir);
-        let td = TrustDomain::new(&args.trust_domain)?;
-        let ca_dir = app::prepare_dev(&data_dir, &td)?;
-        eprintln!(
-            "meshca dev mode: CA in {}, client identity in {}",
-            ca_dir.display(),
-            data_dir.join("dev-client").display()
-        );
-        ca_dir
-    } else {
-        args.ca_dir.clone()
+    let dev_data_dir = args
+        .dev
+        .then(|| args.data_dir.clone().unwrap_or_else(app::default_data_dir));
+    let ca_dir = match &dev_data_dir {
+        Some(data_dir) => {
+            let td = TrustDomain::new(&args.trust_domain)?;
+            let ca_dir = app::prepare_dev(data_dir, &td)?;
+            eprintln!(
+                "meshca dev mode: CA in {}, client identity in {}",
+                ca_dir.display(),
+                data_dir.join("dev-client").display()
+            );
+            ca_dir
+        }
+        None => args.ca_dir.clone(),
     };
     let in_cluster = std::env::var_os("KUBERNETES_SERVICE_HOST").is_some();
     let config = Config::from_args(&args, ca_dir, in_cluster)?;
     let app = App::start(&config, Deps::default()).await?;
+    if let Some(data_dir) = &dev_data_dir {
+        let id = SpiffeId::new(config.trust_domain.clone(), "default", "default")?;
+        app.write_dev_client(&data_dir.join("dev-client"), &id)?;
+    }
     // stdout carries only the audit stream.
     eprintln!(
         "listening on {} (gRPC), {} (health)",

@@ -114,6 +114,31 @@ pub fn client_identity(
         .expect("client identity")
 }
 
+/// Issues a 24h client certificate for `id` and writes `cert-chain.pem`,
+/// `key.pem` and `root-cert.pem` into `dir`.
+pub fn write_client_identity(
+    dir: &Path,
+    bundle: &crate::ca::CaBundle,
+    id: &crate::identity::SpiffeId,
+) -> anyhow::Result<()> {
+    let validity = crate::ca::ttl::validity(
+        OffsetDateTime::now_utc(),
+        0,
+        &Default::default(),
+        bundle.signing_not_after(),
+    )?;
+    let (chain, key) = bundle.client_identity(id, &validity)?;
+    std::fs::create_dir_all(dir)?;
+    generate::write_file(&dir.join("cert-chain.pem"), chain.as_bytes(), false)?;
+    generate::write_file(&dir.join("key.pem"), key.as_bytes(), true)?;
+    generate::write_file(
+        &dir.join("root-cert.pem"),
+        bundle.root_bundle().as_bytes(),
+        false,
+    )?;
+    Ok(())
+}
+
 /// A leaf for `id` with a fresh key, signed by `bundle`, valid from two
 /// minutes before `now` to half an hour after.
 pub fn leaf(bundle: &crate::ca::CaBundle, id: &str, now: OffsetDateTime) -> crate::ca::IssuedLeaf {

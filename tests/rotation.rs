@@ -1,4 +1,4 @@
-//! Phased CA rotation (issue 18) against the real kube-apiserver
+//! Phased CA rotation against the real kube-apiserver
 //! (scripts/kube-testenv), under continuous load, with short TTLs so a
 //! whole root rotation runs in well under a minute.
 //!

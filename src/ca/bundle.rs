@@ -635,7 +635,9 @@ impl CaBundle {
 
     /// A fresh key and a leaf for `id` over `validity`: the client identity
     /// PEMs `(chain without the root bundle, PKCS#8 key)` an mTLS caller
-    /// presents (dev mode, the load generator, tests).
+    /// presents (the load generator, tests). It writes no audit record, so
+    /// it exists only in test and bench builds.
+    #[cfg(any(test, feature = "testing"))]
     pub fn client_identity(
         &self,
         id: &SpiffeId,
