@@ -88,13 +88,13 @@ pub struct Metrics {
     pub pending_handshakes: Gauge,
     /// Admission in front of signing: sheds by reason, slots in use, waiters.
     pub admission: Arc<crate::admission::metrics::AdmissionMetrics>,
-    /// Denylist and revocation (issue 16).
+    /// Denylist and revocation: the kill switch.
     pub kill_switch: KillSwitchMetrics,
     /// Token verification by path (local or TokenReview) and the issuer keys.
     pub token_paths: TokenPathMetrics,
     /// Requests by cluster and the remote cluster registry.
     pub clusters: ClusterMetrics,
-    /// CA rotation (issue 18).
+    /// Phased CA rotation.
     pub rotation: crate::rotation::metrics::RotationMetrics,
     /// The PodCertificateRequest signer's decisions and status writes.
     pub pod_certificates: crate::podcert::metrics::PodCertMetrics,

@@ -5,7 +5,7 @@ use std::time::Duration;
 use crate::ca::ttl::JitterBand;
 use crate::flags::{bounded, bounded_duration, err, ConfigError};
 
-/// The PodCertificateRequest signer (issue 17); off unless a signer name is set.
+/// The PodCertificateRequest signer (kubelet-projected pod certificates); off unless a signer name is set.
 #[derive(Debug, Clone, clap::Args)]
 pub struct PodCertArgs {
     /// Sign PodCertificateRequests for this domain-prefixed signer name
