@@ -10,6 +10,8 @@ WORKDIR /src
 COPY . .
 # Cache mounts keep the registry and target dir between builds; the binary is copied out of the
 # cached target dir in the same step.
+# Only `meshca`, without features: the load generator (meshca-bench, `bench` feature), which signs
+# client certificates outside the audit log, and the test helpers are never compiled into the image.
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/src/target \
     cargo build --release --locked --bin meshca \

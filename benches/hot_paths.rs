@@ -9,7 +9,7 @@ use std::hint::black_box;
 use std::sync::Arc;
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
-use meshca::audit::chain::ChainedSink;
+use meshca::audit::chain::{ChainedSink, Destination, SinkOptions};
 use meshca::audit::{AuditError, AuditRecord, AuditSink};
 use meshca::authn::{AuthnMethod, Caller, Credentials, KubernetesInfo};
 use meshca::authz::{authorize_impersonation, NodePolicy};
@@ -343,8 +343,12 @@ impl IssueFixture {
 fn bench_issue(c: &mut Criterion) {
     let f = IssueFixture::new();
     let dir = tempfile::tempdir().unwrap();
-    let chained =
-        ChainedSink::file(&dir.path().join("audit.log"), 64 << 20, 2, None, 1000).unwrap();
+    let chained = ChainedSink::open(SinkOptions::new(Destination::file(
+        dir.path().join("audit.log"),
+        64 << 20,
+        2,
+    )))
+    .unwrap();
     let mut g = c.benchmark_group("issue_mtls_in_process");
     for (name, audit) in [
         ("null_audit", Arc::new(NullSink) as Arc<dyn AuditSink>),

@@ -10,7 +10,9 @@ use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
-use crate::audit::chain::{ChainedSink, CheckpointKey, RunInfo};
+use crate::audit::chain::{ChainedSink, Destination, RunInfo, SinkOptions};
+use crate::audit::keys::CheckpointKey;
+use crate::audit::settings::{AuditSettings, AuditSinkKind};
 use crate::audit::writer::AuditWriter;
 use crate::audit::AuditSink;
 use crate::authn::token::KubeTokenAuthenticator;
@@ -19,7 +21,6 @@ use crate::authz::NodeAuthorizer;
 use crate::ca::generate::{self, InitOptions};
 use crate::ca::{ttl, CaBundle, CaStore};
 use crate::config::Config;
-use crate::config::{AuditSettings, AuditSinkKind};
 use crate::grpc::{self, CaService};
 use crate::identity::{SpiffeId, TrustDomain};
 use crate::issue::CertificateIssuer;
@@ -52,21 +53,19 @@ pub fn audit_sink(
             None
         }
     };
-    let sink = match a.sink {
-        AuditSinkKind::Stdout => {
-            ChainedSink::stdout_linked(key, a.checkpoint_every, a.max_line_bytes, run, head)?
-        }
+    let to = match a.sink {
+        AuditSinkKind::Stdout => Destination::Stdout,
         AuditSinkKind::Null => anyhow::bail!("the null audit sink has no chain"),
-        AuditSinkKind::File => ChainedSink::file_run(
-            &a.file,
-            a.max_bytes,
-            a.max_files,
-            key,
-            a.checkpoint_every,
-            a.max_line_bytes,
-            run,
-        )?,
+        AuditSinkKind::File => Destination::file(a.file.clone(), a.max_bytes, a.max_files),
     };
+    let sink = ChainedSink::open(SinkOptions {
+        to,
+        key,
+        checkpoint_every: a.checkpoint_every,
+        max_line_bytes: a.max_line_bytes,
+        run,
+        head,
+    })?;
     Ok(sink)
 }
 
@@ -111,182 +110,23 @@ pub struct App {
 }
 
 impl App {
-    /// Loads the CA, binds the listener and starts serving.
+    /// Loads the CA, binds the listener and starts serving. The steps, in
+    /// order: the CA directory, the audit log, the signing CA, Kubernetes,
+    /// rotation, the kill switch, then serving.
     pub async fn start(cfg: &Config, mut deps: Deps) -> anyhow::Result<Self> {
         // One crypto provider for every rustls user in the process (kube, tonic).
         let _ = rustls::crypto::aws_lc_rs::default_provider().install_default();
-        let key_source = crate::ca::custody::KeySource::open(&cfg.custody)
-            .context("opening the CA signing key")?;
-        // Under a phased rotation the controller reads the CA directory
-        // (and the staged one) itself; the store then has no directory.
-        let custody = Arc::new(match &cfg.rotation {
-            None => CaStore::from_dir_with(&cfg.ca_dir, cfg.allow_root_change, key_source.clone())
-                .context("loading CA material")?,
-            Some(_) => CaStore::new(
-                key_source
-                    .load(&cfg.ca_dir, OffsetDateTime::now_utc())
-                    .context("loading CA material")?,
-                None,
-                cfg.allow_root_change,
-            ),
-        });
+        let (key_source, custody) = open_custody(cfg)?;
         let metrics = Arc::new(Metrics::new());
-        // Refusals without a record of their own (a full audit queue, the
-        // transport's limits) are folded here and written as aggregates.
-        let aggregator = Arc::new(crate::audit::aggregate::Aggregator::new(
-            cfg.audit.aggregate_max_keys,
-        ));
-        let mut audit_writer = None;
-        let mut audit_anchor = None;
-        let audit: Arc<dyn AuditSink> = match deps.audit.take() {
-            Some(a) => a,
-            None if cfg.audit.sink == AuditSinkKind::Null => {
-                tracing::error!("--audit-sink null: audit records are DROPPED (benchmarks only)");
-                Arc::new(crate::audit::NullSink)
-            }
-            None => {
-                let run = RunInfo::from_env();
-                let (mut head, mut anchor_to) = (None, None);
-                if let (Some(target), Some(kube)) = (&cfg.audit.anchor, &cfg.kube) {
-                    let client = kube_client(kube.kubeconfig.as_deref()).await?;
-                    let settings = crate::audit::anchor::AnchorSettings {
-                        namespace: target.namespace.clone(),
-                        set: target.set.clone(),
-                        replica: run.replica.clone(),
-                        interval: target.interval,
-                    };
-                    // A file continues from its own tail; stdout from the anchor.
-                    if cfg.audit.sink == AuditSinkKind::Stdout {
-                        head = crate::audit::anchor::read_head(&client, &settings)
-                            .await
-                            .context("reading this replica's anchored audit head")?;
-                    }
-                    anchor_to = Some((client, settings));
-                }
-                let sink = audit_sink(&cfg.audit, run, head)?;
-                let mut observer = None;
-                if let Some((client, settings)) = anchor_to {
-                    let public = sink.verify_key().map(|k| (k.key_id(), k.to_pem()));
-                    metrics.enable_anchor(settings.interval);
-                    let (anchor, task) = crate::audit::anchor::KubeAnchor::spawn(
-                        client,
-                        settings,
-                        public,
-                        Some(metrics.clone()),
-                    );
-                    observer = Some(anchor as Arc<dyn crate::audit::writer::CheckpointObserver>);
-                    audit_anchor = Some(task);
-                }
-                let writer = Arc::new(
-                    AuditWriter::start(sink, cfg.audit.writer, observer, aggregator.clone())
-                        .context("starting the audit writer thread")?,
-                );
-                audit_writer = Some(writer.clone());
-                writer
-            }
-        };
+        let audit = AuditStep::start(cfg, deps.audit.take(), &metrics).await?;
         let mut background = Vec::new();
-        // Two-tier issuing: leaves are signed from the issuing CA's store.
-        let mut two_tier_issuer = None;
-        let ca = match cfg.custody.issuing_ttl {
-            Some(ttl) => {
-                let two_tier = crate::ca::issuing::TwoTier::start(
-                    custody.clone(),
-                    ttl,
-                    audit.clone(),
-                    Some(metrics.clone()),
-                )
-                .await
-                .context("making the first issuing CA")?;
-                background.push(tokio::spawn(two_tier.clone().run()));
-                two_tier_issuer = Some(two_tier.clone());
-                two_tier.store()
-            }
-            None => custody.clone(),
-        };
-        let mut pod_index = None;
-        let mut token_reviewer = None;
-        let mut kube_client_opt = None;
-        let mut issuer_keys = None;
-        let mut clusters = None;
-        metrics
-            .clusters
-            .set_clusters(&cfg.cluster_id, std::slice::from_ref(&cfg.cluster_id));
-        if let Some(kube) = &cfg.kube {
-            let client = kube_client(kube.kubeconfig.as_deref()).await?;
-            kube_client_opt = Some(client.clone());
-            // Trust sinks: every CA swap (a rotation phase included) that
-            // changes the roots reaches each publisher through this watch.
-            // A ClusterTrustBundle publisher subscribes here too
-            // (`trust_feed.clone()`, writing `TrustSet::roots_pem`).
-            let (trust_feed, follow_task) = crate::rotation::trust::follow(ca.clone());
-            background.push(follow_task);
-            if let Some(settings) = cfg.root_publisher.clone() {
-                // The ConfigMap gets the bundle text (what istiod publishes).
-                let (rx, map_task) = crate::rotation::trust::bundle_pems(trust_feed.clone());
-                background.push(map_task);
-                background.push(tokio::spawn(crate::rootpub::run(
-                    client.clone(),
-                    settings,
-                    rx,
-                )));
-            }
-            if let Some(settings) = cfg.cluster_trust_bundle.clone() {
-                // The ClusterTrustBundle gets one PEM per root, so old and
-                // new roots reach it in the same swap as the ConfigMap.
-                let (rx, roots_task) = crate::ctb::follow_trust(trust_feed.clone());
-                background.push(roots_task);
-                background.push(tokio::spawn(crate::ctb::run(client.clone(), settings, rx)));
-            }
-            // Every cluster (the local one, and remote ones from remote
-            // secrets) lives in the registry, which routes tokens and
-            // impersonations to it.
-            let factory = Arc::new(crate::cluster::ClusterFactory {
-                cfg: cfg.clone(),
-                metrics: metrics.clone(),
-            });
-            let (local, tasks) = factory.build(
-                &cfg.cluster_id,
-                client.clone(),
-                crate::cluster::Origin::Local,
-                // The pod-certificate signer checks each request's pod too.
-                cfg.kill_switch.renewal_pod_check || cfg.pod_certificates.is_some(),
-            );
-            background.extend(tasks);
-            pod_index = local.index.clone();
-            issuer_keys = local.keys.clone();
-            let remote = cfg.multicluster.remote_secrets.clone();
-            let registry = Arc::new(crate::cluster::ClusterRegistry::new(
-                local,
-                kube.token_verification.mode,
-                remote.is_some(),
-                Some(metrics.clone()),
-            ));
-            if let Some(settings) = remote {
-                background.push(tokio::spawn(crate::cluster::secrets::run(
-                    client.clone(),
-                    settings,
-                    registry.clone(),
-                    factory,
-                )));
-            }
-            if !cfg.trusted_node_accounts.is_empty() {
-                deps.node_authz.get_or_insert_with(|| registry.clone());
-            }
-            if deps.tokens.is_none() {
-                token_reviewer = Some(registry.local().reviewer.clone());
-                deps.tokens = Some(registry.clone());
-            }
-            clusters = Some(registry);
-        } else if !cfg.trusted_node_accounts.is_empty() && deps.node_authz.is_none() {
-            tracing::warn!(
-                "CA_TRUSTED_NODE_ACCOUNTS is set but Kubernetes is off: impersonation is disabled"
-            );
-        }
+        let (ca, two_tier) =
+            start_signing_ca(&custody, cfg, &audit.sink, &metrics, &mut background).await?;
+        let kube = KubeStep::start(cfg, &ca, &metrics, &mut deps, &mut background).await?;
         if let Some(settings) = cfg.rotation.clone() {
             // The rotation swaps the custody material; with two-tier
             // issuing each swap re-mints the issuing CA under it.
-            let target = match &two_tier_issuer {
+            let target = match &two_tier {
                 Some(t) => crate::rotation::Install::TwoTier(t.clone()),
                 None => crate::rotation::Install::Direct(custody.clone()),
             };
@@ -300,47 +140,46 @@ impl App {
                     cfg.allow_root_change,
                 )
                 .context("opening the CA rotation state")?
-                .with_audit(audit.clone())
+                .with_audit(audit.sink.clone())
                 .with_metrics(metrics.clone()),
             );
-            // Serve the phase on disk from the first request on (blocking:
-            // token signatures, the issuing CA's acknowledged audit record).
-            let first = rotation.clone();
-            let report = tokio::task::spawn_blocking(move || first.evaluate(None))
-                .await
-                .context("the CA rotation task failed")?
-                .context("bringing the CA to the rotation phase on disk")?;
-            tracing::info!(phase = report.phase.as_str(), "CA rotation on");
-            background.push(tokio::spawn(rotation.run(cfg.reload_poll)));
+            background.push(start_rotation(rotation, cfg.reload_poll).await?);
         }
-        let kill_switch = crate::guards::start(
+        let guards = start_kill_switch(cfg, &ca, &kube, &audit, &metrics, &mut background)?;
+        Self::serve(
             cfg,
-            kube_client_opt.clone(),
-            ca.clone(),
-            pod_index.clone(),
-            clusters.clone(),
-            audit.clone(),
-            metrics.clone(),
-        )?;
-        background.extend(kill_switch.tasks);
-        // The PodCertificateRequest signer and its ClusterTrustBundle (issue 17).
-        if let (Some(settings), Some(client), Some(index)) =
-            (&cfg.pod_certificates, &kube_client_opt, &pod_index)
-        {
-            background.extend(crate::podcert::controller::spawn(
-                client.clone(),
-                crate::podcert::controller::Signer {
-                    settings: settings.clone(),
-                    trust_domain: cfg.trust_domain.clone(),
-                    ca: ca.clone(),
-                    index: index.clone(),
-                    max_index_staleness: cfg.kill_switch.renewal.max_index_staleness,
-                    denylist: kill_switch.guards.denylist.clone(),
-                    audit: audit.clone(),
-                    metrics: metrics.clone(),
-                },
-            ));
-        }
+            deps,
+            Started {
+                custody,
+                ca,
+                audit,
+                kube,
+                guards,
+                metrics,
+                background,
+            },
+        )
+        .await
+    }
+
+    /// Serving: the TLS listener, the issuer behind the request gate, the
+    /// reloaders, and the admin port.
+    async fn serve(cfg: &Config, deps: Deps, started: Started) -> anyhow::Result<Self> {
+        let Started {
+            custody,
+            ca,
+            audit,
+            kube,
+            guards,
+            metrics,
+            mut background,
+        } = started;
+        let AuditStep {
+            sink: audit,
+            writer: audit_writer,
+            anchor: audit_anchor,
+            aggregator,
+        } = audit;
         let tls = Arc::new(ServingTls::new_audited(
             &ca.snapshot(),
             cfg.serving_names.clone(),
@@ -351,12 +190,9 @@ impl App {
             .await
             .with_context(|| format!("binding {}", cfg.listen))?;
         let addr = listener.local_addr()?;
+        // The per-connection share is capped by the advertised stream limit.
         let mut admission_cfg = cfg.admission;
         admission_cfg.max_streams_per_connection = cfg.transport.max_concurrent_streams as usize;
-        let admission = Arc::new(crate::admission::Admission::new(
-            admission_cfg,
-            Some(metrics.clone()),
-        ));
         let issuer = Arc::new(CertificateIssuer {
             ca: ca.clone(),
             ttl: cfg.ttl,
@@ -365,8 +201,11 @@ impl App {
             node_authz: deps.node_authz,
             audit,
             metrics: Some(metrics.clone()),
-            admission: Some(admission.clone()),
-            guards: kill_switch.guards.clone(),
+            admission: Some(Arc::new(crate::admission::Admission::new(
+                admission_cfg,
+                Some(metrics.admission.clone()),
+            ))),
+            guards: guards.clone(),
         });
         // Without a writer thread (a sink supplied by the caller), folded
         // refusals are flushed to the sink by a task instead.
@@ -395,30 +234,7 @@ impl App {
             Some(aggregator.clone()),
         );
         let (tx, rx) = oneshot::channel::<()>();
-        let t = &cfg.transport;
-        let mut builder = tonic::transport::Server::builder()
-            .max_concurrent_streams(t.max_concurrent_streams)
-            .http2_max_header_list_size(t.max_header_list_bytes)
-            .initial_stream_window_size(t.stream_window_bytes)
-            .initial_connection_window_size(t.connection_window_bytes)
-            .http2_keepalive_interval(Some(t.keepalive_interval).filter(|d| !d.is_zero()))
-            .http2_keepalive_timeout(Some(t.keepalive_timeout));
-        if !t.max_connection_age.is_zero() {
-            // Only the age: tonic given a grace skips the graceful GOAWAY; the
-            // grace is enforced by transport::TlsConn.
-            builder = builder.max_connection_age(t.max_connection_age);
-        }
-        let server = tokio::spawn(
-            builder
-                .layer(
-                    grpc::RequestGateLayer::new(t, Some(metrics.clone()), Some(aggregator.clone()))
-                        .with_concurrency(admission.concurrency()),
-                )
-                .add_service(CaService::with_limits(issuer, cfg.input).into_server())
-                .serve_with_incoming_shutdown(incoming, async {
-                    let _ = rx.await;
-                }),
-        );
+        let server = spawn_grpc(cfg, incoming, issuer, &metrics, &aggregator, rx);
         background.push(tokio::spawn(
             custody
                 .clone()
@@ -429,11 +245,11 @@ impl App {
         let health = crate::http::Health {
             ca: ca.clone(),
             custody: custody.clone(),
-            index: pod_index.clone(),
+            index: kube.pod_index.clone(),
             metrics: metrics.clone(),
-            token_reviewer: token_reviewer.clone(),
-            crl: kill_switch.guards.revocations.clone(),
-            clusters: clusters.clone(),
+            token_reviewer: kube.token_reviewer.clone(),
+            crl: guards.revocations.clone(),
+            clusters: kube.clusters.clone(),
             max_index_staleness: cfg.kill_switch.renewal.max_index_staleness,
         };
         let (admin_addr, admin) =
@@ -445,10 +261,10 @@ impl App {
         Ok(Self {
             addr,
             admin_addr,
-            pod_index,
-            token_reviewer,
-            issuer_keys,
-            clusters,
+            pod_index: kube.pod_index,
+            token_reviewer: kube.token_reviewer,
+            issuer_keys: kube.issuer_keys,
+            clusters: kube.clusters,
             metrics,
             audit_writer,
             audit_anchor,
@@ -528,6 +344,344 @@ impl Drop for App {
     }
 }
 
+/// What the steps before serving hand to it.
+struct Started {
+    custody: Arc<CaStore>,
+    ca: Arc<CaStore>,
+    audit: AuditStep,
+    kube: KubeStep,
+    guards: crate::issue::IssueGuards,
+    metrics: Arc<Metrics>,
+    background: Vec<JoinHandle<()>>,
+}
+
+/// The CA directory step: the signing key's source and the custody store.
+/// Under a phased rotation the controller reads the CA directory (and the
+/// staged one) itself; the store then has no directory.
+fn open_custody(cfg: &Config) -> anyhow::Result<(crate::ca::custody::KeySource, Arc<CaStore>)> {
+    let key_source =
+        crate::ca::custody::KeySource::open(&cfg.custody).context("opening the CA signing key")?;
+    let custody = Arc::new(match &cfg.rotation {
+        None => CaStore::from_dir_with(&cfg.ca_dir, cfg.allow_root_change, key_source.clone())
+            .context("loading CA material")?,
+        Some(_) => CaStore::new(
+            key_source
+                .load(&cfg.ca_dir, OffsetDateTime::now_utc())
+                .context("loading CA material")?,
+            None,
+            cfg.allow_root_change,
+        ),
+    });
+    Ok((key_source, custody))
+}
+
+/// The audit step's result: the sink requests write to, the writer thread
+/// and anchor task behind it, and the aggregator of refusals.
+struct AuditStep {
+    sink: Arc<dyn AuditSink>,
+    writer: Option<Arc<AuditWriter>>,
+    anchor: Option<JoinHandle<()>>,
+    aggregator: Arc<crate::audit::aggregate::Aggregator>,
+}
+
+impl AuditStep {
+    /// The caller's sink, or the configured chain behind a writer thread
+    /// (anchored in Kubernetes when asked).
+    async fn start(
+        cfg: &Config,
+        supplied: Option<Arc<dyn AuditSink>>,
+        metrics: &Arc<Metrics>,
+    ) -> anyhow::Result<Self> {
+        // Refusals without a record of their own (a full audit queue, the
+        // transport's limits) are folded here and written as aggregates.
+        let aggregator = Arc::new(crate::audit::aggregate::Aggregator::new(
+            cfg.audit.aggregate_max_keys,
+        ));
+        let mut writer_out = None;
+        let mut anchor_task = None;
+        let sink: Arc<dyn AuditSink> = match supplied {
+            Some(a) => a,
+            None if cfg.audit.sink == AuditSinkKind::Null => {
+                tracing::error!("--audit-sink null: audit records are DROPPED (benchmarks only)");
+                Arc::new(crate::audit::NullSink)
+            }
+            None => {
+                let run = RunInfo::from_env();
+                let (mut head, mut anchor_to) = (None, None);
+                if let (Some(target), Some(kube)) = (&cfg.audit.anchor, &cfg.kube) {
+                    let client = kube_client(kube.kubeconfig.as_deref()).await?;
+                    let settings = crate::audit::anchor::AnchorSettings {
+                        namespace: target.namespace.clone(),
+                        set: target.set.clone(),
+                        replica: run.replica.clone(),
+                        interval: target.interval,
+                    };
+                    // A file continues from its own tail; stdout from the anchor.
+                    if cfg.audit.sink == AuditSinkKind::Stdout {
+                        head = crate::audit::anchor::read_head(&client, &settings)
+                            .await
+                            .context("reading this replica's anchored audit head")?;
+                    }
+                    anchor_to = Some((client, settings));
+                }
+                let sink = audit_sink(&cfg.audit, run, head)?;
+                let mut observer = None;
+                if let Some((client, settings)) = anchor_to {
+                    let public = sink.verify_key().map(|k| (k.key_id(), k.to_pem()));
+                    metrics.enable_anchor(settings.interval);
+                    let (anchor, task) = crate::audit::anchor::KubeAnchor::spawn(
+                        client,
+                        settings,
+                        public,
+                        Some(metrics.clone()),
+                    );
+                    observer = Some(anchor as Arc<dyn crate::audit::writer::CheckpointObserver>);
+                    anchor_task = Some(task);
+                }
+                let writer = Arc::new(
+                    AuditWriter::start(sink, cfg.audit.writer, observer, aggregator.clone())
+                        .context("starting the audit writer thread")?,
+                );
+                writer_out = Some(writer.clone());
+                writer
+            }
+        };
+        Ok(Self {
+            sink,
+            writer: writer_out,
+            anchor: anchor_task,
+            aggregator,
+        })
+    }
+}
+
+/// The signing CA step: leaves are signed from the custody store, or with
+/// two-tier issuing from the issuing CA's store (kept fresh by a task).
+async fn start_signing_ca(
+    custody: &Arc<CaStore>,
+    cfg: &Config,
+    audit: &Arc<dyn AuditSink>,
+    metrics: &Arc<Metrics>,
+    background: &mut Vec<JoinHandle<()>>,
+) -> anyhow::Result<(Arc<CaStore>, Option<Arc<crate::ca::issuing::TwoTier>>)> {
+    match cfg.custody.issuing_ttl {
+        Some(ttl) => {
+            let two_tier = crate::ca::issuing::TwoTier::start(
+                custody.clone(),
+                ttl,
+                audit.clone(),
+                Some(metrics.clone()),
+            )
+            .await
+            .context("making the first issuing CA")?;
+            background.push(tokio::spawn(two_tier.clone().run()));
+            Ok((two_tier.store(), Some(two_tier)))
+        }
+        None => Ok((custody.clone(), None)),
+    }
+}
+
+/// The Kubernetes step's result; all `None` when Kubernetes is off.
+#[derive(Default)]
+struct KubeStep {
+    client: Option<kube::Client>,
+    pod_index: Option<Arc<PodIndex>>,
+    token_reviewer: Option<Arc<KubeTokenAuthenticator>>,
+    issuer_keys: Option<Arc<crate::authn::jwks::IssuerKeys>>,
+    clusters: Option<Arc<crate::cluster::ClusterRegistry>>,
+}
+
+impl KubeStep {
+    /// The trust publishers and the cluster registry (the local cluster and
+    /// remote ones), which fills in the token authenticator and node
+    /// authorizer the caller did not supply.
+    async fn start(
+        cfg: &Config,
+        ca: &Arc<CaStore>,
+        metrics: &Arc<Metrics>,
+        deps: &mut Deps,
+        background: &mut Vec<JoinHandle<()>>,
+    ) -> anyhow::Result<Self> {
+        metrics
+            .clusters
+            .set_clusters(&cfg.cluster_id, std::slice::from_ref(&cfg.cluster_id));
+        let Some(kube) = &cfg.kube else {
+            if !cfg.trusted_node_accounts.is_empty() && deps.node_authz.is_none() {
+                tracing::warn!(
+                    "CA_TRUSTED_NODE_ACCOUNTS is set but Kubernetes is off: impersonation is disabled"
+                );
+            }
+            return Ok(Self::default());
+        };
+        let client = kube_client(kube.kubeconfig.as_deref()).await?;
+        // Trust sinks: every CA swap (a rotation phase included) that
+        // changes the roots reaches each publisher through this watch.
+        let (trust_feed, follow_task) = crate::rotation::trust::follow(ca.clone());
+        background.push(follow_task);
+        if let Some(settings) = cfg.root_publisher.clone() {
+            // The ConfigMap gets the bundle text (what istiod publishes).
+            let (rx, map_task) = crate::rotation::trust::bundle_pems(trust_feed.clone());
+            background.push(map_task);
+            background.push(tokio::spawn(crate::rootpub::run(
+                client.clone(),
+                settings,
+                rx,
+            )));
+        }
+        if let Some(settings) = cfg.cluster_trust_bundle.clone() {
+            // The ClusterTrustBundle gets one PEM per root, so old and
+            // new roots reach it in the same swap as the ConfigMap.
+            let (rx, roots_task) = crate::ctb::follow_trust(trust_feed.clone());
+            background.push(roots_task);
+            background.push(tokio::spawn(crate::ctb::run(client.clone(), settings, rx)));
+        }
+        // Every cluster (the local one, and remote ones from remote
+        // secrets) lives in the registry, which routes tokens and
+        // impersonations to it.
+        let factory = Arc::new(crate::cluster::ClusterFactory {
+            settings: cfg.cluster_settings(),
+            metrics: metrics.clone(),
+        });
+        let (local, tasks) = factory.build(
+            &cfg.cluster_id,
+            client.clone(),
+            crate::cluster::Origin::Local,
+            // The pod-certificate signer checks each request's pod too.
+            cfg.kill_switch.renewal_pod_check || cfg.pod_certificates.is_some(),
+        );
+        background.extend(tasks);
+        let pod_index = local.index.clone();
+        let issuer_keys = local.keys.clone();
+        let remote = cfg.multicluster.remote_secrets.clone();
+        let registry = Arc::new(crate::cluster::ClusterRegistry::new(
+            local,
+            kube.token_verification.mode,
+            remote.is_some(),
+            Some(metrics.clone()),
+        ));
+        if let Some(settings) = remote {
+            background.push(tokio::spawn(crate::cluster::secrets::run(
+                client.clone(),
+                settings,
+                registry.clone(),
+                factory,
+            )));
+        }
+        if !cfg.trusted_node_accounts.is_empty() {
+            deps.node_authz.get_or_insert_with(|| registry.clone());
+        }
+        let mut token_reviewer = None;
+        if deps.tokens.is_none() {
+            token_reviewer = Some(registry.local().reviewer.clone());
+            deps.tokens = Some(registry.clone());
+        }
+        Ok(Self {
+            client: Some(client),
+            pod_index,
+            token_reviewer,
+            issuer_keys,
+            clusters: Some(registry),
+        })
+    }
+}
+
+/// The rotation step: serves the phase on disk from the first request on
+/// (blocking: token signatures, the issuing CA's acknowledged audit
+/// record), then follows it.
+async fn start_rotation(
+    rotation: Arc<crate::rotation::Rotation>,
+    poll: std::time::Duration,
+) -> anyhow::Result<JoinHandle<()>> {
+    let first = rotation.clone();
+    let report = tokio::task::spawn_blocking(move || first.evaluate(None))
+        .await
+        .context("the CA rotation task failed")?
+        .context("bringing the CA to the rotation phase on disk")?;
+    tracing::info!(phase = report.phase.as_str(), "CA rotation on");
+    Ok(tokio::spawn(rotation.run(poll)))
+}
+
+/// The kill switch step: the issuer's guards, and the PodCertificateRequest
+/// signer, which shares the denylist.
+fn start_kill_switch(
+    cfg: &Config,
+    ca: &Arc<CaStore>,
+    kube: &KubeStep,
+    audit: &AuditStep,
+    metrics: &Arc<Metrics>,
+    background: &mut Vec<JoinHandle<()>>,
+) -> anyhow::Result<crate::issue::IssueGuards> {
+    let kill_switch = crate::guards::start(
+        &cfg.guard_settings(),
+        kube.client.clone(),
+        ca.clone(),
+        kube.pod_index.clone(),
+        kube.clusters.clone(),
+        audit.sink.clone(),
+        metrics.clone(),
+    )?;
+    background.extend(kill_switch.tasks);
+    if let (Some(settings), Some(client), Some(index)) =
+        (&cfg.pod_certificates, &kube.client, &kube.pod_index)
+    {
+        background.extend(crate::podcert::controller::spawn(
+            client.clone(),
+            crate::podcert::controller::Signer {
+                settings: settings.clone(),
+                trust_domain: cfg.trust_domain.clone(),
+                ca: ca.clone(),
+                index: index.clone(),
+                max_index_staleness: cfg.kill_switch.renewal.max_index_staleness,
+                denylist: kill_switch.guards.denylist.clone(),
+                audit: audit.sink.clone(),
+                metrics: metrics.clone(),
+            },
+        ));
+    }
+    Ok(kill_switch.guards)
+}
+
+/// The gRPC server over the accepted TLS connections: HTTP/2 limits and
+/// the request gate in front of CreateCertificate. It stops when `stop`
+/// fires.
+fn spawn_grpc(
+    cfg: &Config,
+    incoming: tokio_stream::wrappers::ReceiverStream<
+        Result<crate::transport::TlsConn, std::io::Error>,
+    >,
+    issuer: Arc<CertificateIssuer>,
+    metrics: &Arc<Metrics>,
+    aggregator: &Arc<crate::audit::aggregate::Aggregator>,
+    stop: oneshot::Receiver<()>,
+) -> JoinHandle<Result<(), tonic::transport::Error>> {
+    let t = &cfg.transport;
+    let mut gate = grpc::RequestGateLayer::new(t, Some(metrics.clone()), Some(aggregator.clone()));
+    if let Some(a) = &issuer.admission {
+        // The gate enforces the per-connection share admission sizes.
+        gate = gate.with_concurrency(a.concurrency());
+    }
+    let mut builder = tonic::transport::Server::builder()
+        .max_concurrent_streams(t.max_concurrent_streams)
+        .http2_max_header_list_size(t.max_header_list_bytes)
+        .initial_stream_window_size(t.stream_window_bytes)
+        .initial_connection_window_size(t.connection_window_bytes)
+        .http2_keepalive_interval(Some(t.keepalive_interval).filter(|d| !d.is_zero()))
+        .http2_keepalive_timeout(Some(t.keepalive_timeout));
+    if !t.max_connection_age.is_zero() {
+        // Only the age: tonic given a grace skips the graceful GOAWAY; the
+        // grace is enforced by transport::TlsConn.
+        builder = builder.max_connection_age(t.max_connection_age);
+    }
+    tokio::spawn(
+        builder
+            .layer(gate)
+            .add_service(CaService::with_limits(issuer, cfg.input).into_server())
+            .serve_with_incoming_shutdown(incoming, async {
+                let _ = stop.await;
+            }),
+    )
+}
+
 /// A client for the configured API server (kubeconfig file or in-cluster).
 pub async fn kube_client(kubeconfig: Option<&Path>) -> anyhow::Result<kube::Client> {
     let config = match kubeconfig {
@@ -556,9 +710,10 @@ pub fn default_data_dir() -> PathBuf {
 }
 
 /// Prepares the embedded default: a root + intermediate in `data_dir/cacerts`
-/// (created once, reused after), and a client certificate for
-/// `spiffe://<td>/ns/default/sa/default` in `data_dir/dev-client` so the
-/// example client can call the server over mTLS. Returns the CA directory.
+/// (created once, reused after). Returns the CA directory. The client
+/// identity of dev mode is issued by the running server
+/// ([`App::write_dev_client`]), so that it is audited like every other
+/// certificate meshca signs.
 pub fn prepare_dev(data_dir: &Path, trust_domain: &TrustDomain) -> anyhow::Result<PathBuf> {
     let ca_dir = data_dir.join("cacerts");
     if !ca_dir.join("ca-cert.pem").exists() {
@@ -570,29 +725,68 @@ pub fn prepare_dev(data_dir: &Path, trust_domain: &TrustDomain) -> anyhow::Resul
         generate::write_cacerts(&ca_dir, &ca, false)?;
         tracing::info!(dir = %ca_dir.display(), "generated a development root and intermediate");
     }
-    let bundle = CaBundle::load_dir(&ca_dir, OffsetDateTime::now_utc())?;
-    let id = SpiffeId::new(trust_domain.clone(), "default", "default")?;
-    write_client_identity(&data_dir.join("dev-client"), &bundle, &id)?;
     Ok(ca_dir)
 }
 
-/// Issues a 24h client certificate for `id` and writes `cert-chain.pem`,
-/// `key.pem` and `root-cert.pem` into `dir`.
-pub fn write_client_identity(dir: &Path, bundle: &CaBundle, id: &SpiffeId) -> anyhow::Result<()> {
-    let validity = ttl::validity(
+impl App {
+    /// Dev mode: issues a 24h client certificate for `id` (fresh key) under
+    /// the serving CA and writes `cert-chain.pem`, `key.pem` and
+    /// `root-cert.pem` into `dir`, so the example client can call the server
+    /// over mTLS. The issuance is written to the audit log first
+    /// (`issued_kind: dev_client`).
+    pub fn write_dev_client(&self, dir: &Path, id: &SpiffeId) -> anyhow::Result<()> {
+        let bundle = self.ca.snapshot();
+        let validity = ttl::validity(
+            OffsetDateTime::now_utc(),
+            0,
+            &Default::default(),
+            bundle.signing_not_after(),
+        )?;
+        let key = rcgen::KeyPair::generate().context("generating the dev client key")?;
+        let spki = rcgen::PublicKeyData::subject_public_key_info(&key);
+        let leaf = bundle.sign_leaf(&spki, id, false, &validity)?;
+        self.handshake_rejects
+            .1
+            .emit(&dev_client_record(&bundle, id, &leaf))
+            .map_err(|e| anyhow::anyhow!("auditing the dev client certificate: {e}"))?;
+        let chain = bundle.response_chain(&leaf.pem);
+        let without_root = chain[..chain.len().saturating_sub(1)].concat();
+        std::fs::create_dir_all(dir)?;
+        generate::write_file(&dir.join("cert-chain.pem"), without_root.as_bytes(), false)?;
+        generate::write_file(&dir.join("key.pem"), key.serialize_pem().as_bytes(), true)?;
+        generate::write_file(
+            &dir.join("root-cert.pem"),
+            bundle.root_bundle().as_bytes(),
+            false,
+        )?;
+        Ok(())
+    }
+}
+
+/// The audit record of dev mode's client certificate.
+fn dev_client_record(
+    bundle: &CaBundle,
+    id: &SpiffeId,
+    leaf: &crate::ca::IssuedLeaf,
+) -> crate::audit::AuditRecord {
+    let mut r = crate::audit::AuditRecord::new(
         OffsetDateTime::now_utc(),
-        0,
-        &Default::default(),
-        bundle.signing_not_after(),
-    )?;
-    let (chain, key) = bundle.client_identity(id, &validity)?;
-    std::fs::create_dir_all(dir)?;
-    generate::write_file(&dir.join("cert-chain.pem"), chain.as_bytes(), false)?;
-    generate::write_file(&dir.join("key.pem"), key.as_bytes(), true)?;
-    generate::write_file(
-        &dir.join("root-cert.pem"),
-        bundle.root_bundle().as_bytes(),
-        false,
-    )?;
-    Ok(())
+        crate::audit::random_id(),
+        crate::audit::Decision::Allow,
+        "dev_client_issued".into(),
+    );
+    r.requested_identity = Some(id.to_string());
+    r.serial = Some(leaf.serial_hex.clone());
+    use x509_parser::prelude::{FromDer, X509Certificate};
+    if let Ok((_, c)) = X509Certificate::from_der(&leaf.der) {
+        r.spki_sha256 = Some(hex::encode(crate::primitives::sha256(c.public_key().raw)));
+    }
+    r.not_before = Some(leaf.not_before);
+    r.not_after = Some(leaf.not_after);
+    r.issuer_key_id = Some(bundle.key_id().to_string());
+    r.issued_kind = Some("dev_client".into());
+    r.signer = Some(bundle.signer().kind().into());
+    r.certificate = Some(leaf.pem.clone());
+    r.bound();
+    r
 }

@@ -6,7 +6,7 @@ use std::net::IpAddr;
 use std::sync::Arc;
 
 use crate::authn::{AuthnMethod, Caller, Credentials, KubernetesInfo};
-use crate::config::ServiceAccountRef;
+use crate::flags::{err, list, ConfigError};
 use crate::identity::{IdentityError, SpiffeId, TrustDomain};
 use crate::podindex::{IndexState, PodIndex};
 
@@ -285,6 +285,40 @@ impl NodeAuthorizer for KubeNodeAuthorizer {
     fn unsynced_index(&self, _creds: &Credentials) -> Option<(Arc<PodIndex>, std::time::Duration)> {
         (!self.index.is_synced()).then(|| (self.index.clone(), self.sync_wait))
     }
+}
+
+/// A `namespace/serviceaccount` pair (`CA_TRUSTED_NODE_ACCOUNTS` entries).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ServiceAccountRef {
+    pub namespace: String,
+    pub name: String,
+}
+
+impl std::fmt::Display for ServiceAccountRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)
+    }
+}
+
+/// Parses `CA_TRUSTED_NODE_ACCOUNTS`. istiod skips malformed entries with a
+/// warning; meshca refuses to start, since a typo would silently disable
+/// (or mis-target) impersonation.
+pub fn parse_service_accounts(s: &str) -> Result<Vec<ServiceAccountRef>, ConfigError> {
+    list(s)
+        .map(|entry| match entry.split_once('/') {
+            Some((ns, sa)) if !ns.is_empty() && !sa.is_empty() && !sa.contains('/') => {
+                Ok(ServiceAccountRef {
+                    namespace: ns.to_string(),
+                    name: sa.to_string(),
+                })
+            }
+            _ => Err(err(
+                "CA_TRUSTED_NODE_ACCOUNTS",
+                entry,
+                "expected <namespace>/<serviceaccount>",
+            )),
+        })
+        .collect()
 }
 
 #[cfg(test)]

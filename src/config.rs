@@ -5,49 +5,18 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use crate::authn::local::TokenVerificationMode;
-use crate::authn::token::ReviewLimits;
-use crate::ca::ttl::parse_go_duration;
 use crate::ca::ttl::JitterBand;
 use crate::ca::{CsrPolicy, TtlPolicy};
+use crate::flags::{bounded_duration, err, list, MAX_PERIOD};
 use crate::identity::TrustDomain;
 use crate::transport::{AdminLimits, InputLimits, TransportLimits};
 
-/// A `namespace/serviceaccount` pair (`CA_TRUSTED_NODE_ACCOUNTS` entries).
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct ServiceAccountRef {
-    pub namespace: String,
-    pub name: String,
-}
-
-impl std::fmt::Display for ServiceAccountRef {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}/{}", self.namespace, self.name)
-    }
-}
-
-/// A setting that could not be parsed: names the variable, value and reason.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("invalid {name}={value:?}: {reason}")]
-pub struct ConfigError {
-    pub name: &'static str,
-    pub value: String,
-    pub reason: String,
-}
-
-impl ConfigError {
-    pub fn reason(&self) -> &'static str {
-        "config_invalid"
-    }
-}
-
-fn err(name: &'static str, value: &str, reason: impl Into<String>) -> ConfigError {
-    ConfigError {
-        name,
-        value: value.to_string(),
-        reason: reason.into(),
-    }
-}
+pub use crate::audit::settings::{AnchorTarget, AuditSettings, AuditSinkKind, HandshakeAudit};
+pub use crate::authn::args::TokenVerification;
+pub use crate::authz::{parse_service_accounts, ServiceAccountRef};
+pub use crate::cluster::args::{KubeSettings, MultiClusterSettings};
+pub use crate::flags::{ConfigError, MAX_TTL_LIMIT};
+pub use crate::guards::KillSwitchSettings;
 
 /// Flags of `meshca serve`.
 #[derive(Debug, Clone, clap::Args)]
@@ -133,130 +102,15 @@ pub struct ServeArgs {
     /// MESHCA_ADMISSION_MAX_WAIT, so the review and signing still fit after it.
     #[arg(long, env = "MESHCA_POD_INDEX_SYNC_WAIT", default_value = "3s")]
     pub pod_index_sync_wait: String,
-    /// Sustained TokenReviews per second meshca may send to the API server.
-    #[arg(long, env = "MESHCA_TOKENREVIEW_QPS", default_value_t = ReviewLimits::default().qps)]
-    pub tokenreview_qps: u32,
-    /// TokenReviews meshca may send at once after a quiet period.
-    #[arg(long, env = "MESHCA_TOKENREVIEW_BURST", default_value_t = ReviewLimits::default().burst)]
-    pub tokenreview_burst: u32,
-    /// TokenReviews outstanding at the API server at once.
-    #[arg(long, env = "MESHCA_TOKENREVIEW_MAX_INFLIGHT", default_value_t = ReviewLimits::default().max_inflight)]
-    pub tokenreview_max_inflight: u32,
-    /// Longest a request waits for the TokenReview budget before it is refused (Unavailable).
-    #[arg(long, env = "MESHCA_TOKENREVIEW_MAX_WAIT", default_value = "1s")]
-    pub tokenreview_max_wait: String,
-    /// How long a token the API server rejected is refused without a new review (0s disables).
-    #[arg(long, env = "MESHCA_TOKEN_NEGATIVE_CACHE_TTL", default_value = "10s")]
-    pub token_negative_cache_ttl: String,
-    /// Most rejected tokens remembered at once.
-    #[arg(long, env = "MESHCA_TOKEN_NEGATIVE_CACHE_SIZE", default_value_t = ReviewLimits::default().negative_max_entries)]
-    pub token_negative_cache_size: usize,
+    #[command(flatten)]
+    pub token_review: crate::authn::args::TokenReviewArgs,
     /// Let mTLS-authenticated node proxies impersonate; their node is found by
     /// matching the connection's source IP to a running pod of the
     /// certificate's service account. Off by default (istiod never allows it).
     #[arg(long, env = "MESHCA_MTLS_IMPERSONATION", default_value_t = false, action = clap::ArgAction::Set)]
     pub mtls_impersonation: bool,
-    /// Audit sink: `stdout` (JSON lines, nothing else is written there) or `file`.
-    #[arg(long, env = "MESHCA_AUDIT_SINK", value_enum, default_value_t = AuditSinkKind::Stdout)]
-    pub audit_sink: AuditSinkKind,
-    /// Allows the hidden `--audit-sink null`, which drops every record: it
-    /// exists only to measure what the audit log costs (docs/BENCHMARKS.md).
-    /// A flag with no env var, so no deployment can switch auditing off.
-    #[arg(long, hide = true)]
-    pub audit_null_for_benchmarks: bool,
-    /// Audit file for `--audit-sink file`.
-    #[arg(
-        long,
-        env = "MESHCA_AUDIT_FILE",
-        default_value = "/var/log/meshca/audit.log"
-    )]
-    pub audit_file: PathBuf,
-    /// Rotate the audit file at this size.
-    #[arg(long, env = "MESHCA_AUDIT_MAX_BYTES", default_value_t = 100 * 1024 * 1024)]
-    pub audit_max_bytes: u64,
-    /// Audit files kept (current + rotated).
-    #[arg(long, env = "MESHCA_AUDIT_MAX_FILES", default_value_t = 10)]
-    pub audit_max_files: u32,
-    /// Longest audit line (bytes, 4096..=1048576). A record over it is
-    /// written in a reduced form that says so; it is never dropped.
-    #[arg(long, env = "MESHCA_AUDIT_MAX_LINE_BYTES", default_value_t = crate::audit::chain::DEFAULT_MAX_LINE_BYTES)]
-    pub audit_max_line_bytes: u64,
-    /// PKCS#8 PEM key (ECDSA P-256 or Ed25519) that signs audit checkpoints
-    /// (`meshca audit keygen` makes one). Without it checkpoints are unsigned.
-    #[arg(long, env = "MESHCA_AUDIT_CHECKPOINT_KEY")]
-    pub audit_checkpoint_key: Option<PathBuf>,
-    /// Write a checkpoint after this many records.
-    #[arg(long, env = "MESHCA_AUDIT_CHECKPOINT_EVERY", default_value_t = 1000)]
-    pub audit_checkpoint_every: u64,
-    /// Also write a checkpoint this often when records are pending.
-    #[arg(long, env = "MESHCA_AUDIT_CHECKPOINT_INTERVAL", default_value = "60s")]
-    pub audit_checkpoint_interval: String,
-    /// When an audit record counts as written, before its certificate
-    /// leaves: `always` (fsync each), `batch` (group commit: one fsync per
-    /// batch interval covers every record in it) or `never` (in the kernel).
-    /// The stdout sink flushes instead of fsync. docs/AUDIT.md says what each
-    /// survives.
-    #[arg(long, env = "MESHCA_AUDIT_FSYNC", value_enum, default_value_t = crate::audit::writer::FsyncPolicy::Batch)]
-    pub audit_fsync: crate::audit::writer::FsyncPolicy,
-    /// Longest a batch collects records before its fsync (`--audit-fsync batch`).
-    #[arg(long, env = "MESHCA_AUDIT_FSYNC_BATCH_INTERVAL", default_value = "2ms")]
-    pub audit_fsync_batch_interval: String,
-    /// Records that may wait for the audit writer; beyond it requests are
-    /// shed with UNAVAILABLE (reason audit_queue_full).
-    #[arg(long, env = "MESHCA_AUDIT_QUEUE", default_value_t = 4096)]
-    pub audit_queue: usize,
-    /// Rejected TLS handshakes are written as one aggregated `deny` record
-    /// per (source IP, reason) this often (1s..=1h).
-    #[arg(long, env = "MESHCA_AUDIT_HANDSHAKE_INTERVAL", default_value = "10s")]
-    pub audit_handshake_interval: String,
-    /// Most (source IP, reason) keys counted per interval; further sources
-    /// are counted per reason under the peer `overflow`.
-    #[arg(
-        long,
-        env = "MESHCA_AUDIT_HANDSHAKE_MAX_SOURCES",
-        default_value_t = 1024
-    )]
-    pub audit_handshake_max_sources: usize,
-    /// Refusals that get no record of their own (the audit queue was full,
-    /// or the transport refused before a request existed) are written as one
-    /// aggregated `deny` record per (reason, caller identity or source
-    /// address), with count and first/last time, this often (100ms..=1h).
-    #[arg(long, env = "MESHCA_AUDIT_AGGREGATE_INTERVAL", default_value = "1s")]
-    pub audit_aggregate_interval: String,
-    /// Most (reason, caller) keys folded between two aggregate writes;
-    /// further callers are counted per reason under the peer `overflow`.
-    #[arg(
-        long,
-        env = "MESHCA_AUDIT_AGGREGATE_MAX_KEYS",
-        default_value_t = crate::audit::aggregate::DEFAULT_MAX_KEYS
-    )]
-    pub audit_aggregate_max_keys: usize,
-    /// Anchor audit checkpoints outside the pod: each anchored checkpoint
-    /// becomes a new immutable ConfigMap (meshca can create them, never
-    /// change or delete one), plus a Kubernetes Event; a stdout run
-    /// continues the chain from its newest anchor. Needs Kubernetes.
-    #[arg(long, env = "MESHCA_AUDIT_ANCHOR", default_value_t = false, action = clap::ArgAction::Set)]
-    pub audit_anchor: bool,
-    /// Namespace of the anchor ConfigMaps (the chart sets meshca's own).
-    #[arg(
-        long,
-        env = "MESHCA_AUDIT_ANCHOR_NAMESPACE",
-        default_value = "istio-system"
-    )]
-    pub audit_anchor_namespace: String,
-    /// The anchor set (one per release): name prefix and label value of
-    /// the anchor ConfigMaps.
-    #[arg(
-        long,
-        env = "MESHCA_AUDIT_ANCHOR_CONFIGMAP",
-        default_value = "meshca-audit-anchors"
-    )]
-    pub audit_anchor_configmap: String,
-    /// At most one periodic checkpoint is anchored this often (1s to 24h);
-    /// start, recovery and shutdown checkpoints always are. Bounds the
-    /// anchor objects per replica and day.
-    #[arg(long, env = "MESHCA_AUDIT_ANCHOR_INTERVAL", default_value = "60s")]
-    pub audit_anchor_interval: String,
+    #[command(flatten)]
+    pub audit: crate::audit::settings::AuditArgs,
     /// Publish the root bundle as a ConfigMap into namespaces (as istiod and
     /// istio-csr do) so workloads can verify meshca's serving certificate.
     #[arg(long, env = "MESHCA_PUBLISH_ROOT", default_value_t = false, action = clap::ArgAction::Set)]
@@ -279,28 +133,28 @@ pub struct ServeArgs {
     #[arg(long, env = "MESHCA_PUBLISH_ROOT_RESYNC", default_value = "10m")]
     pub publish_root_resync: String,
     #[command(flatten)]
-    pub limits: LimitArgs,
+    pub limits: crate::transport::args::LimitArgs,
     /// Admission in front of signing (`admission` module).
     #[command(flatten)]
     pub admission: crate::admission::AdmissionArgs,
     #[command(flatten)]
-    pub kill_switch: KillSwitchArgs,
+    pub kill_switch: crate::guards::KillSwitchArgs,
     #[command(flatten)]
-    pub token_verification: TokenVerificationArgs,
+    pub token_verification: crate::authn::args::TokenVerificationArgs,
     #[command(flatten)]
-    pub multicluster: MultiClusterArgs,
+    pub multicluster: crate::cluster::args::MultiClusterArgs,
     /// Phased CA rotation (`rotation` module).
     #[command(flatten)]
     pub rotation: crate::rotation::RotationArgs,
-    /// Signing-key custody and two-tier issuing (issue 19).
+    /// Signing-key custody and two-tier issuing.
     #[command(flatten)]
     pub custody: crate::ca::custody::CustodyArgs,
     /// The PodCertificateRequest signer (`podcert` module).
     #[command(flatten)]
-    pub pod_certificates: PodCertArgs,
+    pub pod_certificates: crate::podcert::args::PodCertArgs,
     /// The standalone ClusterTrustBundle publisher (`ctb` module).
     #[command(flatten)]
-    pub cluster_trust_bundle: CtbArgs,
+    pub cluster_trust_bundle: crate::ctb::CtbArgs,
 }
 
 impl ServeArgs {
@@ -337,904 +191,12 @@ impl ServeArgs {
     }
 }
 
-/// Bounded mTLS renewal, the denylist and revocation (issue 16).
-#[derive(Debug, Clone, clap::Args)]
-pub struct KillSwitchArgs {
-    /// With Kubernetes on, run the pod index and let an mTLS caller renew its
-    /// own identity only while a live pod runs as that service account.
-    #[arg(long, env = "MESHCA_MTLS_RENEWAL_POD_CHECK", default_value_t = true, action = clap::ArgAction::Set)]
-    pub mtls_renewal_pod_check: bool,
-    /// Longest leaf issued to an mTLS caller (renewals); default: DEFAULT_WORKLOAD_CERT_TTL.
-    #[arg(long, env = "MESHCA_MTLS_RENEWAL_MAX_TTL")]
-    pub mtls_renewal_max_ttl: Option<String>,
-    /// Pod watch disconnected longer than this: mTLS renewals and source-IP
-    /// impersonation are refused (retryable).
-    #[arg(long, env = "MESHCA_POD_INDEX_MAX_STALENESS", default_value = "60s")]
-    pub pod_index_max_staleness: String,
-    /// Denylist file (one `<kind> <value>` per line), re-read every MESHCA_DENYLIST_POLL.
-    #[arg(long, env = "MESHCA_DENYLIST_FILE")]
-    pub denylist_file: Option<PathBuf>,
-    #[arg(long, env = "MESHCA_DENYLIST_POLL", default_value = "2s")]
-    pub denylist_poll: String,
-    /// Denylist ConfigMap `namespace/name` (key `denylist`), watched when Kubernetes is on.
-    #[arg(long, env = "MESHCA_DENYLIST_CONFIGMAP")]
-    pub denylist_configmap: Option<String>,
-    /// Revoked serials (JSON lines, appended by `meshca revoke`); enables the
-    /// CRL. Per process: for `serve --dev` and runs without a cluster.
-    #[arg(long, env = "MESHCA_REVOCATION_FILE")]
-    pub revocation_file: Option<PathBuf>,
-    /// Revocations shared by every replica: ConfigMap `namespace/name` (key
-    /// `revocations`), read every MESHCA_REVOCATION_POLL; enables the CRL.
-    #[arg(long, env = "MESHCA_REVOCATION_CONFIGMAP")]
-    pub revocation_configmap: Option<String>,
-    #[arg(long, env = "MESHCA_REVOCATION_POLL", default_value = "2s")]
-    pub revocation_poll: String,
-    /// CRL validity (nextUpdate - thisUpdate); re-signed at half.
-    #[arg(long, env = "MESHCA_CRL_VALIDITY", default_value = "24h")]
-    pub crl_validity: String,
-    /// Publish the CRL as the `istio-ca-crl` ConfigMap (key `ca-crl.pem`) in
-    /// the namespaces MESHCA_PUBLISH_ROOT_NAMESPACE_SELECTOR selects.
-    #[arg(long, env = "MESHCA_PUBLISH_CRL", default_value_t = false, action = clap::ArgAction::Set)]
-    pub publish_crl: bool,
-}
-
-/// Parsed [`KillSwitchArgs`].
-#[derive(Debug, Clone, Default)]
-pub struct KillSwitchSettings {
-    /// Run the pod index for renewals (with Kubernetes on).
-    pub renewal_pod_check: bool,
-    pub renewal: crate::renewal::RenewalPolicy,
-    pub denylist: crate::denylist::DenylistSettings,
-    pub revocation: Option<crate::revocation::RevocationSettings>,
-}
-
-impl KillSwitchArgs {
-    fn parse(
-        &self,
-        a: &ServeArgs,
-        ttl: &TtlPolicy,
-        kube_on: bool,
-    ) -> Result<KillSwitchSettings, ConfigError> {
-        let max_ttl = match &self.mtls_renewal_max_ttl {
-            Some(v) => bounded_duration("MESHCA_MTLS_RENEWAL_MAX_TTL", v, false, MAX_TTL_LIMIT)?,
-            None => ttl.default,
-        };
-        let renewal = crate::renewal::RenewalPolicy {
-            max_ttl,
-            max_index_staleness: bounded_duration(
-                "MESHCA_POD_INDEX_MAX_STALENESS",
-                &self.pod_index_max_staleness,
-                false,
-                MAX_PERIOD,
-            )?,
-        };
-        let configmap = configmap_flag(
-            "MESHCA_DENYLIST_CONFIGMAP",
-            self.denylist_configmap.as_deref(),
-            kube_on,
-        )?;
-        let denylist = crate::denylist::DenylistSettings {
-            file: self.denylist_file.clone(),
-            poll: bounded_duration(
-                "MESHCA_DENYLIST_POLL",
-                &self.denylist_poll,
-                false,
-                MAX_PERIOD,
-            )?,
-            configmap,
-        };
-        let revocation_configmap = configmap_flag(
-            "MESHCA_REVOCATION_CONFIGMAP",
-            self.revocation_configmap.as_deref(),
-            kube_on,
-        )?;
-        let revocation_on = self.revocation_file.is_some() || revocation_configmap.is_some();
-        let publish = if self.publish_crl {
-            if !kube_on {
-                return Err(err("MESHCA_PUBLISH_CRL", "true", "needs Kubernetes"));
-            }
-            if !revocation_on {
-                return Err(err(
-                    "MESHCA_PUBLISH_CRL",
-                    "true",
-                    "needs MESHCA_REVOCATION_CONFIGMAP or MESHCA_REVOCATION_FILE",
-                ));
-            }
-            Some(a.publisher(crate::revocation::CRL_CONFIGMAP.into())?)
-        } else {
-            None
-        };
-        let revocation = match revocation_on {
-            false => None,
-            true => Some(crate::revocation::RevocationSettings {
-                file: self.revocation_file.clone(),
-                configmap: revocation_configmap,
-                poll: bounded_duration(
-                    "MESHCA_REVOCATION_POLL",
-                    &self.revocation_poll,
-                    false,
-                    MAX_PERIOD,
-                )?,
-                crl_validity: bounded_duration(
-                    "MESHCA_CRL_VALIDITY",
-                    &self.crl_validity,
-                    false,
-                    Duration::from_secs(30 * 24 * 3600),
-                )?,
-                publish,
-            }),
-        };
-        Ok(KillSwitchSettings {
-            renewal_pod_check: self.mtls_renewal_pod_check,
-            renewal,
-            denylist,
-            revocation,
-        })
-    }
-}
-
-/// The PodCertificateRequest signer (issue 17); off unless a signer name is set.
-#[derive(Debug, Clone, clap::Args)]
-pub struct PodCertArgs {
-    /// Sign PodCertificateRequests for this domain-prefixed signer name
-    /// (e.g. `meshca.io/spiffe`); no default: the signer is off. Needs
-    /// Kubernetes and the pod index.
-    #[arg(long, env = "MESHCA_POD_CERTIFICATE_SIGNER")]
-    pub pod_certificate_signer: Option<String>,
-    /// Lifetime of a pod certificate, cut to the request's
-    /// maxExpirationSeconds and never under 1h.
-    #[arg(long, env = "MESHCA_POD_CERTIFICATE_LIFETIME", default_value = "24h")]
-    pub pod_certificate_lifetime: String,
-    /// Where beginRefreshAt falls, as MIN-MAX percent of the lifetime (drawn
-    /// per certificate so pods started together renew apart).
-    #[arg(
-        long,
-        env = "MESHCA_POD_CERTIFICATE_REFRESH_BAND",
-        default_value = "50-75"
-    )]
-    pub pod_certificate_refresh_band: String,
-    /// How long a request for a pod the pod index does not show (or shows
-    /// with another UID) is waited for before it is denied.
-    #[arg(long, env = "MESHCA_POD_CERTIFICATE_POD_WAIT", default_value = "30s")]
-    pub pod_certificate_pod_wait: String,
-    /// Requests signed and written concurrently.
-    #[arg(long, env = "MESHCA_POD_CERTIFICATE_WORKERS", default_value_t = 32)]
-    pub pod_certificate_workers: usize,
-    /// Publish the root bundle as the signer-linked ClusterTrustBundle
-    /// `<signer with / as :>:root-cert`.
-    #[arg(long, env = "MESHCA_POD_CERTIFICATE_TRUST_BUNDLE", default_value_t = true, action = clap::ArgAction::Set)]
-    pub pod_certificate_trust_bundle: bool,
-}
-
-impl PodCertArgs {
-    fn parse(
-        &self,
-        a: &ServeArgs,
-        kube_on: bool,
-    ) -> Result<Option<crate::podcert::PodCertSettings>, ConfigError> {
-        let Some(name) = self
-            .pod_certificate_signer
-            .as_deref()
-            .map(str::trim)
-            .filter(|s| !s.is_empty())
-        else {
-            return Ok(None);
-        };
-        let signer_name = crate::podcert::parse_signer_name(name)
-            .map_err(|e| err("MESHCA_POD_CERTIFICATE_SIGNER", name, e.detail))?;
-        if !kube_on {
-            return Err(err(
-                "MESHCA_POD_CERTIFICATE_SIGNER",
-                name,
-                "needs Kubernetes (a kubeconfig or in-cluster config)",
-            ));
-        }
-        let lifetime = bounded_duration(
-            "MESHCA_POD_CERTIFICATE_LIFETIME",
-            &self.pod_certificate_lifetime,
-            false,
-            Duration::from_secs(7_862_400),
-        )?;
-        if lifetime < crate::podcert::decide::MIN_LIFETIME {
-            return Err(err(
-                "MESHCA_POD_CERTIFICATE_LIFETIME",
-                &self.pod_certificate_lifetime,
-                "must be at least 1h (the API's minimum)",
-            ));
-        }
-        let refresh_band = JitterBand::parse(&self.pod_certificate_refresh_band).map_err(|e| {
-            err(
-                "MESHCA_POD_CERTIFICATE_REFRESH_BAND",
-                &self.pod_certificate_refresh_band,
-                e,
-            )
-        })?;
-        Ok(Some(crate::podcert::PodCertSettings {
-            signer_name,
-            lifetime,
-            refresh_band,
-            pod_wait: bounded_duration(
-                "MESHCA_POD_CERTIFICATE_POD_WAIT",
-                &self.pod_certificate_pod_wait,
-                true,
-                Duration::from_secs(3600),
-            )?,
-            workers: bounded(
-                "MESHCA_POD_CERTIFICATE_WORKERS",
-                self.pod_certificate_workers,
-                1,
-                1024,
-            )?,
-            trust_bundle: self.pod_certificate_trust_bundle,
-            // The same full re-check period as the root ConfigMap publisher.
-            trust_bundle_resync: a.publish_resync()?,
-        }))
-    }
-}
-
-/// Flags of the standalone ClusterTrustBundle publisher (`ctb`): the mesh
-/// roots, old and new during a rotation, next to the root ConfigMap.
-#[derive(Debug, Clone, clap::Args)]
-pub struct CtbArgs {
-    /// Publish the root bundle (every root, old and new during a rotation)
-    /// as a signer-linked ClusterTrustBundle (certificates.k8s.io/v1).
-    #[arg(long, env = "MESHCA_PUBLISH_CLUSTER_TRUST_BUNDLE", default_value_t = false, action = clap::ArgAction::Set)]
-    pub publish_cluster_trust_bundle: bool,
-    /// Signer name the bundle is linked to (Istio's by default, so Istio's
-    /// injection templates that mount it by signer or name find it).
-    #[arg(
-        long,
-        env = "MESHCA_CLUSTER_TRUST_BUNDLE_SIGNER",
-        default_value = crate::ctb::ISTIO_SIGNER
-    )]
-    pub cluster_trust_bundle_signer: String,
-    /// Bundle name; empty: `<signer with / as :>:root-cert`
-    /// (`istio.io:istiod-ca:root-cert` for Istio's signer).
-    #[arg(long, env = "MESHCA_CLUSTER_TRUST_BUNDLE_NAME", default_value = "")]
-    pub cluster_trust_bundle_name: String,
-}
-
-impl CtbArgs {
-    fn parse(
-        &self,
-        a: &ServeArgs,
-        kube_on: bool,
-    ) -> Result<Option<crate::ctb::CtbSettings>, ConfigError> {
-        if !self.publish_cluster_trust_bundle {
-            return Ok(None);
-        }
-        if !kube_on {
-            return Err(err(
-                "MESHCA_PUBLISH_CLUSTER_TRUST_BUNDLE",
-                "true",
-                "needs Kubernetes (a kubeconfig or in-cluster config)",
-            ));
-        }
-        let signer = self.cluster_trust_bundle_signer.trim();
-        let signer_name = crate::podcert::parse_signer_name(signer)
-            .map_err(|e| err("MESHCA_CLUSTER_TRUST_BUNDLE_SIGNER", signer, e.detail))?;
-        let name = match self.cluster_trust_bundle_name.trim() {
-            "" => crate::podcert::trust_bundle_name(&signer_name),
-            n => n.to_string(),
-        };
-        crate::ctb::check_name(&name, &signer_name)
-            .map_err(|e| err("MESHCA_CLUSTER_TRUST_BUNDLE_NAME", &name, e))?;
-        Ok(Some(crate::ctb::CtbSettings {
-            name,
-            signer_name,
-            // The same full re-check period as the root ConfigMap publisher.
-            resync: a.publish_resync()?,
-        }))
-    }
-}
-
-/// Flags of local token verification (`authn::local`, `authn::jwks`).
-#[derive(Debug, Clone, clap::Args)]
-pub struct TokenVerificationArgs {
-    /// How bearer tokens are verified: `review` (a TokenReview per new token,
-    /// as istiod), `local` (signature against the issuer's keys from the API
-    /// server's OIDC discovery, claims, and the bound pod in the pod index;
-    /// nothing sent per token), or `local-then-review` (local, and a
-    /// TokenReview for what local verification cannot decide: unknown issuer
-    /// or key, pod not in the index, index not synced).
-    #[arg(long, env = "MESHCA_TOKEN_VERIFICATION", value_enum, default_value_t = TokenVerificationMode::Review)]
-    pub token_verification: TokenVerificationMode,
-    /// Refuse tokens that are not bound to a pod (any verification mode).
-    #[arg(long, env = "MESHCA_TOKEN_REQUIRE_POD_BINDING", default_value_t = false, action = clap::ArgAction::Set)]
-    pub token_require_pod_binding: bool,
-    /// Periodic refresh of the issuer's keys.
-    #[arg(long, env = "MESHCA_JWKS_REFRESH_INTERVAL", default_value = "10m")]
-    pub jwks_refresh_interval: String,
-    /// Fewest time between two key fetches (an unknown `kid` triggers one).
-    #[arg(long, env = "MESHCA_JWKS_MIN_REFRESH_INTERVAL", default_value = "30s")]
-    pub jwks_min_refresh_interval: String,
-}
-
-/// Parsed [`TokenVerificationArgs`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct TokenVerification {
-    pub mode: TokenVerificationMode,
-    pub require_pod_binding: bool,
-    pub refresh: crate::authn::jwks::RefreshPolicy,
-}
-
-impl Default for TokenVerification {
-    fn default() -> Self {
-        Self {
-            mode: TokenVerificationMode::Review,
-            require_pod_binding: false,
-            refresh: Default::default(),
-        }
-    }
-}
-
-impl TokenVerificationArgs {
-    pub fn parse(&self, fetch_timeout: Duration) -> Result<TokenVerification, ConfigError> {
-        let interval = bounded_duration(
-            "MESHCA_JWKS_REFRESH_INTERVAL",
-            &self.jwks_refresh_interval,
-            false,
-            MAX_PERIOD,
-        )?;
-        let min_interval = bounded_duration(
-            "MESHCA_JWKS_MIN_REFRESH_INTERVAL",
-            &self.jwks_min_refresh_interval,
-            false,
-            MAX_PERIOD,
-        )?;
-        if min_interval > interval {
-            return Err(err(
-                "MESHCA_JWKS_MIN_REFRESH_INTERVAL",
-                &self.jwks_min_refresh_interval,
-                "must not exceed MESHCA_JWKS_REFRESH_INTERVAL",
-            ));
-        }
-        Ok(TokenVerification {
-            mode: self.token_verification,
-            require_pod_binding: self.token_require_pod_binding,
-            refresh: crate::authn::jwks::RefreshPolicy {
-                interval,
-                min_interval,
-                timeout: fetch_timeout,
-            },
-        })
-    }
-}
-
-/// Multi-cluster: Istio's remote secrets (`cluster` module).
-#[derive(Debug, Clone, clap::Args)]
-pub struct MultiClusterArgs {
-    /// Watch Istio's remote secrets (label `istio/multiCluster: "true"`, one
-    /// kubeconfig per data key named for the cluster id) and authenticate and
-    /// authorize those clusters' callers as istiod does.
-    #[arg(long, env = "MESHCA_REMOTE_SECRETS", default_value_t = false, action = clap::ArgAction::Set)]
-    pub remote_secrets: bool,
-    /// Namespace of the remote secrets (meshca's own).
-    #[arg(
-        long,
-        env = "MESHCA_REMOTE_SECRETS_NAMESPACE",
-        default_value = "istio-system"
-    )]
-    pub remote_secrets_namespace: String,
-    /// What a remote kubeconfig may use beyond inline credentials
-    /// (comma-separated): `exec`, `clientKey`, `clientCertificate`,
-    /// `tokenFile`, `certificateAuthority`, or an auth provider name. Each
-    /// runs a command or reads a local file; none is allowed by default.
-    #[arg(
-        long,
-        env = "PILOT_INSECURE_MULTICLUSTER_KUBECONFIG_OPTIONS",
-        default_value = ""
-    )]
-    pub remote_kubeconfig_options: String,
-    /// Most remote clusters registered at once (each runs a pod watch).
-    #[arg(long, env = "MESHCA_REMOTE_CLUSTERS_MAX", default_value_t = 64)]
-    pub remote_clusters_max: usize,
-    /// A rotated remote cluster's old entry serves until the new one's pod
-    /// index syncs, at most this long (1s..=10m).
-    #[arg(
-        long,
-        env = "MESHCA_REMOTE_CLUSTER_SYNC_TIMEOUT",
-        default_value = "30s"
-    )]
-    pub remote_cluster_sync_timeout: String,
-}
-
-/// Parsed [`MultiClusterArgs`]: present when remote secrets are watched.
-#[derive(Debug, Clone, Default)]
-pub struct MultiClusterSettings {
-    pub remote_secrets: Option<crate::cluster::secrets::RemoteSecrets>,
-}
-
-impl MultiClusterArgs {
-    pub fn parse(&self, kube_on: bool) -> Result<MultiClusterSettings, ConfigError> {
-        if !self.remote_secrets {
-            return Ok(MultiClusterSettings::default());
-        }
-        if !kube_on {
-            return Err(err("MESHCA_REMOTE_SECRETS", "true", "needs Kubernetes"));
-        }
-        let ns = self.remote_secrets_namespace.trim();
-        if ns.is_empty() {
-            return Err(err(
-                "MESHCA_REMOTE_SECRETS_NAMESPACE",
-                ns,
-                "must not be empty",
-            ));
-        }
-        bounded(
-            "MESHCA_REMOTE_CLUSTERS_MAX",
-            self.remote_clusters_max,
-            1,
-            1000,
-        )?;
-        let sync_timeout = duration_between(
-            "MESHCA_REMOTE_CLUSTER_SYNC_TIMEOUT",
-            &self.remote_cluster_sync_timeout,
-            Duration::from_secs(1),
-            Duration::from_secs(600),
-        )?;
-        Ok(MultiClusterSettings {
-            remote_secrets: Some(crate::cluster::secrets::RemoteSecrets {
-                namespace: ns.to_string(),
-                policy: crate::cluster::kubeconfig::KubeconfigPolicy::parse(
-                    &self.remote_kubeconfig_options,
-                ),
-                max_clusters: self.remote_clusters_max,
-                sync_timeout,
-            }),
-        })
-    }
-}
-
-/// Flags bounding what callers can make the server hold (see
-/// `transport::limits` for the memory arithmetic behind the defaults).
-#[derive(Debug, Clone, clap::Args)]
-pub struct LimitArgs {
-    /// Open gRPC connections (handshaking or established), all peers together.
-    #[arg(long, env = "MESHCA_MAX_CONNECTIONS", default_value_t = 1024)]
-    pub max_connections: usize,
-    /// Open gRPC connections from one source IP.
-    #[arg(long, env = "MESHCA_MAX_CONNECTIONS_PER_IP", default_value_t = 64)]
-    pub max_connections_per_ip: usize,
-    /// TLS handshakes in progress; connections beyond are closed at once.
-    #[arg(long, env = "MESHCA_MAX_PENDING_HANDSHAKES", default_value_t = 128)]
-    pub max_pending_handshakes: usize,
-    /// TLS handshakes in progress from one source IP.
-    #[arg(
-        long,
-        env = "MESHCA_MAX_PENDING_HANDSHAKES_PER_IP",
-        default_value_t = 16
-    )]
-    pub max_pending_handshakes_per_ip: usize,
-    /// Time a client has to complete the TLS handshake, and again to send
-    /// the HTTP/2 preface after it.
-    #[arg(long, env = "MESHCA_HANDSHAKE_TIMEOUT", default_value = "5s")]
-    pub handshake_timeout: String,
-    /// HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS per connection.
-    #[arg(long, env = "MESHCA_MAX_CONCURRENT_STREAMS", default_value_t = 100)]
-    pub max_concurrent_streams: u32,
-    /// Requests handled at once; more wait in a queue.
-    #[arg(long, env = "MESHCA_MAX_INFLIGHT_REQUESTS", default_value_t = 256)]
-    pub max_inflight_requests: usize,
-    /// Requests handled at once for one source IP; more wait in the queue.
-    #[arg(
-        long,
-        env = "MESHCA_MAX_INFLIGHT_REQUESTS_PER_IP",
-        default_value_t = 32
-    )]
-    pub max_inflight_requests_per_ip: usize,
-    /// Requests waiting for a handler; beyond, RESOURCE_EXHAUSTED.
-    #[arg(long, env = "MESHCA_MAX_QUEUED_REQUESTS", default_value_t = 1024)]
-    pub max_queued_requests: usize,
-    /// Whole-request deadline (DEADLINE_EXCEEDED after it).
-    #[arg(long, env = "MESHCA_REQUEST_TIMEOUT", default_value = "15s")]
-    pub request_timeout: String,
-    /// HTTP/2 SETTINGS_MAX_HEADER_LIST_SIZE.
-    #[arg(long, env = "MESHCA_MAX_HEADER_LIST_BYTES", default_value_t = 32 * 1024)]
-    pub max_header_list_bytes: u32,
-    /// HTTP/2 initial stream flow-control window.
-    #[arg(long, env = "MESHCA_HTTP2_STREAM_WINDOW_BYTES", default_value_t = 64 * 1024)]
-    pub http2_stream_window_bytes: u32,
-    /// HTTP/2 initial connection flow-control window.
-    #[arg(long, env = "MESHCA_HTTP2_CONNECTION_WINDOW_BYTES", default_value_t = 64 * 1024)]
-    pub http2_connection_window_bytes: u32,
-    /// HTTP/2 PING period (0s disables keepalive).
-    #[arg(long, env = "MESHCA_KEEPALIVE_INTERVAL", default_value = "30s")]
-    pub keepalive_interval: String,
-    /// Time to wait for a PING ack before closing the connection.
-    #[arg(long, env = "MESHCA_KEEPALIVE_TIMEOUT", default_value = "10s")]
-    pub keepalive_timeout: String,
-    /// Connections get a GOAWAY at this age (0s: never), as istiod's
-    /// keepaliveMaxServerConnectionAge.
-    #[arg(long, env = "MESHCA_MAX_CONNECTION_AGE", default_value = "30m")]
-    pub max_connection_age: String,
-    /// After the GOAWAY, in-flight requests get this long before the connection is closed.
-    #[arg(long, env = "MESHCA_MAX_CONNECTION_AGE_GRACE", default_value = "10s")]
-    pub max_connection_age_grace: String,
-    /// Requests one connection may cancel per second before it is closed
-    /// (open-and-reset floods).
-    #[arg(
-        long,
-        env = "MESHCA_MAX_CANCELLED_STREAMS_PER_SECOND",
-        default_value_t = 200
-    )]
-    pub max_cancelled_streams_per_second: u32,
-    /// Largest request message (a CSR is at most 64 KiB).
-    #[arg(long, env = "MESHCA_MAX_REQUEST_BYTES", default_value_t = 128 * 1024)]
-    pub max_request_bytes: usize,
-    /// Largest bearer token.
-    #[arg(long, env = "MESHCA_MAX_TOKEN_BYTES", default_value_t = 16 * 1024)]
-    pub max_token_bytes: usize,
-    /// Largest `clusterid` header.
-    #[arg(long, env = "MESHCA_MAX_CLUSTER_ID_BYTES", default_value_t = 256)]
-    pub max_cluster_id_bytes: usize,
-    /// Largest metadata key or value (ImpersonatedIdentity included).
-    #[arg(long, env = "MESHCA_MAX_METADATA_VALUE_BYTES", default_value_t = 2048)]
-    pub max_metadata_value_bytes: usize,
-    /// Most metadata keys in one request.
-    #[arg(long, env = "MESHCA_MAX_METADATA_KEYS", default_value_t = 16)]
-    pub max_metadata_keys: usize,
-    /// Open admin-port connections.
-    #[arg(long, env = "MESHCA_ADMIN_MAX_CONNECTIONS", default_value_t = 64)]
-    pub admin_max_connections: usize,
-    /// Open admin-port connections from one source IP.
-    #[arg(long, env = "MESHCA_ADMIN_MAX_CONNECTIONS_PER_IP", default_value_t = 8)]
-    pub admin_max_connections_per_ip: usize,
-    /// Time to receive an admin request's headers.
-    #[arg(long, env = "MESHCA_ADMIN_HEADER_TIMEOUT", default_value = "5s")]
-    pub admin_header_timeout: String,
-    /// Longest an admin connection stays open.
-    #[arg(long, env = "MESHCA_ADMIN_CONNECTION_TIMEOUT", default_value = "30s")]
-    pub admin_connection_timeout: String,
-}
-
-/// Longest certificate lifetime accepted by the TTL flags: far inside the
-/// `time` crate's range (year 9999), so `now + ttl` cannot overflow.
-pub const MAX_TTL_LIMIT: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
-/// Upper bound of the period and timeout flags: a day is already absurd for
-/// any of them; beyond, `Instant + d` could overflow.
-const MAX_PERIOD: Duration = Duration::from_secs(24 * 3600);
-
-/// A duration flag within `(0, max]`, or `[0, max]` when `zero_ok`.
-pub(crate) fn bounded_duration(
-    name: &'static str,
-    v: &str,
-    zero_ok: bool,
-    max: Duration,
-) -> Result<Duration, ConfigError> {
-    let d = parse_go_duration(v).map_err(|e| err(name, v, e))?;
-    if d.is_zero() && !zero_ok {
-        return Err(err(name, v, "must be positive"));
-    }
-    if d > max {
-        return Err(err(
-            name,
-            v,
-            format!(
-                "must be at most {}",
-                crate::ca::ttl::go_duration(max.as_secs())
-            ),
-        ));
-    }
-    Ok(d)
-}
-
-/// A duration flag within `[min, max]` (`min` > 0).
-pub(crate) fn duration_between(
-    name: &'static str,
-    v: &str,
-    min: Duration,
-    max: Duration,
-) -> Result<Duration, ConfigError> {
-    let d = bounded_duration(name, v, false, max)?;
-    if d < min {
-        let shown = match min.subsec_millis() {
-            0 => format!("{}s", min.as_secs()),
-            _ => format!("{}ms", min.as_millis()),
-        };
-        return Err(err(name, v, format!("must be at least {shown}")));
-    }
-    Ok(d)
-}
-
-/// A ConfigMap reference `namespace/name` (both parts non-empty, one slash).
-pub fn parse_configmap_ref(v: &str) -> Option<(String, String)> {
-    v.split_once('/')
-        .filter(|(n, m)| !n.is_empty() && !m.is_empty() && !m.contains('/'))
-        .map(|(n, m)| (n.to_string(), m.to_string()))
-}
-
-/// A `namespace/name` ConfigMap flag of `meshca serve`: unset or blank is
-/// none; set, it must parse and Kubernetes must be on.
-fn configmap_flag(
-    name: &'static str,
-    v: Option<&str>,
-    kube_on: bool,
-) -> Result<Option<(String, String)>, ConfigError> {
-    match v.map(str::trim) {
-        None | Some("") => Ok(None),
-        Some(v) => {
-            let r =
-                parse_configmap_ref(v).ok_or_else(|| err(name, v, "expected namespace/name"))?;
-            if !kube_on {
-                return Err(err(name, v, "needs Kubernetes"));
-            }
-            Ok(Some(r))
-        }
-    }
-}
-
-/// A count or size flag within `[min, max]`.
-pub(crate) fn bounded<T: PartialOrd + std::fmt::Display + Copy>(
-    name: &'static str,
-    v: T,
-    min: T,
-    max: T,
-) -> Result<T, ConfigError> {
-    if v < min || v > max {
-        return Err(err(
-            name,
-            &v.to_string(),
-            format!("must be between {min} and {max}"),
-        ));
-    }
-    Ok(v)
-}
-
-impl LimitArgs {
-    /// Parses and validates the limits; every error names its variable.
-    pub fn parse(&self) -> Result<(TransportLimits, InputLimits, AdminLimits), ConfigError> {
-        const MIB: usize = 1024 * 1024;
-        let d = bounded_duration;
-        // HTTP/2 caps a window at 2^31-1 and a header list at u32; h2 needs a
-        // window of at least one max-size frame to make progress.
-        let window = |name, v: u32| bounded(name, v, 16 * 1024, (1 << 31) - 1);
-        let t = TransportLimits {
-            max_connections: bounded("MESHCA_MAX_CONNECTIONS", self.max_connections, 1, 1 << 20)?,
-            max_connections_per_ip: bounded(
-                "MESHCA_MAX_CONNECTIONS_PER_IP",
-                self.max_connections_per_ip,
-                1,
-                1 << 20,
-            )?,
-            max_pending_handshakes: bounded(
-                "MESHCA_MAX_PENDING_HANDSHAKES",
-                self.max_pending_handshakes,
-                1,
-                1 << 16,
-            )?,
-            max_pending_handshakes_per_ip: bounded(
-                "MESHCA_MAX_PENDING_HANDSHAKES_PER_IP",
-                self.max_pending_handshakes_per_ip,
-                1,
-                1 << 16,
-            )?,
-            handshake_timeout: d(
-                "MESHCA_HANDSHAKE_TIMEOUT",
-                &self.handshake_timeout,
-                false,
-                Duration::from_secs(300),
-            )?,
-            max_concurrent_streams: bounded(
-                "MESHCA_MAX_CONCURRENT_STREAMS",
-                self.max_concurrent_streams,
-                1,
-                1 << 20,
-            )?,
-            // Semaphore permits are capped far below this.
-            max_inflight_requests: bounded(
-                "MESHCA_MAX_INFLIGHT_REQUESTS",
-                self.max_inflight_requests,
-                1,
-                1 << 20,
-            )?,
-            max_inflight_requests_per_ip: bounded(
-                "MESHCA_MAX_INFLIGHT_REQUESTS_PER_IP",
-                self.max_inflight_requests_per_ip,
-                1,
-                1 << 20,
-            )?,
-            max_queued_requests: bounded(
-                "MESHCA_MAX_QUEUED_REQUESTS",
-                self.max_queued_requests,
-                0,
-                1 << 20,
-            )?,
-            request_timeout: d(
-                "MESHCA_REQUEST_TIMEOUT",
-                &self.request_timeout,
-                false,
-                Duration::from_secs(3600),
-            )?,
-            max_header_list_bytes: bounded(
-                "MESHCA_MAX_HEADER_LIST_BYTES",
-                self.max_header_list_bytes,
-                4096,
-                16 << 20,
-            )?,
-            stream_window_bytes: window(
-                "MESHCA_HTTP2_STREAM_WINDOW_BYTES",
-                self.http2_stream_window_bytes,
-            )?,
-            connection_window_bytes: window(
-                "MESHCA_HTTP2_CONNECTION_WINDOW_BYTES",
-                self.http2_connection_window_bytes,
-            )?,
-            keepalive_interval: d(
-                "MESHCA_KEEPALIVE_INTERVAL",
-                &self.keepalive_interval,
-                true,
-                MAX_PERIOD,
-            )?,
-            keepalive_timeout: d(
-                "MESHCA_KEEPALIVE_TIMEOUT",
-                &self.keepalive_timeout,
-                false,
-                Duration::from_secs(3600),
-            )?,
-            max_connection_age: d(
-                "MESHCA_MAX_CONNECTION_AGE",
-                &self.max_connection_age,
-                true,
-                Duration::from_secs(30 * 24 * 3600),
-            )?,
-            max_connection_age_grace: d(
-                "MESHCA_MAX_CONNECTION_AGE_GRACE",
-                &self.max_connection_age_grace,
-                true,
-                Duration::from_secs(3600),
-            )?,
-            max_cancelled_streams_per_sec: bounded(
-                "MESHCA_MAX_CANCELLED_STREAMS_PER_SECOND",
-                self.max_cancelled_streams_per_second,
-                1,
-                1 << 20,
-            )?,
-        };
-        let i = InputLimits {
-            // istiod's own ceiling is 4 MiB; below 64 KiB + framing no CSR fits.
-            max_message_bytes: bounded(
-                "MESHCA_MAX_REQUEST_BYTES",
-                self.max_request_bytes,
-                crate::ca::csr::MAX_CSR_BYTES + 1024,
-                4 * MIB,
-            )?,
-            max_token_bytes: bounded("MESHCA_MAX_TOKEN_BYTES", self.max_token_bytes, 1024, MIB)?,
-            max_cluster_id_bytes: bounded(
-                "MESHCA_MAX_CLUSTER_ID_BYTES",
-                self.max_cluster_id_bytes,
-                1,
-                64 * 1024,
-            )?,
-            max_metadata_value_bytes: bounded(
-                "MESHCA_MAX_METADATA_VALUE_BYTES",
-                self.max_metadata_value_bytes,
-                256,
-                MIB,
-            )?,
-            max_metadata_keys: bounded(
-                "MESHCA_MAX_METADATA_KEYS",
-                self.max_metadata_keys,
-                2,
-                4096,
-            )?,
-        };
-        // A token the header list cannot carry would be refused by HTTP/2
-        // with a less precise error; say so now.
-        if i.max_token_bytes >= t.max_header_list_bytes as usize {
-            return Err(err(
-                "MESHCA_MAX_TOKEN_BYTES",
-                &i.max_token_bytes.to_string(),
-                "must be below MESHCA_MAX_HEADER_LIST_BYTES",
-            ));
-        }
-        let a = AdminLimits {
-            max_connections: bounded(
-                "MESHCA_ADMIN_MAX_CONNECTIONS",
-                self.admin_max_connections,
-                1,
-                1 << 16,
-            )?,
-            max_connections_per_ip: bounded(
-                "MESHCA_ADMIN_MAX_CONNECTIONS_PER_IP",
-                self.admin_max_connections_per_ip,
-                1,
-                1 << 16,
-            )?,
-            header_timeout: d(
-                "MESHCA_ADMIN_HEADER_TIMEOUT",
-                &self.admin_header_timeout,
-                false,
-                Duration::from_secs(300),
-            )?,
-            connection_timeout: d(
-                "MESHCA_ADMIN_CONNECTION_TIMEOUT",
-                &self.admin_connection_timeout,
-                false,
-                Duration::from_secs(3600),
-            )?,
-        };
-        Ok((t, i, a))
-    }
-}
-
-/// Where audit records go.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum AuditSinkKind {
-    Stdout,
-    File,
-    /// Drops records: benchmarks only, behind `--audit-null-for-benchmarks`.
-    #[value(hide = true)]
-    Null,
-}
-
-/// Audit log settings.
-#[derive(Debug, Clone)]
-pub struct AuditSettings {
-    pub sink: AuditSinkKind,
-    pub file: PathBuf,
-    pub max_bytes: u64,
-    pub max_files: u32,
-    pub max_line_bytes: u64,
-    pub checkpoint_key: Option<PathBuf>,
-    pub checkpoint_every: u64,
-    pub checkpoint_interval: Duration,
-    /// Writer thread: queue, fsync policy, batch interval.
-    pub writer: crate::audit::writer::WriterSettings,
-    /// Where and how often checkpoints are anchored, when on.
-    pub anchor: Option<AnchorTarget>,
-    /// Aggregated records of rejected TLS handshakes.
-    pub handshakes: HandshakeAudit,
-    /// Most keys of the refusal aggregator (`MESHCA_AUDIT_AGGREGATE_MAX_KEYS`).
-    pub aggregate_max_keys: usize,
-}
-
-/// Where audit checkpoints are anchored.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct AnchorTarget {
-    pub namespace: String,
-    /// The anchor set (name prefix and label value of its ConfigMaps).
-    pub set: String,
-    /// At most one periodic anchor this often.
-    pub interval: Duration,
-}
-
-/// How rejected TLS handshakes are aggregated into audit records.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct HandshakeAudit {
-    pub interval: Duration,
-    pub max_sources: usize,
-}
-
-impl Default for HandshakeAudit {
-    fn default() -> Self {
-        Self {
-            interval: Duration::from_secs(10),
-            max_sources: 1024,
-        }
-    }
-}
-
 /// Whether to talk to Kubernetes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum KubeMode {
     Auto,
     On,
     Off,
-}
-
-/// Kubernetes settings, present when the integration is on.
-#[derive(Debug, Clone)]
-pub struct KubeSettings {
-    pub kubeconfig: Option<PathBuf>,
-    pub token_cache_ttl: Duration,
-    pub tokenreview_timeout: Duration,
-    /// TokenReview budget, in-flight cap and negative cache.
-    pub review_limits: ReviewLimits,
-    /// Token verification mode and issuer key refresh.
-    pub token_verification: TokenVerification,
-    /// `MESHCA_POD_INDEX_SYNC_WAIT`.
-    pub pod_index_sync_wait: Duration,
 }
 
 /// Parsed, typed configuration of the server.
@@ -1283,6 +245,33 @@ impl Config {
         let mut v = vec![self.trust_domain.clone()];
         v.extend(self.trust_domain_aliases.iter().cloned());
         v
+    }
+
+    /// What each cluster entry (local and remote) is built from.
+    pub fn cluster_settings(&self) -> crate::cluster::args::ClusterSettings {
+        crate::cluster::args::ClusterSettings {
+            kube: self.kube.clone(),
+            trusted_node_accounts: self.trusted_node_accounts.clone(),
+            trust_domain: self.trust_domain.clone(),
+            trust_domains: self.trust_domains(),
+            token_audiences: self.token_audiences.clone(),
+            mtls_impersonation: self.mtls_impersonation,
+            max_index_staleness: self.kill_switch.renewal.max_index_staleness,
+            renewal_pod_check: self.kill_switch.renewal_pod_check,
+        }
+    }
+
+    /// What the issuer's guards (the kill switch) are built from.
+    pub fn guard_settings(&self) -> crate::guards::GuardSettings {
+        crate::guards::GuardSettings {
+            kill_switch: self.kill_switch.clone(),
+            pod_index_sync_wait: self
+                .kube
+                .as_ref()
+                .map_or(Duration::ZERO, |k| k.pod_index_sync_wait),
+            trust_domains: self.trust_domain_set(),
+            cluster_id: self.cluster_id.clone(),
+        }
     }
 
     /// The mesh trust domain and its aliases, for matching identities.
@@ -1371,7 +360,7 @@ impl Config {
                     MAX_PERIOD,
                 )?,
                 tokenreview_timeout,
-                review_limits: review_limits(a)?,
+                review_limits: a.token_review.parse()?,
                 pod_index_sync_wait: bounded_duration(
                     "MESHCA_POD_INDEX_SYNC_WAIT",
                     &a.pod_index_sync_wait,
@@ -1382,112 +371,7 @@ impl Config {
         } else {
             None
         };
-        let checkpoint_interval = duration(
-            "MESHCA_AUDIT_CHECKPOINT_INTERVAL",
-            &a.audit_checkpoint_interval,
-        )?;
-        // Rotation renames every kept file in a loop: keep the count sane.
-        bounded("MESHCA_AUDIT_MAX_FILES", a.audit_max_files, 1, 10_000)?;
-        if a.audit_checkpoint_every == 0 {
-            return Err(err(
-                "MESHCA_AUDIT_CHECKPOINT_EVERY",
-                &a.audit_checkpoint_every.to_string(),
-                "checkpoints must be periodic (every > 0, interval > 0)",
-            ));
-        }
-        {
-            use crate::audit::chain::{MAX_MAX_LINE_BYTES, MIN_MAX_LINE_BYTES};
-            if !(MIN_MAX_LINE_BYTES..=MAX_MAX_LINE_BYTES).contains(&a.audit_max_line_bytes) {
-                return Err(err(
-                    "MESHCA_AUDIT_MAX_LINE_BYTES",
-                    &a.audit_max_line_bytes.to_string(),
-                    format!("must be between {MIN_MAX_LINE_BYTES} and {MAX_MAX_LINE_BYTES}"),
-                ));
-            }
-        }
-        // Every issued certificate may wait this long: at most a second.
-        let batch_interval = bounded_duration(
-            "MESHCA_AUDIT_FSYNC_BATCH_INTERVAL",
-            &a.audit_fsync_batch_interval,
-            true,
-            Duration::from_secs(1),
-        )?;
-        bounded("MESHCA_AUDIT_QUEUE", a.audit_queue, 1, 1 << 20)?;
-        let handshake_interval = duration_between(
-            "MESHCA_AUDIT_HANDSHAKE_INTERVAL",
-            &a.audit_handshake_interval,
-            Duration::from_secs(1),
-            Duration::from_secs(3600),
-        )?;
-        bounded(
-            "MESHCA_AUDIT_HANDSHAKE_MAX_SOURCES",
-            a.audit_handshake_max_sources,
-            1,
-            1 << 20,
-        )?;
-        let aggregate_interval = duration_between(
-            "MESHCA_AUDIT_AGGREGATE_INTERVAL",
-            &a.audit_aggregate_interval,
-            Duration::from_millis(100),
-            Duration::from_secs(3600),
-        )?;
-        bounded(
-            "MESHCA_AUDIT_AGGREGATE_MAX_KEYS",
-            a.audit_aggregate_max_keys,
-            1,
-            1 << 20,
-        )?;
-        if a.audit_sink == AuditSinkKind::Null && !a.audit_null_for_benchmarks {
-            return Err(err(
-                "MESHCA_AUDIT_SINK",
-                "null",
-                "drops every audit record; it is for measuring the audit log's cost and needs --audit-null-for-benchmarks",
-            ));
-        }
-        let mut audit = AuditSettings {
-            sink: a.audit_sink,
-            file: a.audit_file.clone(),
-            max_bytes: a.audit_max_bytes,
-            max_files: a.audit_max_files,
-            max_line_bytes: a.audit_max_line_bytes,
-            checkpoint_key: a.audit_checkpoint_key.clone(),
-            checkpoint_every: a.audit_checkpoint_every,
-            checkpoint_interval,
-            handshakes: crate::config::HandshakeAudit {
-                interval: handshake_interval,
-                max_sources: a.audit_handshake_max_sources,
-            },
-            writer: crate::audit::writer::WriterSettings {
-                queue: a.audit_queue,
-                fsync: a.audit_fsync,
-                batch_interval,
-                checkpoint_interval,
-                aggregate_interval,
-            },
-            aggregate_max_keys: a.audit_aggregate_max_keys,
-            anchor: None,
-        };
-        if a.audit_anchor {
-            crate::audit::anchor::check_set_name(&a.audit_anchor_configmap).map_err(|e| {
-                err(
-                    "MESHCA_AUDIT_ANCHOR_CONFIGMAP",
-                    &a.audit_anchor_configmap,
-                    e.to_string(),
-                )
-            })?;
-            // Each anchor is an object kept for the retention period.
-            let interval = duration_between(
-                "MESHCA_AUDIT_ANCHOR_INTERVAL",
-                &a.audit_anchor_interval,
-                Duration::from_secs(1),
-                Duration::from_secs(24 * 3600),
-            )?;
-            audit.anchor = Some(AnchorTarget {
-                namespace: a.audit_anchor_namespace.clone(),
-                set: a.audit_anchor_configmap.clone(),
-                interval,
-            });
-        }
+        let audit = a.audit.parse()?;
         if audit.anchor.is_some() && kube.is_none() {
             return Err(err(
                 "MESHCA_AUDIT_ANCHOR",
@@ -1512,7 +396,9 @@ impl Config {
         };
         let (transport, input, admin) = a.limits.parse()?;
         let admission = a.admission.parse()?;
-        let kill_switch = a.kill_switch.parse(a, &ttl, kube.is_some())?;
+        let kill_switch = a
+            .kill_switch
+            .parse(ttl.default, kube.is_some(), |name| a.publisher(name))?;
         let multicluster = a.multicluster.parse(kube.is_some())?;
         let rotation = a.rotation.parse(duration)?;
         let custody = a.custody.parse()?;
@@ -1520,8 +406,12 @@ impl Config {
         // generation names its key (a key file, or `ca-key.uri` in a token,
         // ca::custody::choose_key) and every phase re-mints the issuing CA
         // (rotation::Install).
-        let mut pod_certificates = a.pod_certificates.parse(a, kube.is_some())?;
-        let cluster_trust_bundle = a.cluster_trust_bundle.parse(a, kube.is_some())?;
+        let mut pod_certificates = a
+            .pod_certificates
+            .parse(kube.is_some(), || a.publish_resync())?;
+        let cluster_trust_bundle = a
+            .cluster_trust_bundle
+            .parse(kube.is_some(), || a.publish_resync())?;
         // One writer per bundle: the standalone publisher (fed every root of
         // a rotation) takes over a bundle the signer would also write.
         if let Some(pc) = pod_certificates.as_mut() {
@@ -1563,90 +453,11 @@ impl Config {
     }
 }
 
-fn review_limits(a: &ServeArgs) -> Result<ReviewLimits, ConfigError> {
-    let positive = |name, v: u32| {
-        if v == 0 {
-            Err(err(name, "0", "must be positive"))
-        } else {
-            Ok(v)
-        }
-    };
-    // Bounded like every other duration: `Instant + d` must not overflow.
-    let duration = |name, v: &str| bounded_duration(name, v, true, MAX_PERIOD);
-    if a.token_negative_cache_size == 0 {
-        return Err(err(
-            "MESHCA_TOKEN_NEGATIVE_CACHE_SIZE",
-            "0",
-            "must be positive (MESHCA_TOKEN_NEGATIVE_CACHE_TTL=0s disables the cache)",
-        ));
-    }
-    Ok(ReviewLimits {
-        qps: positive("MESHCA_TOKENREVIEW_QPS", a.tokenreview_qps)?,
-        burst: positive("MESHCA_TOKENREVIEW_BURST", a.tokenreview_burst)?,
-        max_inflight: positive(
-            "MESHCA_TOKENREVIEW_MAX_INFLIGHT",
-            a.tokenreview_max_inflight,
-        )?,
-        max_wait: duration("MESHCA_TOKENREVIEW_MAX_WAIT", &a.tokenreview_max_wait)?,
-        negative_ttl: duration(
-            "MESHCA_TOKEN_NEGATIVE_CACHE_TTL",
-            &a.token_negative_cache_ttl,
-        )?,
-        negative_max_entries: a.token_negative_cache_size,
-    })
-}
-
-fn list(s: &str) -> impl Iterator<Item = &str> {
-    s.split(',').map(str::trim).filter(|s| !s.is_empty())
-}
-
-/// The trust domains of the offline tools (`meshca revoke`, `meshca audit
-/// query`), from the same flags and environment as `serve`.
-#[derive(Debug, Clone, clap::Args)]
-pub struct TrustDomainArgs {
-    /// Mesh trust domain.
-    #[arg(long, env = "TRUST_DOMAIN", default_value = "cluster.local")]
-    pub trust_domain: String,
-    /// Trust domains that name the same workloads as the mesh one (comma-separated).
-    #[arg(long, env = "TRUST_DOMAIN_ALIASES", default_value = "")]
-    pub trust_domain_aliases: String,
-}
-
-impl TrustDomainArgs {
-    pub fn parse(&self) -> Result<crate::identity::TrustDomains, ConfigError> {
-        let mesh = TrustDomain::new(&self.trust_domain)
-            .map_err(|e| err("TRUST_DOMAIN", &self.trust_domain, e.to_string()))?;
-        let aliases = list(&self.trust_domain_aliases)
-            .map(|s| TrustDomain::new(s).map_err(|e| err("TRUST_DOMAIN_ALIASES", s, e.to_string())))
-            .collect::<Result<_, _>>()?;
-        Ok(crate::identity::TrustDomains::new(mesh, aliases))
-    }
-}
-
-/// Parses `CA_TRUSTED_NODE_ACCOUNTS`. istiod skips malformed entries with a
-/// warning; meshca refuses to start, since a typo would silently disable
-/// (or mis-target) impersonation.
-pub fn parse_service_accounts(s: &str) -> Result<Vec<ServiceAccountRef>, ConfigError> {
-    list(s)
-        .map(|entry| match entry.split_once('/') {
-            Some((ns, sa)) if !ns.is_empty() && !sa.is_empty() && !sa.contains('/') => {
-                Ok(ServiceAccountRef {
-                    namespace: ns.to_string(),
-                    name: sa.to_string(),
-                })
-            }
-            _ => Err(err(
-                "CA_TRUSTED_NODE_ACCOUNTS",
-                entry,
-                "expected <namespace>/<serviceaccount>",
-            )),
-        })
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::authn::local::TokenVerificationMode;
+    use crate::authn::token::ReviewLimits;
     use clap::Parser;
     use test_case::test_case;
 

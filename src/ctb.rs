@@ -13,7 +13,7 @@
 //!
 //! A signer-linked bundle needs RBAC `attest` on `signers/<signer name>`
 //! beside the ClusterTrustBundle verbs, and its name must start with the
-//! signer name with '/' as ':' followed by ':' ([`crate::podcert::trust_bundle_name`]).
+//! signer name with '/' as ':' followed by ':' ([`trust_bundle_name`]).
 
 use std::time::Duration;
 
@@ -24,6 +24,8 @@ use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::CertificateDer;
 use tokio::sync::watch;
 use x509_parser::prelude::{FromDer, X509Certificate};
+
+use crate::flags::{err, ConfigError};
 
 /// The API's cap on `spec.trustBundle`.
 pub const MAX_TRUST_BUNDLE_BYTES: usize = 1024 * 1024;
@@ -100,7 +102,7 @@ pub fn trust_bundle(roots: &[String]) -> Result<String, CtbError> {
         if !ca {
             return Err(CtbError::NotCa(i));
         }
-        out.push_str(&crate::audit::pem_encode("CERTIFICATE", der));
+        out.push_str(&crate::primitives::pem_encode("CERTIFICATE", der));
     }
     if out.len() > MAX_TRUST_BUNDLE_BYTES {
         return Err(CtbError::TooLarge(out.len()));
@@ -305,6 +307,122 @@ pub async fn run(client: Client, settings: CtbSettings, mut roots: watch::Receiv
     }
 }
 
+/// Flags of the standalone ClusterTrustBundle publisher (`ctb`): the mesh
+/// roots, old and new during a rotation, next to the root ConfigMap.
+#[derive(Debug, Clone, clap::Args)]
+pub struct CtbArgs {
+    /// Publish the root bundle (every root, old and new during a rotation)
+    /// as a signer-linked ClusterTrustBundle (certificates.k8s.io/v1).
+    #[arg(long, env = "MESHCA_PUBLISH_CLUSTER_TRUST_BUNDLE", default_value_t = false, action = clap::ArgAction::Set)]
+    pub publish_cluster_trust_bundle: bool,
+    /// Signer name the bundle is linked to (Istio's by default, so Istio's
+    /// injection templates that mount it by signer or name find it).
+    #[arg(
+        long,
+        env = "MESHCA_CLUSTER_TRUST_BUNDLE_SIGNER",
+        default_value = ISTIO_SIGNER
+    )]
+    pub cluster_trust_bundle_signer: String,
+    /// Bundle name; empty: `<signer with / as :>:root-cert`
+    /// (`istio.io:istiod-ca:root-cert` for Istio's signer).
+    #[arg(long, env = "MESHCA_CLUSTER_TRUST_BUNDLE_NAME", default_value = "")]
+    pub cluster_trust_bundle_name: String,
+}
+
+impl CtbArgs {
+    pub fn parse(
+        &self,
+        kube_on: bool,
+        publish_resync: impl FnOnce() -> Result<Duration, ConfigError>,
+    ) -> Result<Option<CtbSettings>, ConfigError> {
+        if !self.publish_cluster_trust_bundle {
+            return Ok(None);
+        }
+        if !kube_on {
+            return Err(err(
+                "MESHCA_PUBLISH_CLUSTER_TRUST_BUNDLE",
+                "true",
+                "needs Kubernetes (a kubeconfig or in-cluster config)",
+            ));
+        }
+        let signer = self.cluster_trust_bundle_signer.trim();
+        let signer_name = parse_signer_name(signer)
+            .map_err(|e| err("MESHCA_CLUSTER_TRUST_BUNDLE_SIGNER", signer, e.detail))?;
+        let name = match self.cluster_trust_bundle_name.trim() {
+            "" => trust_bundle_name(&signer_name),
+            n => n.to_string(),
+        };
+        check_name(&name, &signer_name)
+            .map_err(|e| err("MESHCA_CLUSTER_TRUST_BUNDLE_NAME", &name, e))?;
+        Ok(Some(CtbSettings {
+            name,
+            signer_name,
+            // The same full re-check period as the root ConfigMap publisher.
+            resync: publish_resync()?,
+        }))
+    }
+}
+
+/// Suffix of the signer-linked ClusterTrustBundle name.
+pub const TRUST_BUNDLE_SUFFIX: &str = "root-cert";
+
+/// Why a signer name is refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("signer name {name:?}: {detail}")]
+pub struct SignerNameError {
+    pub name: String,
+    pub detail: &'static str,
+}
+
+/// Checks a signer name the way the API does for custom signers
+/// (`<domain>/<path>`), and refuses the reserved `kubernetes.io` domain.
+pub fn parse_signer_name(s: &str) -> Result<String, SignerNameError> {
+    let e = |detail| SignerNameError {
+        name: s.to_string(),
+        detail,
+    };
+    let (domain, path) = s
+        .split_once('/')
+        .ok_or_else(|| e("must be <domain>/<path>"))?;
+    if domain.is_empty() || domain.len() > 253 || path.is_empty() || s.len() > 571 {
+        return Err(e(
+            "domain and path must be non-empty (domain at most 253 bytes)",
+        ));
+    }
+    let label_ok = |l: &str| {
+        !l.is_empty()
+            && l.len() <= 63
+            && l.bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+            && !l.starts_with('-')
+            && !l.ends_with('-')
+    };
+    if !domain.split('.').all(label_ok) || !domain.contains('.') {
+        return Err(e("domain must be a fully qualified DNS name"));
+    }
+    if domain == "kubernetes.io" || domain.ends_with(".kubernetes.io") || domain == "k8s.io" {
+        return Err(e("the kubernetes.io and k8s.io domains are reserved"));
+    }
+    if !path
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'/'))
+        || path
+            .split('/')
+            .any(|seg| seg.is_empty() || seg == "." || seg == "..")
+    {
+        return Err(e(
+            "path segments may hold letters, digits, '-', '_' and '.'",
+        ));
+    }
+    Ok(s.to_string())
+}
+
+/// The ClusterTrustBundle name for a signer: the API requires the signer
+/// name with '/' as ':' and a ':' before the rest.
+pub fn trust_bundle_name(signer_name: &str) -> String {
+    format!("{}:{TRUST_BUNDLE_SUFFIX}", signer_name.replace('/', ":"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -352,7 +470,7 @@ mod tests {
 
     #[test]
     fn istio_layout_and_name_checks() {
-        let istio = crate::podcert::trust_bundle_name(ISTIO_SIGNER);
+        let istio = trust_bundle_name(ISTIO_SIGNER);
         assert_eq!(istio, "istio.io:istiod-ca:root-cert");
         let table: &[(&str, &str, bool)] = &[
             ("istio.io:istiod-ca:root-cert", ISTIO_SIGNER, true),

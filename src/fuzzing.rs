@@ -19,16 +19,18 @@ use std::sync::OnceLock;
 use prost::Message;
 use time::OffsetDateTime;
 
-use crate::audit::chain::{CheckpointKey, VerifyKey};
-use crate::audit::verify::{query, table, verify_lines, Query};
+use crate::audit::keys::{CheckpointKey, VerifyKey};
+use crate::audit::query::{query, table, Query};
+use crate::audit::verify::verify_lines;
 use crate::authn::token::{
     cache_action, interpret_review, precheck, token_expiry_unverified, CacheAction,
 };
 use crate::ca::bundle::BundleFiles;
 use crate::ca::csr::{check_policy, parse_and_verify, CsrPolicy, KeyKind, San};
-use crate::ca::generate::{self, pem_encode, InitOptions};
+use crate::ca::generate::{self, InitOptions};
 use crate::ca::{CaBundle, Validity};
 use crate::identity::{SpiffeId, TrustDomain};
+use crate::primitives::pem_encode;
 use crate::proto::IstioCertificateRequest;
 
 /// What a harness made of an input: accepted, or refused with a reason code.

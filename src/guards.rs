@@ -1,21 +1,176 @@
-//! Wiring of the kill switch (issue 16): bounded renewal, the denylist and
-//! its reloaders, the revocation follower and the CRL publisher. Kept out of
-//! app.rs so the server's wiring only calls [`start`].
+//! Wiring of the kill switch, so that no identity outlives its pod: bounded
+//! renewal, the denylist and its reloaders, the revocation follower and the
+//! CRL publisher. Kept out of app.rs so the server's wiring only calls
+//! [`start`].
 
 use std::sync::Arc;
+
+use std::path::PathBuf;
+use std::time::Duration;
 
 use anyhow::Context;
 use tokio::task::JoinHandle;
 
 use crate::audit::AuditSink;
 use crate::ca::CaStore;
-use crate::config::Config;
 use crate::denylist::{LiveDenylist, Source};
+use crate::flags::{bounded_duration, configmap_flag, err, ConfigError, MAX_PERIOD, MAX_TTL_LIMIT};
+use crate::identity::TrustDomains;
 use crate::issue::IssueGuards;
 use crate::metrics::Metrics;
 use crate::podindex::PodIndex;
 use crate::renewal::RenewalGuard;
 use crate::revocation::LiveRevocations;
+
+/// Bounded mTLS renewal, the denylist and revocation.
+#[derive(Debug, Clone, clap::Args)]
+pub struct KillSwitchArgs {
+    /// With Kubernetes on, run the pod index and let an mTLS caller renew its
+    /// own identity only while a live pod runs as that service account.
+    #[arg(long, env = "MESHCA_MTLS_RENEWAL_POD_CHECK", default_value_t = true, action = clap::ArgAction::Set)]
+    pub mtls_renewal_pod_check: bool,
+    /// Longest leaf issued to an mTLS caller (renewals); default: DEFAULT_WORKLOAD_CERT_TTL.
+    #[arg(long, env = "MESHCA_MTLS_RENEWAL_MAX_TTL")]
+    pub mtls_renewal_max_ttl: Option<String>,
+    /// Pod watch disconnected longer than this: mTLS renewals and source-IP
+    /// impersonation are refused (retryable).
+    #[arg(long, env = "MESHCA_POD_INDEX_MAX_STALENESS", default_value = "60s")]
+    pub pod_index_max_staleness: String,
+    /// Denylist file (one `<kind> <value>` per line), re-read every MESHCA_DENYLIST_POLL.
+    #[arg(long, env = "MESHCA_DENYLIST_FILE")]
+    pub denylist_file: Option<PathBuf>,
+    #[arg(long, env = "MESHCA_DENYLIST_POLL", default_value = "2s")]
+    pub denylist_poll: String,
+    /// Denylist ConfigMap `namespace/name` (key `denylist`), watched when Kubernetes is on.
+    #[arg(long, env = "MESHCA_DENYLIST_CONFIGMAP")]
+    pub denylist_configmap: Option<String>,
+    /// Revoked serials (JSON lines, appended by `meshca revoke`); enables the
+    /// CRL. Per process: for `serve --dev` and runs without a cluster.
+    #[arg(long, env = "MESHCA_REVOCATION_FILE")]
+    pub revocation_file: Option<PathBuf>,
+    /// Revocations shared by every replica: ConfigMap `namespace/name` (key
+    /// `revocations`), read every MESHCA_REVOCATION_POLL; enables the CRL.
+    #[arg(long, env = "MESHCA_REVOCATION_CONFIGMAP")]
+    pub revocation_configmap: Option<String>,
+    #[arg(long, env = "MESHCA_REVOCATION_POLL", default_value = "2s")]
+    pub revocation_poll: String,
+    /// CRL validity (nextUpdate - thisUpdate); re-signed at half.
+    #[arg(long, env = "MESHCA_CRL_VALIDITY", default_value = "24h")]
+    pub crl_validity: String,
+    /// Publish the CRL as the `istio-ca-crl` ConfigMap (key `ca-crl.pem`) in
+    /// the namespaces MESHCA_PUBLISH_ROOT_NAMESPACE_SELECTOR selects.
+    #[arg(long, env = "MESHCA_PUBLISH_CRL", default_value_t = false, action = clap::ArgAction::Set)]
+    pub publish_crl: bool,
+}
+
+/// Parsed [`KillSwitchArgs`].
+#[derive(Debug, Clone, Default)]
+pub struct KillSwitchSettings {
+    /// Run the pod index for renewals (with Kubernetes on).
+    pub renewal_pod_check: bool,
+    pub renewal: crate::renewal::RenewalPolicy,
+    pub denylist: crate::denylist::DenylistSettings,
+    pub revocation: Option<crate::revocation::RevocationSettings>,
+}
+
+impl KillSwitchArgs {
+    /// The kill switch settings; `publisher` gives where the CRL ConfigMaps
+    /// go (the root publisher's namespaces and resync).
+    pub fn parse(
+        &self,
+        default_ttl: Duration,
+        kube_on: bool,
+        publisher: impl FnOnce(String) -> Result<crate::rootpub::RootPublisherSettings, ConfigError>,
+    ) -> Result<KillSwitchSettings, ConfigError> {
+        let max_ttl = match &self.mtls_renewal_max_ttl {
+            Some(v) => bounded_duration("MESHCA_MTLS_RENEWAL_MAX_TTL", v, false, MAX_TTL_LIMIT)?,
+            None => default_ttl,
+        };
+        let renewal = crate::renewal::RenewalPolicy {
+            max_ttl,
+            max_index_staleness: bounded_duration(
+                "MESHCA_POD_INDEX_MAX_STALENESS",
+                &self.pod_index_max_staleness,
+                false,
+                MAX_PERIOD,
+            )?,
+        };
+        let configmap = configmap_flag(
+            "MESHCA_DENYLIST_CONFIGMAP",
+            self.denylist_configmap.as_deref(),
+            kube_on,
+        )?;
+        let denylist = crate::denylist::DenylistSettings {
+            file: self.denylist_file.clone(),
+            poll: bounded_duration(
+                "MESHCA_DENYLIST_POLL",
+                &self.denylist_poll,
+                false,
+                MAX_PERIOD,
+            )?,
+            configmap,
+        };
+        let revocation_configmap = configmap_flag(
+            "MESHCA_REVOCATION_CONFIGMAP",
+            self.revocation_configmap.as_deref(),
+            kube_on,
+        )?;
+        let revocation_on = self.revocation_file.is_some() || revocation_configmap.is_some();
+        let publish = if self.publish_crl {
+            if !kube_on {
+                return Err(err("MESHCA_PUBLISH_CRL", "true", "needs Kubernetes"));
+            }
+            if !revocation_on {
+                return Err(err(
+                    "MESHCA_PUBLISH_CRL",
+                    "true",
+                    "needs MESHCA_REVOCATION_CONFIGMAP or MESHCA_REVOCATION_FILE",
+                ));
+            }
+            Some(publisher(crate::revocation::CRL_CONFIGMAP.into())?)
+        } else {
+            None
+        };
+        let revocation = match revocation_on {
+            false => None,
+            true => Some(crate::revocation::RevocationSettings {
+                file: self.revocation_file.clone(),
+                configmap: revocation_configmap,
+                poll: bounded_duration(
+                    "MESHCA_REVOCATION_POLL",
+                    &self.revocation_poll,
+                    false,
+                    MAX_PERIOD,
+                )?,
+                crl_validity: bounded_duration(
+                    "MESHCA_CRL_VALIDITY",
+                    &self.crl_validity,
+                    false,
+                    Duration::from_secs(30 * 24 * 3600),
+                )?,
+                publish,
+            }),
+        };
+        Ok(KillSwitchSettings {
+            renewal_pod_check: self.mtls_renewal_pod_check,
+            renewal,
+            denylist,
+            revocation,
+        })
+    }
+}
+
+/// What the guards are built from.
+#[derive(Debug, Clone)]
+pub struct GuardSettings {
+    pub kill_switch: KillSwitchSettings,
+    /// How long a renewal waits for the pod index's first list.
+    pub pod_index_sync_wait: Duration,
+    /// The denylist matches identities of these trust domains.
+    pub trust_domains: TrustDomains,
+    /// The local cluster, when no registry routes to clusters.
+    pub cluster_id: String,
+}
 
 /// The guards for the issuer and the tasks that keep them current.
 pub struct Started {
@@ -27,7 +182,7 @@ pub struct Started {
 /// A denylist file that exists but does not load stops startup: a server
 /// must not come up without the kill switch it was told to enforce.
 pub fn start(
-    cfg: &Config,
+    from: &GuardSettings,
     client: Option<kube::Client>,
     ca: Arc<CaStore>,
     pod_index: Option<Arc<PodIndex>>,
@@ -35,7 +190,7 @@ pub fn start(
     audit: Arc<dyn AuditSink>,
     metrics: Arc<Metrics>,
 ) -> anyhow::Result<Started> {
-    let ks = &cfg.kill_switch;
+    let ks = &from.kill_switch;
     let mut tasks = Vec::new();
     let renewal = Some(Arc::new(RenewalGuard {
         policy: ks.renewal,
@@ -45,14 +200,11 @@ pub fn start(
             .clone()
             .filter(|_| ks.renewal_pod_check)
             .map(|r| r as Arc<dyn crate::renewal::LivePods>),
-        sync_wait: cfg
-            .kube
-            .as_ref()
-            .map_or(std::time::Duration::ZERO, |k| k.pod_index_sync_wait),
+        sync_wait: from.pod_index_sync_wait,
     }));
 
     let denylist = if ks.denylist.enabled() {
-        let live = Arc::new(LiveDenylist::with_trust_domains(cfg.trust_domain_set()));
+        let live = Arc::new(LiveDenylist::with_trust_domains(from.trust_domains.clone()));
         if let Some(path) = &ks.denylist.file {
             // A file that does not exist yet is an empty list (the chart's state
             // volume starts empty; `meshca revoke --deny-file` creates it). One
@@ -141,7 +293,7 @@ pub fn start(
             revocations,
             clusters: Some(match registry {
                 Some(r) => r as Arc<dyn crate::cluster::ClusterDirectory>,
-                None => Arc::new(crate::cluster::LocalCluster(cfg.cluster_id.clone())),
+                None => Arc::new(crate::cluster::LocalCluster(from.cluster_id.clone())),
             }),
         },
         tasks,

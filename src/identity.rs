@@ -3,6 +3,8 @@
 use std::fmt;
 use std::str::FromStr;
 
+use crate::flags::{err, list, ConfigError};
+
 /// Why a string is not a workload SPIFFE id.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum IdentityError {
@@ -177,6 +179,29 @@ impl TrustDomains {
             Ok(id) => self.canonical(&id).to_string(),
             Err(_) => s.to_string(),
         }
+    }
+}
+
+/// The trust domains of the offline tools (`meshca revoke`, `meshca audit
+/// query`), from the same flags and environment as `serve`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct TrustDomainArgs {
+    /// Mesh trust domain.
+    #[arg(long, env = "TRUST_DOMAIN", default_value = "cluster.local")]
+    pub trust_domain: String,
+    /// Trust domains that name the same workloads as the mesh one (comma-separated).
+    #[arg(long, env = "TRUST_DOMAIN_ALIASES", default_value = "")]
+    pub trust_domain_aliases: String,
+}
+
+impl TrustDomainArgs {
+    pub fn parse(&self) -> Result<TrustDomains, ConfigError> {
+        let mesh = TrustDomain::new(&self.trust_domain)
+            .map_err(|e| err("TRUST_DOMAIN", &self.trust_domain, e.to_string()))?;
+        let aliases = list(&self.trust_domain_aliases)
+            .map(|s| TrustDomain::new(s).map_err(|e| err("TRUST_DOMAIN_ALIASES", s, e.to_string())))
+            .collect::<Result<_, _>>()?;
+        Ok(TrustDomains::new(mesh, aliases))
     }
 }
 

@@ -137,7 +137,8 @@ pub struct CertificateIssuer {
     pub metrics: Option<Arc<Metrics>>,
     /// Admission in front of signing; `None` admits everything at once.
     pub admission: Option<Arc<Admission>>,
-    /// Bounded renewal, denylist and revocation checks (issue 16).
+    /// Bounded renewal, denylist and revocation checks: the kill switch
+    /// for a stolen node or leaked key.
     pub guards: IssueGuards,
 }
 
@@ -631,7 +632,7 @@ impl SignJob {
         )?;
         Ok(Signed {
             choice,
-            spki_sha256: hex::encode(csr::sha256(&csr.spki_der)),
+            spki_sha256: hex::encode(crate::primitives::sha256(&csr.spki_der)),
             not_before: leaf.not_before,
             not_after: leaf.not_after,
             chain: self.bundle.response_chain(&leaf.pem),
@@ -790,7 +791,7 @@ mod tests {
                 .unwrap()
                 .serial_hex;
         assert_eq!(r.presented_serial.as_deref(), Some(presented.as_str()));
-        let q = |id: &str| crate::audit::verify::Query {
+        let q = |id: &str| crate::audit::query::Query {
             identity: Some(id.into()),
             ..Default::default()
         };

@@ -11,7 +11,7 @@ use meshca::app::{self, App, Deps};
 use meshca::ca::generate::{self, InitOptions, KeyType};
 use meshca::ca::ttl::parse_go_duration;
 use meshca::config::{Config, ServeArgs};
-use meshca::identity::TrustDomain;
+use meshca::identity::{SpiffeId, TrustDomain};
 
 #[derive(Parser)]
 #[command(
@@ -31,9 +31,6 @@ struct Cli {
 enum Command {
     /// Serve IstioCertificateService over TLS.
     Serve(Box<ServeArgs>),
-    /// Load a running CA (meshca or istiod) with CreateCertificate requests and
-    /// measure this machine's crypto ceiling.
-    Bench(Box<meshca::bench::BenchArgs>),
     /// Generate a root and an intermediate in Istio's cacerts layout.
     Init {
         /// Output directory.
@@ -137,7 +134,7 @@ struct RevokeArgs {
     audit_files: Vec<PathBuf>,
     /// `--identity` matches the identity under the mesh trust domain and every alias.
     #[command(flatten)]
-    trust_domains: meshca::config::TrustDomainArgs,
+    trust_domains: meshca::identity::TrustDomainArgs,
 }
 
 /// The cluster and the anchor set the audit commands read anchors from.
@@ -221,7 +218,7 @@ enum AuditCommand {
         files: Vec<PathBuf>,
         /// `--identity` matches the identity under the mesh trust domain and every alias.
         #[command(flatten)]
-        trust_domains: meshca::config::TrustDomainArgs,
+        trust_domains: meshca::identity::TrustDomainArgs,
     },
     /// Remove anchors older than the retention (an administrator's step:
     /// needs list and delete on ConfigMaps, which meshca itself lacks).
@@ -294,7 +291,7 @@ fn init_tracing(format: &str) {
 
 /// mimalloc rather than glibc malloc: under load glibc's malloc/free (with
 /// its consolidation) was about a tenth of the server's CPU samples
-/// (docs/BENCHMARKS.md, issue 20).
+/// (docs/BENCHMARKS.md).
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
@@ -304,7 +301,6 @@ async fn main() -> anyhow::Result<()> {
     init_tracing(&cli.log_format);
     match cli.command {
         Command::Serve(args) => serve(*args).await,
-        Command::Bench(args) => meshca::bench::run(*args).await,
         Command::Audit(cmd) => audit(cmd),
         Command::Certs(args) => certs(args).await,
         Command::Request(args) => meshca::certs::request(&args).await,
@@ -427,22 +423,29 @@ fn rotate(cmd: RotateCommand) -> anyhow::Result<()> {
 }
 
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
-    let ca_dir = if args.dev {
-        let data_dir = args.data_dir.clone().unwrap_or_else(app::default_data_dir);
-        let td = TrustDomain::new(&args.trust_domain)?;
-        let ca_dir = app::prepare_dev(&data_dir, &td)?;
-        eprintln!(
-            "meshca dev mode: CA in {}, client identity in {}",
-            ca_dir.display(),
-            data_dir.join("dev-client").display()
-        );
-        ca_dir
-    } else {
-        args.ca_dir.clone()
+    let dev_data_dir = args
+        .dev
+        .then(|| args.data_dir.clone().unwrap_or_else(app::default_data_dir));
+    let ca_dir = match &dev_data_dir {
+        Some(data_dir) => {
+            let td = TrustDomain::new(&args.trust_domain)?;
+            let ca_dir = app::prepare_dev(data_dir, &td)?;
+            eprintln!(
+                "meshca dev mode: CA in {}, client identity in {}",
+                ca_dir.display(),
+                data_dir.join("dev-client").display()
+            );
+            ca_dir
+        }
+        None => args.ca_dir.clone(),
     };
     let in_cluster = std::env::var_os("KUBERNETES_SERVICE_HOST").is_some();
     let config = Config::from_args(&args, ca_dir, in_cluster)?;
     let app = App::start(&config, Deps::default()).await?;
+    if let Some(data_dir) = &dev_data_dir {
+        let id = SpiffeId::new(config.trust_domain.clone(), "default", "default")?;
+        app.write_dev_client(&data_dir.join("dev-client"), &id)?;
+    }
     // stdout carries only the audit stream.
     eprintln!(
         "listening on {} (gRPC), {} (health)",
@@ -509,8 +512,8 @@ impl AnchorSet {
 }
 
 fn audit(cmd: AuditCommand) -> anyhow::Result<()> {
-    use meshca::audit::chain::{CheckpointKey, VerifyKey};
-    use meshca::audit::verify;
+    use meshca::audit::keys::{CheckpointKey, VerifyKey};
+    use meshca::audit::{query, verify};
     match cmd {
         AuditCommand::Verify {
             key,
@@ -541,7 +544,7 @@ fn audit(cmd: AuditCommand) -> anyhow::Result<()> {
                             s.lines()
                                 .filter(|l| !l.is_empty())
                                 .enumerate()
-                                .map(|(i, l)| verify::Anchor {
+                                .map(|(i, l)| verify::anchors::Anchor {
                                     source: format!("{}:{}", p.display(), i + 1),
                                     line: l.to_string(),
                                     created: None,
@@ -551,7 +554,7 @@ fn audit(cmd: AuditCommand) -> anyhow::Result<()> {
                         .with_context(|| format!("--anchor {}", p.display()))
                 })
                 .collect::<anyhow::Result<Vec<Vec<_>>>>()?;
-            let mut anchors: Vec<verify::Anchor> = anchors.into_iter().flatten().collect();
+            let mut anchors: Vec<verify::anchors::Anchor> = anchors.into_iter().flatten().collect();
             if from_kube {
                 let fetched = set.with_client(async |client| {
                     Ok(meshca::audit::anchor::fetch(
@@ -583,7 +586,7 @@ fn audit(cmd: AuditCommand) -> anyhow::Result<()> {
                 allow_new_chain,
                 partial: !partial.is_empty(),
             };
-            let anchor_opts = verify::AnchorOptions {
+            let anchor_opts = verify::anchors::AnchorOptions {
                 keys: &keys,
                 history: from_kube,
                 partial: !partial.is_empty(),
@@ -591,100 +594,22 @@ fn audit(cmd: AuditCommand) -> anyhow::Result<()> {
                 allow_new_chain,
             };
             let checked = verify::verify_lines_with(&lines, &opts).and_then(|r| {
-                verify::check_anchors(&lines, &r, &anchors, &anchor_opts).map(|a| (r, a))
+                verify::anchors::check_anchors(&lines, &r, &anchors, &anchor_opts).map(|a| (r, a))
             });
             match checked {
                 Ok((r, a)) => {
-                    println!(
-                        "OK: {} records, {} checkpoints ({} signature-verified), {} chain start(s), seq {}..{}",
-                        r.records,
-                        r.checkpoints,
-                        r.signed_checkpoints,
-                        r.chain_starts,
-                        r.first_seq.unwrap_or(0),
-                        r.last_seq.unwrap_or(0)
+                    print!(
+                        "{}",
+                        verify::summary::Summary {
+                            log: &r,
+                            anchors: &a,
+                            anchored: !anchors.is_empty() || from_kube,
+                            history: from_kube,
+                            keys_given: !keys.is_empty(),
+                        }
                     );
-                    for run in &r.runs {
-                        println!(
-                            "run {} of replica {} from {} (seq {}): {} record(s) checkpointed, {} shed, last checkpoint {}",
-                            run.run,
-                            run.replica.escape_debug(),
-                            run.location,
-                            run.first_seq,
-                            run.records,
-                            run.shed,
-                            run.last_reason
-                        );
-                    }
-                    for note in &r.recoveries {
-                        println!("{note}");
-                    }
-                    for (l, n) in &r.orphaned {
-                        println!("note: the run starting at {l} continues from its anchored checkpoint after a crash; the {n} record(s) the crashed run wrote after that checkpoint stay in the log, covered by no checkpoint");
-                    }
-                    for l in &r.new_chains {
-                        println!("note: a new chain starts at {l} (accepted by --allow-new-chain)");
-                    }
-                    if let Some((l, seq)) = &r.partial_start {
-                        println!("note: the log begins at {l}, continuing from seq {seq} of an earlier run (accepted by --partial)");
-                    }
-                    if !anchors.is_empty() || from_kube {
-                        let who = a
-                            .replica
-                            .as_deref()
-                            .unwrap_or("-")
-                            .escape_debug()
-                            .to_string();
-                        print!(
-                            "anchors: replica {who}: {} anchor(s), {} in the log",
-                            a.anchors, a.matched
-                        );
-                        if from_kube {
-                            print!(", {} run(s) in the cluster's history", a.history_runs);
-                        }
-                        if a.before_log > 0 {
-                            print!(
-                                ", {} before the log's first line (accepted by --partial)",
-                                a.before_log
-                            );
-                        }
-                        println!();
-                        if let Some(n) = &a.newest {
-                            println!(
-                                "anchor {}: replica {}'s newest anchored checkpoint, seq {}, matches {}",
-                                n.source,
-                                n.replica.escape_debug(),
-                                n.seq,
-                                n.location
-                            );
-                        }
-                    }
-                    for n in &a.notes {
-                        println!("note: {n}");
-                    }
-                    if a.other_replicas > 0 {
-                        println!(
-                            "note: {} anchor(s) belong to other replicas and were skipped",
-                            a.other_replicas
-                        );
-                    }
-                    if let Some(first) = a.unanchored_after.first() {
-                        println!(
-                            "warning: {} start or shutdown checkpoint(s) after the newest anchor, from {first}, have no anchor: an anchor write failed for good (see meshca_audit_anchor_writes_total), or the anchor was removed",
-                            a.unanchored_after.len()
-                        );
-                    }
-                    if r.reduced_records > 0 {
-                        println!("note: {} record(s) were written in reduced form (over the audit line cap; each names the full line's size and sha256)", r.reduced_records);
-                    }
-                    if keys.is_empty() {
-                        println!("warning: no --key given: checkpoint signatures were not checked");
-                    }
-                    if r.unsigned_tail > 0 {
-                        println!("warning: {} record(s) after the last checkpoint are not covered by a checkpoint", r.unsigned_tail);
-                        if strict {
-                            anyhow::bail!("--strict: the log does not end with a checkpoint (truncated, or the writer did not shut down cleanly)");
-                        }
+                    if strict && r.unsigned_tail > 0 {
+                        anyhow::bail!("--strict: the log does not end with a checkpoint (truncated, or the writer did not shut down cleanly)");
                     }
                     if strict && r.last_checkpoint_reason.as_deref() != Some("shutdown") {
                         anyhow::bail!("--strict: the log does not end with a shutdown checkpoint (cut after a checkpoint, or the writer is still running or crashed; --anchor shows how far it must reach)");
@@ -709,7 +634,7 @@ fn audit(cmd: AuditCommand) -> anyhow::Result<()> {
             files,
             trust_domains,
         } => {
-            let q = verify::Query {
+            let q = query::Query {
                 trust_domains: Some(trust_domains.parse()?),
                 identity,
                 node,
@@ -725,7 +650,7 @@ fn audit(cmd: AuditCommand) -> anyhow::Result<()> {
                 since: rfc3339(&since)?,
                 until: rfc3339(&until)?,
             };
-            let (records, unreadable) = verify::query(&verify::read_lines(&files)?, &q);
+            let (records, unreadable) = query::query(&verify::read_lines(&files)?, &q);
             if let Some(first) = unreadable.first() {
                 eprintln!(
                     "warning: {} line(s) could not be read as audit records (first at {first}); run `meshca audit verify` to see whether a recovery explains them",
@@ -737,7 +662,7 @@ fn audit(cmd: AuditCommand) -> anyhow::Result<()> {
                     println!("{}", serde_json::to_string(r)?);
                 }
             } else {
-                print!("{}", verify::table(&records));
+                print!("{}", query::table(&records));
             }
             Ok(())
         }
@@ -793,7 +718,7 @@ async fn revoke(a: RevokeArgs) -> anyhow::Result<()> {
     let configmap = match a.revocation_configmap.as_deref().map(str::trim) {
         None | Some("") => None,
         Some(v) => Some(
-            meshca::config::parse_configmap_ref(v)
+            meshca::flags::parse_configmap_ref(v)
                 .with_context(|| format!("--revocation-configmap {v}: expected namespace/name"))?,
         ),
     };
@@ -863,7 +788,7 @@ async fn revoke(a: RevokeArgs) -> anyhow::Result<()> {
         };
         let lines = meshca::audit::verify::read_lines(&a.audit_files)?;
         let (records, unreadable) =
-            meshca::audit::verify::query(&lines, &meshca::audit::verify::Query::default());
+            meshca::audit::query::query(&lines, &meshca::audit::query::Query::default());
         if !unreadable.is_empty() {
             eprintln!(
                 "warning: {} audit line(s) could not be read; run `meshca audit verify`",

@@ -17,35 +17,18 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
+pub mod labels;
+
+pub use crate::authn::metrics::{TokenPathLabels, TokenPathMetrics};
+pub use crate::cluster::metrics::{
+    ClusterDecisionLabels, ClusterLabels, ClusterMetrics, UNKNOWN_CLUSTER,
+};
 use crate::outcome::OutcomeObserver;
 pub use crate::outcome::{Decision, ErrorClass};
-
-#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct DecisionLabels {
-    /// `allow` or `deny`.
-    pub decision: &'static str,
-    pub reason: String,
-}
-
-#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct LatencyLabels {
-    pub decision: &'static str,
-}
-
-#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct RefusalLabels {
-    pub reason: &'static str,
-}
-
-#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ResultLabels {
-    pub result: String,
-}
-
-#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ReasonLabels {
-    pub reason: String,
-}
+pub use crate::revocation::metrics::KillSwitchMetrics;
+pub use labels::{
+    DecisionLabels, LatencyLabels, ReasonLabels, RefusalLabels, ResultLabels, SourceResultLabels,
+};
 
 /// istiod-compatible counters.
 #[derive(Debug, Default)]
@@ -103,26 +86,19 @@ pub struct Metrics {
     pub transport_refusals: Family<RefusalLabels, Counter>,
     pub open_connections: Gauge,
     pub pending_handshakes: Gauge,
-    /// Admission in front of signing: sheds by reason, slots in use, waiters.
-    pub admission_shed: Family<RefusalLabels, Counter>,
-    pub admission_running: Gauge,
-    pub admission_queued: Gauge,
-    /// The sized bound of the admission queue (`admission::decide::size`).
-    pub admission_sized_queue: Gauge,
-    /// The sized share of streams in progress per connection.
-    pub admission_streams_per_connection: Gauge,
-    /// Mean wall time of one signing job (CSR verify + sign).
-    pub admission_service_seconds: Gauge<f64, std::sync::atomic::AtomicU64>,
-    /// Denylist and revocation (issue 16).
+    /// Admission in front of signing: sheds by reason, slots in use,
+    /// waiters, and the sizing of the queue and of each connection's share.
+    pub admission: Arc<crate::admission::metrics::AdmissionMetrics>,
+    /// Denylist and revocation: the kill switch.
     pub kill_switch: KillSwitchMetrics,
     /// Token verification by path (local or TokenReview) and the issuer keys.
     pub token_paths: TokenPathMetrics,
     /// Requests by cluster and the remote cluster registry.
     pub clusters: ClusterMetrics,
-    /// CA rotation (issue 18).
-    pub rotation: crate::rotation::RotationMetrics,
+    /// Phased CA rotation.
+    pub rotation: crate::rotation::metrics::RotationMetrics,
     /// The PodCertificateRequest signer's decisions and status writes.
-    pub pod_certificates: crate::podcert::controller::PodCertMetrics,
+    pub pod_certificates: crate::podcert::metrics::PodCertMetrics,
     /// Security refusals of callers on a known node, by node.
     pub node_refusals: NodeRefusalMetrics,
     /// Rejected TLS handshakes by reason, and those the audit table could
@@ -132,53 +108,6 @@ pub struct Metrics {
     /// Checkpoints anchored in Kubernetes (rendered only when anchoring is on).
     pub anchor: AnchorStats,
     registry: Registry,
-}
-
-#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct TokenPathLabels {
-    /// `local` or `review`.
-    pub path: &'static str,
-    /// `allowed`, `refused`, `unavailable`, or `fell_back` (local only: sent to TokenReview).
-    pub result: &'static str,
-}
-
-/// Metrics of `authn::local` and `authn::jwks`.
-#[derive(Debug, Clone, Default)]
-pub struct TokenPathMetrics {
-    pub verifications: Family<TokenPathLabels, Counter>,
-    /// Local refusals and fallbacks, by reason code.
-    pub local_outcomes: Family<RefusalLabels, Counter>,
-    /// Issuer key fetches by result (`ok`, `failed`).
-    pub jwks_fetches: Family<ResultLabels, Counter>,
-    /// Keys in the last good issuer key set.
-    pub jwks_keys: Gauge,
-}
-
-impl TokenPathMetrics {
-    fn register(registry: &mut Registry) -> Self {
-        let m = Self::default();
-        registry.register(
-            "meshca_token_verifications",
-            "Bearer token verifications by path (local, review) and result",
-            m.verifications.clone(),
-        );
-        registry.register(
-            "meshca_token_local_outcomes",
-            "Tokens local verification refused or handed to TokenReview, by reason",
-            m.local_outcomes.clone(),
-        );
-        registry.register(
-            "meshca_jwks_fetches",
-            "ServiceAccount issuer key fetches (OIDC discovery) by result",
-            m.jwks_fetches.clone(),
-        );
-        registry.register(
-            "meshca_jwks_keys",
-            "Keys in the last good ServiceAccount issuer key set",
-            m.jwks_keys.clone(),
-        );
-        m
-    }
 }
 
 impl OutcomeObserver for Metrics {
@@ -315,8 +244,8 @@ impl Metrics {
             tokenreview_refused.clone(),
         );
         for r in [
-            crate::authn::token::REASON_BUDGET,
-            crate::authn::token::REASON_INFLIGHT,
+            crate::authn::metrics::REASON_BUDGET,
+            crate::authn::metrics::REASON_INFLIGHT,
         ] {
             let _ = tokenreview_refused.get_or_create(&ReasonLabels { reason: r.into() });
         }
@@ -366,7 +295,7 @@ impl Metrics {
             transport_refusals.clone(),
         );
         // Every reason is exported from the start, so a rate() sees the first refusal.
-        for r in crate::transport::Refusal::ALL {
+        for r in crate::transport::limits::Refusal::ALL {
             let _ = transport_refusals.get_or_create(&RefusalLabels { reason: r.reason() });
         }
         let open_connections = Gauge::default();
@@ -381,46 +310,9 @@ impl Metrics {
             "TLS handshakes in progress on the gRPC port",
             pending_handshakes.clone(),
         );
-        // Admission (its own block).
-        let admission_shed = Family::<RefusalLabels, Counter>::default();
-        registry.register(
-            "meshca_admission_shed",
-            "Requests shed by admission before any signing work, by reason",
-            admission_shed.clone(),
-        );
-        for r in crate::admission::ShedReason::ALL {
-            let _ = admission_shed.get_or_create(&RefusalLabels { reason: r.reason() });
-        }
-        let admission_running = Gauge::default();
-        registry.register(
-            "meshca_admission_running",
-            "CSR verifications and signatures running",
-            admission_running.clone(),
-        );
-        let admission_queued = Gauge::default();
-        registry.register(
-            "meshca_admission_queued",
-            "Requests waiting for a signing slot",
-            admission_queued.clone(),
-        );
-        let admission_sized_queue = Gauge::default();
-        registry.register(
-            "meshca_admission_sized_queue",
-            "Requests the admission queue holds at most now: what the signing threads can answer within the callers' typical deadline",
-            admission_sized_queue.clone(),
-        );
-        let admission_streams_per_connection = Gauge::default();
-        registry.register(
-            "meshca_admission_streams_per_connection",
-            "Streams in progress one connection may have now (its share of the sized queue); more are refused before their message is read",
-            admission_streams_per_connection.clone(),
-        );
-        let admission_service_seconds = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
-        registry.register(
-            "meshca_admission_service_seconds",
-            "Mean wall time of one signing job (CSR verify and sign) on a signing thread",
-            admission_service_seconds.clone(),
-        );
+        let admission = Arc::new(crate::admission::metrics::AdmissionMetrics::register(
+            &mut registry,
+        ));
         let handshake_rejects = Family::<RefusalLabels, Counter>::default();
         registry.register(
             "meshca_tls_handshake_rejects",
@@ -440,8 +332,8 @@ impl Metrics {
         let kill_switch = KillSwitchMetrics::register(&mut registry);
         let token_paths = TokenPathMetrics::register(&mut registry);
         let clusters = ClusterMetrics::register(&mut registry);
-        let rotation = crate::rotation::RotationMetrics::register(&mut registry);
-        let pod_certificates = crate::podcert::controller::PodCertMetrics::register(&mut registry);
+        let rotation = crate::rotation::metrics::RotationMetrics::register(&mut registry);
+        let pod_certificates = crate::podcert::metrics::PodCertMetrics::register(&mut registry);
         Self {
             clusters,
             rotation,
@@ -450,12 +342,7 @@ impl Metrics {
             handshake_rejects,
             handshake_rejects_overflow,
             anchor: AnchorStats::default(),
-            admission_shed,
-            admission_running,
-            admission_queued,
-            admission_sized_queue,
-            admission_streams_per_connection,
-            admission_service_seconds,
+            admission,
             kill_switch,
             token_paths,
             transport_refusals,
@@ -490,7 +377,7 @@ impl Metrics {
     }
 
     /// Counts a connection or request refused by a transport limit.
-    pub fn refused(&self, r: crate::transport::Refusal) {
+    pub fn refused(&self, r: crate::transport::limits::Refusal) {
         self.transport_refusals
             .get_or_create(&RefusalLabels { reason: r.reason() })
             .inc();
@@ -743,202 +630,6 @@ mod tests {
         }
         assert!(!text.contains("citadel_server_csr_count_total"));
         assert!(!text.contains("# EOF"));
-    }
-}
-
-#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct SourceResultLabels {
-    pub source: &'static str,
-    pub result: &'static str,
-}
-
-/// The kill switch's own families: denylist hits by reason, denylist
-/// reloads by source and result, and CRLs signed.
-#[derive(Debug, Default)]
-pub struct KillSwitchMetrics {
-    pub denylist_hits: Family<ReasonLabels, Counter>,
-    pub denylist_reloads: Family<SourceResultLabels, Counter>,
-    pub crl_signed: Family<ResultLabels, Counter>,
-    pub revoked_serials: Gauge,
-    /// Revocation decisions by reason: revocations and un-revocations
-    /// applied, and changes of the store that were refused (removals,
-    /// missing or unreadable sources).
-    pub revocation_events: Family<ReasonLabels, Counter>,
-}
-
-impl KillSwitchMetrics {
-    fn register(registry: &mut Registry) -> Self {
-        let m = Self::default();
-        registry.register(
-            "meshca_denylist_hits",
-            "Requests refused by the denylist, by reason",
-            m.denylist_hits.clone(),
-        );
-        for r in [
-            "denylist_identity",
-            "denylist_node",
-            "denylist_pod",
-            "denylist_service_account",
-            "denylist_token_key",
-        ] {
-            let _ = m
-                .denylist_hits
-                .get_or_create(&ReasonLabels { reason: r.into() });
-        }
-        registry.register(
-            "meshca_denylist_reloads",
-            "Denylist reload attempts, by source (file, configmap) and result",
-            m.denylist_reloads.clone(),
-        );
-        registry.register(
-            "meshca_crl_signed",
-            "CRLs signed, by result",
-            m.crl_signed.clone(),
-        );
-        registry.register(
-            "meshca_revoked_serials",
-            "Serials in the CRL in force",
-            m.revoked_serials.clone(),
-        );
-        registry.register(
-            "meshca_revocation_events",
-            "Revocation store changes applied or refused, by reason",
-            m.revocation_events.clone(),
-        );
-        m
-    }
-}
-
-#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ClusterDecisionLabels {
-    /// A registered cluster id, or `unknown`.
-    pub cluster: String,
-    pub decision: &'static str,
-}
-
-#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ClusterLabels {
-    pub cluster: String,
-}
-
-/// The cluster registry's families. The `cluster` label only ever takes a
-/// registered cluster id (or `unknown`): a caller cannot grow it.
-#[derive(Debug, Default)]
-pub struct ClusterMetrics {
-    /// (local id, registered ids).
-    names: std::sync::RwLock<(String, std::collections::BTreeSet<String>)>,
-    pub requests: Family<ClusterDecisionLabels, Counter>,
-    pub registered: Family<ClusterLabels, Gauge>,
-    /// 1 once the cluster's pod index has synced (set at scrape time).
-    pub synced: Family<ClusterLabels, Gauge>,
-    pub kubeconfig_refused: Family<RefusalLabels, Counter>,
-}
-
-/// The label of requests whose cluster is not registered.
-pub const UNKNOWN_CLUSTER: &str = "unknown";
-
-impl ClusterMetrics {
-    fn register(registry: &mut Registry) -> Self {
-        let m = Self::default();
-        registry.register(
-            "meshca_cluster_requests",
-            "CreateCertificate decisions by the caller's cluster (registered ids, else unknown)",
-            m.requests.clone(),
-        );
-        registry.register(
-            "meshca_clusters",
-            "Clusters in the registry (1 per registered id)",
-            m.registered.clone(),
-        );
-        registry.register(
-            "meshca_cluster_synced",
-            "1 once a registered cluster's pod index has synced (its impersonations get Unavailable until then)",
-            m.synced.clone(),
-        );
-        registry.register(
-            "meshca_remote_kubeconfig_refused",
-            "Remote secret kubeconfigs refused, by reason",
-            m.kubeconfig_refused.clone(),
-        );
-        for r in crate::cluster::kubeconfig::KubeconfigError::REASONS {
-            let _ = m
-                .kubeconfig_refused
-                .get_or_create(&RefusalLabels { reason: r });
-        }
-        m
-    }
-
-    /// Sets the registered ids (called on every registry change).
-    pub fn set_clusters(&self, local: &str, ids: &[String]) {
-        let mut names = self.names.write().unwrap_or_else(|p| p.into_inner());
-        let next: std::collections::BTreeSet<String> = ids.iter().cloned().collect();
-        for gone in names.1.difference(&next) {
-            let label = ClusterLabels {
-                cluster: gone.clone(),
-            };
-            self.registered.remove(&label);
-            self.synced.remove(&label);
-        }
-        for id in &next {
-            self.registered
-                .get_or_create(&ClusterLabels {
-                    cluster: id.clone(),
-                })
-                .set(1);
-        }
-        *names = (local.to_string(), next);
-    }
-
-    /// Sets a registered cluster's sync state.
-    pub fn set_synced(&self, id: &str, synced: bool) {
-        let known = self
-            .names
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .1
-            .contains(id);
-        if known {
-            self.synced
-                .get_or_create(&ClusterLabels {
-                    cluster: id.to_string(),
-                })
-                .set(i64::from(synced));
-        }
-    }
-
-    /// The local cluster id, once a registry exists.
-    pub fn local(&self) -> Option<String> {
-        let names = self.names.read().unwrap_or_else(|p| p.into_inner());
-        Some(names.0.clone()).filter(|l| !l.is_empty())
-    }
-
-    /// `id` when registered, else `unknown`.
-    pub fn label(&self, id: Option<&str>) -> String {
-        let names = self.names.read().unwrap_or_else(|p| p.into_inner());
-        match id {
-            Some(id) if names.1.contains(id) => id.to_string(),
-            _ => UNKNOWN_CLUSTER.to_string(),
-        }
-    }
-
-    /// Counts one finished request.
-    pub fn count(&self, cluster: Option<&str>, decision: Decision) {
-        let decision = match decision {
-            Decision::Allow => "allow",
-            Decision::Deny => "deny",
-        };
-        self.requests
-            .get_or_create(&ClusterDecisionLabels {
-                cluster: self.label(cluster),
-                decision,
-            })
-            .inc();
-    }
-
-    pub fn kubeconfig_refused(&self, reason: &'static str) {
-        self.kubeconfig_refused
-            .get_or_create(&RefusalLabels { reason })
-            .inc();
     }
 }
 

@@ -7,7 +7,7 @@ use time::OffsetDateTime;
 
 use crate::ca::generate::{self, InitOptions, KeyType};
 
-pub use crate::ca::generate::pem_encode;
+pub use crate::primitives::pem_encode;
 
 /// A CSR signed by `key` with the given SANs, optionally asking for CA:true.
 pub fn csr_pem(key: &KeyPair, sans: &[SanType], ca: bool) -> String {
@@ -112,6 +112,31 @@ pub fn client_identity(
     bundle
         .client_identity(&id.parse().expect("spiffe id"), validity)
         .expect("client identity")
+}
+
+/// Issues a 24h client certificate for `id` and writes `cert-chain.pem`,
+/// `key.pem` and `root-cert.pem` into `dir`.
+pub fn write_client_identity(
+    dir: &Path,
+    bundle: &crate::ca::CaBundle,
+    id: &crate::identity::SpiffeId,
+) -> anyhow::Result<()> {
+    let validity = crate::ca::ttl::validity(
+        OffsetDateTime::now_utc(),
+        0,
+        &Default::default(),
+        bundle.signing_not_after(),
+    )?;
+    let (chain, key) = bundle.client_identity(id, &validity)?;
+    std::fs::create_dir_all(dir)?;
+    generate::write_file(&dir.join("cert-chain.pem"), chain.as_bytes(), false)?;
+    generate::write_file(&dir.join("key.pem"), key.as_bytes(), true)?;
+    generate::write_file(
+        &dir.join("root-cert.pem"),
+        bundle.root_bundle().as_bytes(),
+        false,
+    )?;
+    Ok(())
 }
 
 /// A leaf for `id` with a fresh key, signed by `bundle`, valid from two

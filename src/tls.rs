@@ -202,7 +202,7 @@ pub fn serving_record(
     );
     if let Ok((_, c)) = X509Certificate::from_der(cert) {
         r.serial = Some(crate::ca::serial_hex(c.raw_serial()));
-        r.spki_sha256 = Some(hex::encode(crate::ca::csr::sha256(c.public_key().raw)));
+        r.spki_sha256 = Some(hex::encode(crate::primitives::sha256(c.public_key().raw)));
         r.not_before = Some(c.validity().not_before.to_datetime());
         r.not_after = Some(c.validity().not_after.to_datetime());
     }
@@ -210,7 +210,7 @@ pub fn serving_record(
     r.detail = Some(format!("serving names {}", names.join(",")));
     r.issued_kind = Some("serving".into());
     r.signer = Some(bundle.signer().kind().into());
-    r.certificate = Some(crate::ca::generate::pem_encode("CERTIFICATE", cert));
+    r.certificate = Some(crate::primitives::pem_encode("CERTIFICATE", cert));
     r.bound();
     r
 }

@@ -1,4 +1,4 @@
-//! Adversarial suite (issue 12) against the real RELEASE binary under
+//! Adversarial suite against the real RELEASE binary under
 //! `meshca serve --dev` with a file audit sink. Each test starts its own
 //! server, runs one bounded attack from 127.0.0.2-5 while a well-behaved mTLS
 //! client on 127.0.0.1 keeps requesting certificates, then asserts:

@@ -5,8 +5,10 @@
 use std::path::Path;
 use std::process::Command;
 
-use meshca::audit::chain::{ChainedSink, CheckpointKey, VerifyKey};
-use meshca::audit::verify::{self, Query};
+use meshca::audit::chain::{ChainedSink, Destination, SinkOptions};
+use meshca::audit::keys::{CheckpointKey, VerifyKey};
+use meshca::audit::query::{self, Query};
+use meshca::audit::verify;
 use meshca::audit::{AuditRecord, AuditSink, Decision};
 use time::OffsetDateTime;
 
@@ -42,13 +44,11 @@ fn key_pem() -> String {
 
 /// Writes `n` records (checkpoint every 4) into a file; returns its lines.
 fn write_log(path: &Path, n: u64, key: &str) -> Vec<String> {
-    let sink = ChainedSink::file(
-        path,
-        1 << 20,
-        3,
-        Some(CheckpointKey::from_pem(key.as_bytes()).unwrap()),
-        4,
-    )
+    let sink = ChainedSink::open(SinkOptions {
+        key: Some(CheckpointKey::from_pem(key.as_bytes()).unwrap()),
+        checkpoint_every: 4,
+        ..SinkOptions::new(Destination::file(path, 1 << 20, 3))
+    })
     .unwrap();
     for i in 0..n {
         let d = if i % 3 == 0 {
@@ -207,13 +207,10 @@ fn rotation_and_restart_keep_one_chain() {
     let path = dir.path().join("audit.log");
     let key = key_pem();
     let mk = || {
-        ChainedSink::file(
-            &path,
-            4096,
-            20,
-            Some(CheckpointKey::from_pem(key.as_bytes()).unwrap()),
-            1000,
-        )
+        ChainedSink::open(SinkOptions {
+            key: Some(CheckpointKey::from_pem(key.as_bytes()).unwrap()),
+            ..SinkOptions::new(Destination::file(&path, 4096, 20))
+        })
         .unwrap()
     };
     let sink = mk();
@@ -252,7 +249,7 @@ fn query_filters_records() {
     let dir = tempfile::tempdir().unwrap();
     let lines = write_log(&dir.path().join("audit.log"), 9, &key_pem());
     let lines = lines_of("a", &lines);
-    let deny = verify::query(
+    let deny = query::query(
         &lines,
         &Query {
             decision: Some(Decision::Deny),
@@ -261,7 +258,7 @@ fn query_filters_records() {
     )
     .0;
     assert_eq!(deny.len(), 3);
-    let node_b = verify::query(
+    let node_b = query::query(
         &lines,
         &Query {
             node: Some("node-b".into()),
@@ -270,7 +267,7 @@ fn query_filters_records() {
     )
     .0;
     assert_eq!(node_b.len(), 4);
-    let one = verify::query(
+    let one = query::query(
         &lines,
         &Query {
             identity: Some("spiffe://cluster.local/ns/app/sa/sa-4".into()),
@@ -283,7 +280,7 @@ fn query_filters_records() {
         one[0].serial.as_deref(),
         Some(format!("{:032x}", 4).as_str())
     );
-    let future = verify::query(
+    let future = query::query(
         &lines,
         &Query {
             since: Some(OffsetDateTime::now_utc() + time::Duration::hours(1)),
@@ -468,8 +465,12 @@ fn checkpoint_key(log: &Path) -> Option<CheckpointKey> {
 
 fn damage_oversize(log: &Path) {
     // An old writer's last line over the cap (and over 256 KiB).
-    let sink =
-        ChainedSink::file_capped(log, 1 << 30, 3, checkpoint_key(log), 1000, 1 << 20).unwrap();
+    let sink = ChainedSink::open(SinkOptions {
+        key: checkpoint_key(log),
+        max_line_bytes: 1 << 20,
+        ..SinkOptions::new(Destination::file(log, 1 << 30, 3))
+    })
+    .unwrap();
     let mut r = record(1, Decision::Deny, "node-a");
     r.detail = Some("x".repeat(400 * 1024));
     sink.emit(&r).unwrap();
@@ -478,7 +479,11 @@ fn damage_oversize(log: &Path) {
 fn damage_mid_utf8(log: &Path) {
     // Fill past 256 KiB with multi-byte text until `len - 256 KiB` falls
     // inside a character: the old tail reader failed startup there.
-    let sink = ChainedSink::file(log, 1 << 30, 3, checkpoint_key(log), 1000).unwrap();
+    let sink = ChainedSink::open(SinkOptions {
+        key: checkpoint_key(log),
+        ..SinkOptions::new(Destination::file(log, 1 << 30, 3))
+    })
+    .unwrap();
     let mut r = record(1, Decision::Deny, "node-a");
     r.detail = Some("é".repeat(3001));
     for _ in 0..400 {

@@ -145,7 +145,7 @@ async fn two_runs(k: &common::Kte, ns: &str) -> TwoRuns {
     let (data, key) = (dir.path().join("data"), dir.path().join("checkpoint.pem"));
     std::fs::write(
         &key,
-        meshca::audit::chain::CheckpointKey::generate_pem().unwrap(),
+        meshca::audit::keys::CheckpointKey::generate_pem().unwrap(),
     )
     .unwrap();
     let (run1, run2) = (dir.path().join("run1.log"), dir.path().join("run2.log"));
@@ -261,7 +261,7 @@ async fn stdout_runs_link_through_the_anchor_history_and_verify_against_the_clus
     assert_eq!(start["previous"]["from"], "anchor");
     assert_eq!(
         start["previous"]["hash"].as_str().unwrap(),
-        meshca::audit::chain::line_hash(&t.run1_shutdown)
+        meshca::audit::format::line_hash(&t.run1_shutdown)
     );
 
     // Each anchor is also an Event about its object.
@@ -465,7 +465,8 @@ async fn a_pod_rolling_its_anchor_back_is_detected() {
 /// meshca would: the anchors went backwards.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pod_continuing_from_an_older_anchor_is_detected() {
-    use meshca::audit::chain::{ChainedSink, CheckpointKey, Output, RunInfo};
+    use meshca::audit::chain::{ChainedSink, Destination, RunInfo, SinkOptions};
+    use meshca::audit::keys::CheckpointKey;
     let k = common::kte().await;
     let ns = k.namespace("audit-anchor-fork").await;
     anchor_rbac(&k, &ns).await;
@@ -476,16 +477,14 @@ async fn a_pod_continuing_from_an_older_anchor_is_detected() {
         serde_json::from_str::<serde_json::Value>(&t.run1_shutdown).unwrap()["seq"]
             .as_u64()
             .unwrap(),
-        meshca::audit::chain::line_hash(&t.run1_shutdown),
+        meshca::audit::format::line_hash(&t.run1_shutdown),
     );
-    let forged = ChainedSink::writer_linked(
-        Output::Buffer(Vec::new()),
-        Some(key),
-        1000,
-        16384,
-        RunInfo::new(REPLICA),
-        Some(head),
-    )
+    let forged = ChainedSink::open(SinkOptions {
+        key: Some(key),
+        run: RunInfo::new(REPLICA),
+        head: Some(head),
+        ..SinkOptions::new(Destination::Buffer)
+    })
     .unwrap();
     forged.checkpoint("shutdown").unwrap();
     let run3 = forged.buffer_contents();
@@ -576,7 +575,7 @@ async fn anchors_per_replica_and_day_are_bounded_by_the_interval() {
     );
     std::fs::write(
         &key,
-        meshca::audit::chain::CheckpointKey::generate_pem().unwrap(),
+        meshca::audit::keys::CheckpointKey::generate_pem().unwrap(),
     )
     .unwrap();
     let load = Duration::from_secs(12);

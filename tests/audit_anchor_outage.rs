@@ -107,7 +107,7 @@ async fn a_start_during_an_api_outage_is_anchored_when_it_returns() {
     );
     std::fs::write(
         &key,
-        meshca::audit::chain::CheckpointKey::generate_pem().unwrap(),
+        meshca::audit::keys::CheckpointKey::generate_pem().unwrap(),
     )
     .unwrap();
 

@@ -9,7 +9,9 @@ use std::ops::Range;
 use std::path::Path;
 use std::process::Command;
 
-use meshca::audit::chain::{ChainedSink, CheckpointKey, Output, RunInfo, VerifyKey};
+use meshca::audit::chain::{ChainedSink, Destination, RunInfo, SinkOptions};
+use meshca::audit::keys::{CheckpointKey, VerifyKey};
+use meshca::audit::verify::anchors;
 use meshca::audit::verify::{self, VerifyFailure, VerifyOptions, VerifyReport};
 use meshca::audit::{AuditRecord, AuditSink, Decision};
 use time::OffsetDateTime;
@@ -87,21 +89,24 @@ fn write_runs(
         let key = CheckpointKey::from_pem(keys[run.min(keys.len() - 1)].as_bytes()).unwrap();
         let info = RunInfo::new(replica);
         let s = match sink {
-            Sink::File => {
-                ChainedSink::file_run(&path, 1 << 30, 3, Some(key), every, 16384, info).unwrap()
-            }
-            Sink::StdoutLinked | Sink::StdoutUnlinked => ChainedSink::writer_linked(
-                Output::Buffer(Vec::new()),
-                Some(key),
-                every,
-                16384,
-                info,
-                if sink == Sink::StdoutLinked {
+            Sink::File => ChainedSink::open(SinkOptions {
+                key: Some(key),
+                checkpoint_every: every,
+                run: info,
+                ..SinkOptions::new(Destination::file(&path, 1 << 30, 3))
+            })
+            .unwrap(),
+            Sink::StdoutLinked | Sink::StdoutUnlinked => ChainedSink::open(SinkOptions {
+                key: Some(key),
+                checkpoint_every: every,
+                run: info,
+                head: if sink == Sink::StdoutLinked {
                     head.clone()
                 } else {
                     None
                 },
-            )
+                ..SinkOptions::new(Destination::Buffer)
+            })
             .unwrap(),
         };
         for _ in 0..count {
@@ -155,17 +160,17 @@ fn anchored(
     lines: &[String],
     k: &[VerifyKey],
     anchor: &str,
-) -> Result<verify::AnchorReport, VerifyFailure> {
+) -> Result<anchors::AnchorReport, VerifyFailure> {
     let report = verify(lines, k)?;
-    verify::check_anchors(
+    anchors::check_anchors(
         &numbered(lines),
         &report,
-        &[verify::Anchor {
+        &[anchors::Anchor {
             source: "ns/meshca-audit-anchor-a".into(),
             line: anchor.to_string(),
             created: None,
         }],
-        &verify::AnchorOptions {
+        &anchors::AnchorOptions {
             keys: k,
             ..Default::default()
         },
@@ -516,14 +521,13 @@ fn a_stdout_run_after_a_crash_continues_from_the_anchor_and_names_the_orphaned_t
     let key = CheckpointKey::generate_pem().unwrap();
     let k = keys(&[&key]);
     let sink = |head| {
-        ChainedSink::writer_linked(
-            Output::Buffer(Vec::new()),
-            Some(CheckpointKey::from_pem(key.as_bytes()).unwrap()),
-            3,
-            16384,
-            RunInfo::new("meshca-0"),
+        ChainedSink::open(SinkOptions {
+            key: Some(CheckpointKey::from_pem(key.as_bytes()).unwrap()),
+            checkpoint_every: 3,
+            run: RunInfo::new("meshca-0"),
             head,
-        )
+            ..SinkOptions::new(Destination::Buffer)
+        })
         .unwrap()
     };
     // Run 1 crashes two records after its last (anchored) checkpoint.
@@ -537,7 +541,7 @@ fn a_stdout_run_after_a_crash_continues_from_the_anchor_and_names_the_orphaned_t
         .unwrap();
     let run2 = sink(Some((
         anchored_seq,
-        meshca::audit::chain::line_hash(&anchor),
+        meshca::audit::format::line_hash(&anchor),
     )));
     run2.emit(&record(9)).unwrap();
     run2.checkpoint("shutdown").unwrap();

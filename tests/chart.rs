@@ -641,7 +641,7 @@ fn audit_checkpoints_are_signed_and_anchored_by_default() {
     let pem = base64::engine::general_purpose::STANDARD
         .decode(pem_b64)
         .unwrap();
-    meshca::audit::chain::CheckpointKey::from_pem(&pem).expect("the generated key loads");
+    meshca::audit::keys::CheckpointKey::from_pem(&pem).expect("the generated key loads");
     assert_eq!(
         secret[0]["metadata"]["name"],
         "r-meshca-audit-checkpoint-key"

@@ -192,3 +192,61 @@ async fn readme_first_two_commands_give_a_certificate() {
     );
     child.kill().await.unwrap();
 }
+
+/// The shipped binary holds no load generator: `meshca-bench` signs client
+/// certificates without an audit record, so it is a binary of its own.
+#[test]
+fn meshca_has_no_bench_subcommand() {
+    let bin = env!("CARGO_BIN_EXE_meshca");
+    let out = Command::new(bin).arg("--help").output().unwrap();
+    let help = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{help}");
+    assert!(help.contains("serve"), "{help}");
+    assert!(
+        !help.lines().any(|l| l.trim_start().starts_with("bench")),
+        "{help}"
+    );
+    let out = Command::new(bin)
+        .args(["bench", "--help"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "`meshca bench` must not exist");
+}
+
+/// Dev mode's client certificate is audited like every certificate meshca
+/// signs: a `dev_client` record with the serial of the certificate written
+/// to `dev-client/`.
+#[tokio::test]
+async fn dev_mode_audits_its_client_certificate() {
+    let data = tempfile::tempdir().unwrap();
+    let log = data.path().join("audit.log");
+    let mut cmd =
+        meshca::testing::serve_dev_command(env!("CARGO_BIN_EXE_meshca").as_ref(), data.path());
+    cmd.args(["--audit-sink", "file", "--audit-file"]).arg(&log);
+    let (mut child, _, _) = meshca::testing::spawn_listening(cmd).await;
+    let chain = std::fs::read_to_string(data.path().join("dev-client/cert-chain.pem")).unwrap();
+    let serial = meshca::testing::leaf_serial(&chain);
+    let mut found = Vec::new();
+    for _ in 0..100 {
+        found = std::fs::read_to_string(&log)
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|r| r["issued_kind"] == "dev_client")
+            .collect();
+        if !found.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    child.kill().await.unwrap();
+    assert_eq!(found.len(), 1, "one dev_client record: {found:?}");
+    let r = &found[0];
+    assert_eq!(r["reason"], "dev_client_issued");
+    assert_eq!(r["decision"], "allow");
+    assert_eq!(r["serial"], serial.as_str());
+    assert_eq!(
+        r["requested_identity"],
+        "spiffe://cluster.local/ns/default/sa/default"
+    );
+}

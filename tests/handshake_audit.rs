@@ -34,7 +34,7 @@ fn identity(
     id: &str,
 ) -> (Vec<CertificateDer<'static>>, PrivateKeyDer<'static>) {
     let id: SpiffeId = id.parse().unwrap();
-    meshca::app::write_client_identity(dir, bundle, &id).unwrap();
+    meshca::testing::write_client_identity(dir, bundle, &id).unwrap();
     let chain = std::fs::read(dir.join("cert-chain.pem")).unwrap();
     let key = std::fs::read(dir.join("key.pem")).unwrap();
     (

@@ -1,7 +1,7 @@
-//! Cold-restart storm at CI size (issues 13 and 20), against the real
+//! Cold-restart storm at CI size, against the real
 //! kube-apiserver of scripts/kube-testenv: pods exist, `meshca serve` (this
 //! crate's binary) starts as a fresh process, and every pod asks for its
-//! certificate at once through `meshca bench --mode cold-restart`'s own code
+//! certificate at once through `meshca-bench --mode cold-restart`'s own code
 //! path (src/bench/cold.rs), so the 10k run documented in docs/BENCHMARKS.md
 //! cannot rot. Asserts that every pod is served and that the API server
 //! counted exactly one TokenReview per distinct token (none with local

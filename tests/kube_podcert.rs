@@ -18,7 +18,7 @@ use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
 use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, PostParams};
 use kube::Client;
-use meshca::audit::verify;
+use meshca::audit::{query, verify};
 use meshca::ca::generate::KeyType;
 use meshca::config::AuditSinkKind;
 use meshca::podcert::PodCertSettings;
@@ -551,7 +551,7 @@ async fn kubelets_get_svids_and_every_refusal_has_its_reason() {
     f.app.shutdown().await.unwrap();
     let lines = verify::read_lines(&[&audit]).unwrap();
     let report = verify::verify_lines(&lines, None).unwrap();
-    let (records, unreadable) = verify::query(&lines, &verify::Query::default());
+    let (records, unreadable) = query::query(&lines, &query::Query::default());
     assert!(unreadable.is_empty());
     assert_eq!(report.records, records.len() as u64);
     let pcr_records: Vec<_> = records

@@ -8,10 +8,11 @@ use std::sync::OnceLock;
 
 use meshca::audit::verify::verify_lines;
 use meshca::ca::csr::parse_and_verify;
-use meshca::ca::generate::{self, pem_encode, InitOptions};
+use meshca::ca::generate::{self, InitOptions};
 use meshca::ca::CaBundle;
 use meshca::fuzzing::{self, seeds};
 use meshca::identity::SpiffeId;
+use meshca::primitives::pem_encode;
 use proptest::prelude::*;
 use prost::Message;
 use rustls_pki_types::pem::PemObject;

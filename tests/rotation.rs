@@ -1,4 +1,4 @@
-//! Phased CA rotation (issue 18) against the real kube-apiserver
+//! Phased CA rotation against the real kube-apiserver
 //! (scripts/kube-testenv), under continuous load, with short TTLs so a
 //! whole root rotation runs in well under a minute.
 //!
@@ -163,7 +163,7 @@ impl rustls::client::danger::ServerCertVerifier for SpiffeServerVerifier {
             None,
         )
         .map_err(|e| rustls::Error::General(format!("peer chain: {e:?}")))?;
-        let uri = common::leaf_uri(&meshca::ca::generate::pem_encode("CERTIFICATE", end_entity));
+        let uri = common::leaf_uri(&meshca::primitives::pem_encode("CERTIFICATE", end_entity));
         if uri != self.want {
             return Err(rustls::Error::General(format!(
                 "peer is {uri}, want {}",

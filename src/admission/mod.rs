@@ -16,6 +16,7 @@
 
 pub mod decide;
 pub mod fair;
+pub mod metrics;
 pub mod queue;
 
 use std::collections::HashMap;
@@ -24,10 +25,21 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use crate::authn::token::TokenBucket;
 use crate::authn::Familiarity;
-use crate::config::ConfigError;
+use crate::flags::ConfigError;
+use crate::ratelimit::TokenBucket;
 pub use queue::{FairQueue, PoolConfig};
+
+/// What admission reports: sheds by reason, slots in use and waiters after
+/// each change, and the sizing before each signing job. The server's metrics
+/// implement it (`metrics` here), so admission imports none.
+pub trait AdmissionObserver: Send + Sync + std::fmt::Debug {
+    fn shed(&self, reason: ShedReason);
+    fn occupancy(&self, running: usize, queued: usize);
+    /// The sized queue bound, the per-connection share of streams, and the
+    /// mean service time of one signing job once measured.
+    fn sizing(&self, queued: usize, per_connection: usize, service: Option<Duration>);
+}
 
 /// Why a request was shed. Each is retryable: the caller is not at fault.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -230,15 +242,15 @@ impl AdmissionArgs {
     pub fn parse(&self) -> Result<AdmissionConfig, ConfigError> {
         let day = Duration::from_secs(24 * 3600);
         let dur = |name: &'static str, v: &str, zero_ok: bool| {
-            crate::config::bounded_duration(name, v, zero_ok, day)
+            crate::flags::bounded_duration(name, v, zero_ok, day)
         };
         let max_running = match self.admission_max_running {
             0 => cores(),
-            n => crate::config::bounded("MESHCA_ADMISSION_MAX_RUNNING", n, 1, 4096)?,
+            n => crate::flags::bounded("MESHCA_ADMISSION_MAX_RUNNING", n, 1, 4096)?,
         };
         let max_queued = match self.admission_max_queued {
             0 => MAX_SIZED_QUEUE,
-            n => crate::config::bounded("MESHCA_ADMISSION_MAX_QUEUED", n, 1, 1_000_000)?,
+            n => crate::flags::bounded("MESHCA_ADMISSION_MAX_QUEUED", n, 1, 1_000_000)?,
         };
         let identity_cap = match self.identity_cap {
             0 => None,
@@ -269,14 +281,14 @@ impl AdmissionArgs {
                 &self.admission_lifo_after,
                 true,
             )?,
-            signing_nice: crate::config::bounded("MESHCA_SIGNING_NICE", self.signing_nice, 0, 19)?
+            signing_nice: crate::flags::bounded("MESHCA_SIGNING_NICE", self.signing_nice, 0, 19)?
                 as i32,
             queue_target: dur(
                 "MESHCA_ADMISSION_QUEUE_TARGET",
                 &self.admission_queue_target,
                 true,
             )?,
-            min_streams_per_connection: crate::config::bounded(
+            min_streams_per_connection: crate::flags::bounded(
                 "MESHCA_ADMISSION_MIN_STREAMS_PER_CONNECTION",
                 self.admission_min_streams_per_connection,
                 1,
@@ -345,7 +357,7 @@ pub struct Admission {
     deadline_ns: AtomicU64,
     sources: Mutex<HashMap<IpAddr, SourceBucket>>,
     caps: Mutex<HashMap<String, decide::CapWindow>>,
-    metrics: Option<Arc<crate::metrics::Metrics>>,
+    metrics: Option<Arc<dyn AdmissionObserver>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -382,7 +394,7 @@ impl Drop for CapTicket<'_> {
 }
 
 impl Admission {
-    pub fn new(cfg: AdmissionConfig, metrics: Option<Arc<crate::metrics::Metrics>>) -> Self {
+    pub fn new(cfg: AdmissionConfig, metrics: Option<Arc<dyn AdmissionObserver>>) -> Self {
         Self {
             queue: FairQueue::new(
                 PoolConfig {
@@ -441,12 +453,7 @@ impl Admission {
             .per_connection
             .store(s.per_connection, Ordering::Relaxed);
         if let Some(m) = &self.metrics {
-            m.admission_sized_queue.set(s.queued as i64);
-            m.admission_streams_per_connection
-                .set(s.per_connection as i64);
-            if let Some(t) = self.queue.service_time() {
-                m.admission_service_seconds.set(t.as_secs_f64());
-            }
+            m.sizing(s.queued, s.per_connection, self.queue.service_time());
         }
     }
 
@@ -457,11 +464,7 @@ impl Admission {
 
     fn shed(&self, reason: ShedReason, at_least: Duration) -> Shed {
         if let Some(m) = &self.metrics {
-            m.admission_shed
-                .get_or_create(&crate::metrics::RefusalLabels {
-                    reason: reason.reason(),
-                })
-                .inc();
+            m.shed(reason);
         }
         Shed {
             reason,

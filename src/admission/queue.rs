@@ -82,7 +82,7 @@ struct Inner {
     /// Exponentially weighted mean wall time of a job, in ns (0: none yet).
     service_ns: AtomicU64,
     completed: AtomicU64,
-    metrics: Option<Arc<crate::metrics::Metrics>>,
+    metrics: Option<Arc<dyn super::AdmissionObserver>>,
 }
 
 /// Closes the pool (its threads end) when the last handle is dropped.
@@ -158,8 +158,7 @@ impl Inner {
 
     fn gauges(&self, s: &State) {
         if let Some(m) = &self.metrics {
-            m.admission_running.set(s.running as i64);
-            m.admission_queued.set(s.table.len() as i64);
+            m.occupancy(s.running, s.table.len());
         }
     }
 
@@ -291,7 +290,7 @@ fn lower_priority(nice: i32) {
 }
 
 impl FairQueue {
-    pub fn new(cfg: PoolConfig, metrics: Option<Arc<crate::metrics::Metrics>>) -> Self {
+    pub fn new(cfg: PoolConfig, metrics: Option<Arc<dyn super::AdmissionObserver>>) -> Self {
         let max_running = cfg.max_running.max(1);
         let inner = Arc::new(Inner {
             max_running,

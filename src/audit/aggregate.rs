@@ -19,7 +19,7 @@ use std::sync::Mutex;
 
 use time::OffsetDateTime;
 
-use super::{AuditRecord, AuditSink, Decision};
+use super::{Aggregate, AuditRecord, AuditSink, Decision};
 
 /// Subject of the key where sources over the cap are counted.
 pub const OVERFLOW: &str = "overflow";
@@ -176,18 +176,6 @@ impl Folded {
             })
             .collect()
     }
-}
-
-/// Marks an aggregate record: where its refusals were folded and when the
-/// first and last of them happened.
-#[derive(Debug, Clone, serde::Serialize, serde::Deserialize, PartialEq, Eq)]
-pub struct Aggregate {
-    /// `audit_queue_full` or `transport`.
-    pub source: String,
-    #[serde(with = "time::serde::rfc3339")]
-    pub first: OffsetDateTime,
-    #[serde(with = "time::serde::rfc3339")]
-    pub last: OffsetDateTime,
 }
 
 /// The shared table refusals are folded into; drained into the chain by the

@@ -23,8 +23,8 @@ use kube::{Api, Client};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
-use super::chain::{line_hash, Checkpoint};
-use super::verify::{self, Anchor};
+use super::format::{line_hash, Checkpoint};
+use super::verify::anchors::{newest_anchor, Anchor};
 use super::writer::CheckpointObserver;
 
 /// Label naming the anchor set (the release's) an object belongs to.
@@ -286,7 +286,7 @@ pub async fn read_head(
         .into_iter()
         .map(|cm| to_anchor(&s.namespace, cm))
         .collect();
-    let newest = verify::newest_anchor(&anchors, &s.replica);
+    let newest = newest_anchor(&anchors, &s.replica);
     if newest.is_none() && !anchors.is_empty() {
         tracing::warn!(
             objects = anchors.len(),

@@ -9,7 +9,7 @@
 
 use std::borrow::Cow;
 
-use super::sha256;
+use crate::primitives::sha256;
 
 /// Cap for each string field of a record (JSON bytes, marker included).
 pub const FIELD_MAX: usize = 1024;
@@ -42,8 +42,8 @@ fn json_len(c: char) -> usize {
 /// at most `max` JSON bytes. Idempotent: a bounded value is returned as is.
 pub fn bounded(s: &str, max: usize) -> Cow<'_, str> {
     let max = max.max(MIN_MAX);
-    // Fast path for the common value (issue 20: this ran over every field of
-    // every record): printable ASCII never needs escaping and takes at most
+    // Fast path for the common value (this runs over every field of every
+    // record): printable ASCII never needs escaping and takes at most
     // two JSON bytes per byte, so a short one is kept without a char walk.
     if s.len() <= max / 2 && s.bytes().all(|b| (0x20..0x7f).contains(&b)) {
         return Cow::Borrowed(s);

@@ -1,13 +1,18 @@
 //! The audit log: exactly one record per CreateCertificate call, on every
 //! path. A guard collects the record during the request and hands it to the
 //! sink once; the chained sink ([`chain`]) hash-links records and signs
-//! periodic checkpoints so deletions, edits and reordering are detectable
-//! ([`verify`]).
+//! periodic checkpoints ([`keys`]) so deletions, edits and reordering are
+//! detectable ([`verify`]). Writer and verifier share the line format
+//! ([`format`]); [`query`] reads records back.
 
 pub mod aggregate;
 pub mod anchor;
 pub mod bounded;
 pub mod chain;
+pub mod format;
+pub mod keys;
+pub mod query;
+pub mod settings;
 pub mod verify;
 pub mod writer;
 
@@ -54,7 +59,7 @@ pub struct AuditRecord {
     pub issuer_key_id: Option<String>,
     /// Granted TTL, renewal-jitter band, drawn lifetime and backdate of the issued leaf.
     #[serde(default)]
-    pub lifetime: Option<crate::ca::ttl::LifetimeChoice>,
+    pub lifetime: Option<crate::lifetime::LifetimeChoice>,
     pub latency_ms: f64,
     /// Set by the sink when the full record exceeded the line cap and this
     /// reduced form was written instead.
@@ -115,7 +120,19 @@ pub struct AuditRecord {
     /// Aggregate records: refusals folded into this one record (how many is
     /// `count`), where and when (see [`aggregate`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub aggregate: Option<aggregate::Aggregate>,
+    pub aggregate: Option<Aggregate>,
+}
+
+/// Marks an aggregate record: where its refusals were folded and when the
+/// first and last of them happened.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Aggregate {
+    /// `audit_queue_full` or `transport`.
+    pub source: String,
+    #[serde(with = "time::serde::rfc3339")]
+    pub first: OffsetDateTime,
+    #[serde(with = "time::serde::rfc3339")]
+    pub last: OffsetDateTime,
 }
 
 /// What a reduced record stands for.
@@ -214,27 +231,6 @@ impl AuditRecord {
             bound_sans(sans);
         }
     }
-}
-
-/// SHA-256 (the audit module's own, so it depends on nothing above it).
-pub(crate) fn sha256(data: &[u8]) -> [u8; 32] {
-    let d = aws_lc_rs::digest::digest(&aws_lc_rs::digest::SHA256, data);
-    let mut out = [0u8; 32];
-    out.copy_from_slice(d.as_ref());
-    out
-}
-
-/// PEM text of one DER object.
-pub(crate) fn pem_encode(label: &str, der: &[u8]) -> String {
-    use base64::Engine;
-    let b64 = base64::engine::general_purpose::STANDARD.encode(der);
-    let mut out = format!("-----BEGIN {label}-----\n");
-    for chunk in b64.as_bytes().chunks(64) {
-        out.push_str(std::str::from_utf8(chunk).unwrap_or_default());
-        out.push('\n');
-    }
-    out.push_str(&format!("-----END {label}-----\n"));
-    out
 }
 
 /// The audit sink could not persist a record.

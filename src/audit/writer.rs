@@ -354,7 +354,7 @@ impl Worker {
                 // Sleep in slices through the batch window and take what
                 // arrived. Waiting in recv_timeout made every record wake
                 // this thread (a futex wake and two context switches per
-                // request, issue 20's profile); a sleeping thread is not
+                // request in the profile under load); a sleeping thread is not
                 // woken by senders.
                 std::thread::sleep(left.min(BATCH_SLICE));
                 slept = true;
@@ -385,8 +385,8 @@ impl Worker {
         let mark = self.sink.mark();
         let mut acks: Vec<(Waiter, Result<(), AuditError>)> = Vec::new();
         let mut stop = false;
-        // The batch's lines go out in one write(2) (issue 20: a write per
-        // record was a visible share of the server's CPU). `always` keeps
+        // The batch's lines go out in one write(2): a write per record was a
+        // visible share of the server's CPU. `always` keeps
         // one write and fsync per record.
         let staged = self.settings.fsync != FsyncPolicy::Always;
         if staged {
@@ -499,7 +499,7 @@ impl Worker {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::audit::chain::Output;
+    use crate::audit::chain::{Destination, SinkOptions};
     use crate::audit::verify::verify_lines;
     use time::OffsetDateTime;
 
@@ -557,9 +557,10 @@ mod tests {
     async fn a_full_queue_sheds_at_once_and_the_checkpoint_counts_it() {
         let gate = Gate(Default::default(), Default::default());
         *gate.0 .0.lock().unwrap() = true;
-        let sink =
-            ChainedSink::writer_capped(Output::Writer(Box::new(gate.clone())), None, 1000, 16384)
-                .unwrap();
+        let sink = ChainedSink::open(SinkOptions::new(Destination::Writer(Box::new(
+            gate.clone(),
+        ))))
+        .unwrap();
         *gate.0 .0.lock().unwrap() = false;
         let w = Arc::new(
             AuditWriter::start(sink, settings(2, FsyncPolicy::Never), None, agg()).unwrap(),
@@ -623,9 +624,10 @@ mod tests {
     async fn a_record_whose_caller_left_is_not_written_as_issued() {
         let gate = Gate(Default::default(), Default::default());
         *gate.0 .0.lock().unwrap() = true;
-        let sink =
-            ChainedSink::writer_capped(Output::Writer(Box::new(gate.clone())), None, 1000, 16384)
-                .unwrap();
+        let sink = ChainedSink::open(SinkOptions::new(Destination::Writer(Box::new(
+            gate.clone(),
+        ))))
+        .unwrap();
         *gate.0 .0.lock().unwrap() = false;
         let w = AuditWriter::start(sink, settings(8, FsyncPolicy::Never), None, agg()).unwrap();
         let Ok(Ack::Pending(blocker)) = w.submit(Box::new(record(0))) else {
@@ -676,9 +678,8 @@ mod tests {
     #[tokio::test]
     async fn a_batch_whose_write_fails_acknowledges_none_of_it(fsync: FsyncPolicy) {
         let out = Full::default();
-        let sink =
-            ChainedSink::writer_capped(Output::Writer(Box::new(out.clone())), None, 1000, 16384)
-                .unwrap();
+        let sink = ChainedSink::open(SinkOptions::new(Destination::Writer(Box::new(out.clone()))))
+            .unwrap();
         let w = Arc::new(AuditWriter::start(sink, settings(1024, fsync), None, agg()).unwrap());
         let submit_all = |range: std::ops::Range<u64>| {
             range
@@ -717,7 +718,8 @@ mod tests {
     async fn batch_mode_acknowledges_after_the_covering_fsync() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("audit.log");
-        let sink = ChainedSink::file(&path, 1 << 30, 3, None, 1000).unwrap();
+        let sink =
+            ChainedSink::open(SinkOptions::new(Destination::file(&path, 1 << 30, 3))).unwrap();
         let w = Arc::new(
             AuditWriter::start(sink, settings(1024, FsyncPolicy::Batch), None, agg()).unwrap(),
         );

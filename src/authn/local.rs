@@ -26,30 +26,7 @@ use crate::podindex::{IndexState, PodIndex};
 /// minute), so local verification accepts no token a review would refuse for time.
 pub const CLOCK_SKEW_SECS: u64 = 60;
 
-/// How bearer tokens are verified (`--token-verification`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
-pub enum TokenVerificationMode {
-    /// A TokenReview for every new token (istiod's behaviour).
-    #[default]
-    Review,
-    /// Locally only: nothing is sent to the API server per token.
-    Local,
-    /// Locally, and TokenReview for whatever local verification cannot decide.
-    LocalThenReview,
-}
-
-impl TokenVerificationMode {
-    pub fn as_str(&self) -> &'static str {
-        match self {
-            Self::Review => "review",
-            Self::Local => "local",
-            Self::LocalThenReview => "local-then-review",
-        }
-    }
-    pub fn uses_local(&self) -> bool {
-        !matches!(self, Self::Review)
-    }
-}
+pub use super::args::TokenVerificationMode;
 
 /// Why local verification refused a token or could not decide.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -655,23 +632,20 @@ impl TokenAuthenticator for TokenVerifier {
 }
 
 /// Wiring for one cluster: the token authenticator of `verification`'s mode
-/// over `reviewer`, and the issuer keys to keep fresh (their `run` loop is
+/// over `reviewer` (audiences, trust domain, cluster id and index staleness
+/// as `review`'s), and the issuer keys to keep fresh (their `run` loop is
 /// the caller's to spawn) when local verification is on (it reads the
 /// cluster's pod and ServiceAccount `indexes`).
 pub fn build(
     client: &kube::Client,
-    verification: crate::config::TokenVerification,
-    cluster_id: &str,
-    cfg: &crate::config::Config,
+    verification: super::args::TokenVerification,
+    review: &super::token::TokenReviewSettings,
+    sync_wait: std::time::Duration,
     indexes: Option<(Arc<PodIndex>, Arc<AccountIndex>)>,
     reviewer: Arc<dyn TokenAuthenticator>,
     metrics: Arc<crate::metrics::Metrics>,
 ) -> (Arc<TokenVerifier>, Option<Arc<IssuerKeys>>) {
     let mode = verification.mode;
-    let sync_wait = cfg
-        .kube
-        .as_ref()
-        .map_or(std::time::Duration::ZERO, |k| k.pod_index_sync_wait);
     let (local, keys) = match (mode.uses_local(), indexes) {
         (true, Some((index, accounts))) => {
             let keys = Arc::new(
@@ -682,15 +656,15 @@ pub fn build(
                 .with_metrics(metrics.clone()),
             );
             let local = LocalVerifier {
-                cluster_id: cluster_id.to_string(),
+                cluster_id: review.cluster_id.clone(),
                 keys: keys.clone(),
                 index,
                 accounts,
-                audiences: cfg.token_audiences.clone(),
-                trust_domain: cfg.trust_domain.clone(),
+                audiences: review.audiences.clone(),
+                trust_domain: review.trust_domain.clone(),
                 require_pod_binding: verification.require_pod_binding,
                 sync_wait,
-                max_index_staleness: cfg.kill_switch.renewal.max_index_staleness,
+                max_index_staleness: review.max_index_staleness,
             };
             (Some(Arc::new(local)), Some(keys))
         }

@@ -1,7 +1,9 @@
 //! Caller authentication: who is asking, proven how.
 
+pub mod args;
 pub mod jwks;
 pub mod local;
+pub mod metrics;
 pub mod mtls;
 pub mod token;
 

@@ -1,4 +1,5 @@
-//! `meshca bench --mode cold-restart`: a cold-restart storm (issues 13 and 20).
+//! `meshca-bench --mode cold-restart`: a cold-restart storm, the worst case
+//! for TokenReview load (every cache empty, every pod asking at once).
 //!
 //! `--pods` pods already exist, spread over `--nodes` nodes (setup, timed but
 //! not part of the measurement). Then `meshca serve` is started as a fresh
@@ -67,7 +68,7 @@ pub struct ColdArgs {
     /// The server's `--token-verification` (review, local, local-then-review).
     #[arg(long, default_value = "review")]
     pub cold_verification: String,
-    /// The `meshca` binary to start (default: this one).
+    /// The `meshca` binary to start (default: `meshca` beside this binary).
     #[arg(long)]
     pub cold_server_bin: Option<PathBuf>,
     /// Kubeconfig the server uses (RBAC of a real meshca).
@@ -392,7 +393,7 @@ fn spawn_server(
 ) -> anyhow::Result<Server> {
     let bin = match &args.cold.cold_server_bin {
         Some(b) => b.clone(),
-        None => std::env::current_exe()?,
+        None => std::env::current_exe()?.with_file_name("meshca"),
     };
     let c = &args.cold;
     // Per-source-IP limits at the global ones: every simulated pod is 127.0.0.1.

@@ -1,4 +1,4 @@
-//! `meshca bench --mode storm`: a renewal storm. Many simulated node
+//! `meshca-bench --mode storm`: a renewal storm. Many simulated node
 //! proxies, each on its own connection and identity (mTLS, or pod-bound
 //! tokens with `--storm-auth token`), each with at most `--streams` requests
 //! in flight and a `grpc-timeout` of `--storm-deadline-ms`.

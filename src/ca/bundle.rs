@@ -13,10 +13,11 @@ use time::OffsetDateTime;
 use x509_parser::prelude::{FromDer, X509Certificate};
 
 use super::chain::split_elements;
-use super::csr::{sha256, KeyKind};
+use super::csr::KeyKind;
 use super::signer::{Signer, SignerError, SignerKey};
 use super::ttl::Validity;
 use crate::identity::SpiffeId;
+use crate::primitives::sha256;
 
 /// Istio `cacerts` file names.
 pub const CACERTS_FILES: [&str; 4] = [
@@ -634,7 +635,9 @@ impl CaBundle {
 
     /// A fresh key and a leaf for `id` over `validity`: the client identity
     /// PEMs `(chain without the root bundle, PKCS#8 key)` an mTLS caller
-    /// presents (dev mode, the load generator, tests).
+    /// presents (the load generator, tests). It writes no audit record, so
+    /// it exists only in test and bench builds.
+    #[cfg(any(test, feature = "testing"))]
     pub fn client_identity(
         &self,
         id: &SpiffeId,
@@ -778,7 +781,8 @@ fn encodable_oid(oid: &x509_parser::oid_registry::Oid<'_>) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ca::generate::{generate, pem_encode, InitOptions};
+    use crate::ca::generate::{generate, InitOptions};
+    use crate::primitives::pem_encode;
 
     fn files(ca: &crate::ca::generate::GeneratedCa) -> BundleFiles {
         BundleFiles {

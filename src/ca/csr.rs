@@ -13,6 +13,7 @@ use x509_parser::prelude::FromDer;
 use x509_parser::public_key::PublicKey;
 
 use crate::identity::SpiffeId;
+use crate::primitives::sha256;
 
 /// Largest CSR (PEM text) accepted; real ones are under 2 KiB.
 pub const MAX_CSR_BYTES: usize = 64 * 1024;
@@ -182,13 +183,6 @@ pub fn check_policy(
         }
     }
     Ok(())
-}
-
-pub(crate) fn sha256(data: &[u8]) -> [u8; 32] {
-    let d = aws_lc_rs::digest::digest(&aws_lc_rs::digest::SHA256, data);
-    let mut out = [0u8; 32];
-    out.copy_from_slice(d.as_ref());
-    out
 }
 
 /// The kind of a public key; `Err` describes an unsupported or malformed one.

@@ -13,7 +13,7 @@ use super::bundle::{BundleFiles, CaBundle, MaterialError};
 use super::signer::pkcs11::Pkcs11Signer;
 use super::signer::uri::{KeyName, Pkcs11Uri};
 use super::signer::{Signer, SignerError, SignerKey};
-use crate::config::ConfigError;
+use crate::flags::ConfigError;
 
 /// Two-tier issuing: on, off, or on only with a PKCS#11 signer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]

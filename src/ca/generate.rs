@@ -168,19 +168,6 @@ pub fn write_cacerts(dir: &Path, ca: &GeneratedCa, force: bool) -> Result<(), Ge
     Ok(())
 }
 
-/// PEM-encodes DER with 64-column lines and `\n` endings.
-pub fn pem_encode(label: &str, der: &[u8]) -> String {
-    use base64::Engine;
-    let b64 = base64::engine::general_purpose::STANDARD.encode(der);
-    let mut out = format!("-----BEGIN {label}-----\n");
-    for chunk in b64.as_bytes().chunks(64) {
-        out.push_str(std::str::from_utf8(chunk).unwrap_or_default());
-        out.push('\n');
-    }
-    out.push_str(&format!("-----END {label}-----\n"));
-    out
-}
-
 /// Writes a file atomically (temp file + rename), mode 0600 for secrets.
 pub fn write_file(path: &Path, body: &[u8], secret: bool) -> std::io::Result<()> {
     use std::io::Write;

@@ -125,7 +125,9 @@ pub fn mint(
         "issuing_ca_issued".into(),
     );
     r.serial = Some(super::serial_hex(issued.raw_serial()));
-    r.spki_sha256 = Some(hex::encode(super::csr::sha256(issued.public_key().raw)));
+    r.spki_sha256 = Some(hex::encode(crate::primitives::sha256(
+        issued.public_key().raw,
+    )));
     r.not_before = Some(issued.validity().not_before.to_datetime());
     r.not_after = Some(issued.validity().not_after.to_datetime());
     r.issuer_key_id = Some(custody.key_id().to_string());

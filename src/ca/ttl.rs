@@ -9,65 +9,13 @@
 //! a tight loop).
 
 use std::time::Duration;
+
+pub use crate::flags::{go_duration, parse_go_duration};
+pub use crate::lifetime::{JitterBand, LifetimeChoice, MIN_JITTER_PERCENT};
 use time::OffsetDateTime;
 
 /// istiod's `ClockSkewGracePeriod`: leaves are backdated by at most this much.
 pub const CLOCK_SKEW_GRACE: Duration = Duration::from_secs(120);
-
-/// Lowest allowed band floor: with it the written midpoint can still be kept
-/// at least TTL/4 after issuance (see [`grant`]).
-pub const MIN_JITTER_PERCENT: u8 = 50;
-
-/// The share of the granted TTL a leaf's lifetime is drawn from, in percent.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct JitterBand {
-    pub min_percent: u8,
-    pub max_percent: u8,
-}
-
-impl JitterBand {
-    /// 90-100%: a burst of issuance spreads its renewals over 5% of the TTL.
-    pub const DEFAULT: Self = Self {
-        min_percent: 90,
-        max_percent: 100,
-    };
-
-    pub fn new(min_percent: u8, max_percent: u8) -> Result<Self, String> {
-        if !(MIN_JITTER_PERCENT..=100).contains(&min_percent)
-            || !(min_percent..=100).contains(&max_percent)
-        {
-            return Err(format!(
-                "band must satisfy {MIN_JITTER_PERCENT} <= min <= max <= 100 (percent), got {min_percent}-{max_percent}"
-            ));
-        }
-        Ok(Self {
-            min_percent,
-            max_percent,
-        })
-    }
-
-    /// Parses `MIN-MAX` in percent, e.g. `90-100`.
-    pub fn parse(s: &str) -> Result<Self, String> {
-        let (lo, hi) = s
-            .trim()
-            .trim_end_matches('%')
-            .split_once('-')
-            .ok_or_else(|| format!("expected MIN-MAX in percent (e.g. 90-100), got {s:?}"))?;
-        let num = |v: &str| {
-            v.trim()
-                .trim_end_matches('%')
-                .parse::<u8>()
-                .map_err(|_| format!("{v:?} is not a percentage"))
-        };
-        Self::new(num(lo)?, num(hi)?)
-    }
-}
-
-impl std::fmt::Display for JitterBand {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}-{}%", self.min_percent, self.max_percent)
-    }
-}
 
 /// Default and maximum workload certificate lifetimes, and the renewal jitter.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -86,19 +34,6 @@ impl Default for TtlPolicy {
             jitter: Some(JitterBand::DEFAULT),
         }
     }
-}
-
-/// How a leaf's lifetime was chosen; written into its audit record.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct LifetimeChoice {
-    /// The TTL granted (requested, or the default).
-    pub granted_secs: u64,
-    /// The band the lifetime was drawn from; `None` when jitter is off.
-    pub band: Option<JitterBand>,
-    /// Drawn lifetime from issuance (before any cut to the signer's expiry).
-    pub lifetime_secs: u64,
-    /// How far `not_before` lies before issuance.
-    pub backdate_secs: u64,
 }
 
 /// A leaf's validity and how it was chosen.
@@ -227,60 +162,6 @@ pub fn grant(
             backdate_secs,
         },
     })
-}
-
-/// Formats whole seconds the way Go's `time.Duration.String` does (`2160h0m0s`).
-pub fn go_duration(secs: u64) -> String {
-    let (h, m, s) = (secs / 3600, (secs % 3600) / 60, secs % 60);
-    if h > 0 {
-        format!("{h}h{m}m{s}s")
-    } else if m > 0 {
-        format!("{m}m{s}s")
-    } else {
-        format!("{s}s")
-    }
-}
-
-/// Parses a Go-style duration (`24h`, `90m`, `1h30m`, `3600s`, `2160h0m0s`).
-pub fn parse_go_duration(s: &str) -> Result<Duration, String> {
-    let s = s.trim();
-    if s.is_empty() {
-        return Err("empty duration".into());
-    }
-    if s == "0" {
-        return Ok(Duration::ZERO);
-    }
-    // In milliseconds: sub-second limits (e.g. a 250ms wait) matter; smaller units do not.
-    let mut total: u64 = 0;
-    let mut num = String::new();
-    let mut chars = s.chars().peekable();
-    while let Some(c) = chars.next() {
-        if c.is_ascii_digit() {
-            num.push(c);
-            continue;
-        }
-        let unit_ms: u64 = match c {
-            'h' => 3_600_000,
-            'm' if chars.peek() == Some(&'s') => {
-                chars.next();
-                1
-            }
-            'm' => 60_000,
-            's' => 1000,
-            'd' => 86_400_000,
-            _ => return Err(format!("invalid duration {s:?}: unknown unit {c:?}")),
-        };
-        let n: u64 = num.parse().map_err(|_| format!("invalid duration {s:?}"))?;
-        num.clear();
-        total = n
-            .checked_mul(unit_ms)
-            .and_then(|v| total.checked_add(v))
-            .ok_or_else(|| format!("duration {s:?} overflows"))?;
-    }
-    if !num.is_empty() {
-        return Err(format!("invalid duration {s:?}: missing unit"));
-    }
-    Ok(Duration::from_millis(total))
 }
 
 #[cfg(test)]

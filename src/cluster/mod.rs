@@ -10,7 +10,9 @@
 //! does better than trusting the header: the cluster is the one whose keys
 //! verify the token, and a header naming another cluster is refused.
 
+pub mod args;
 pub mod kubeconfig;
+pub mod metrics;
 pub mod secrets;
 
 use std::collections::HashMap;
@@ -24,10 +26,10 @@ use crate::authn::local::TokenVerifier;
 use crate::authn::token::{KubeTokenAuthenticator, TokenReviewSettings};
 use crate::authn::{AuthnError, Caller, Credentials, TokenAuthenticator};
 use crate::authz::{Evidence, ImpersonationError, KubeNodeAuthorizer, NodeAuthorizer, NodePolicy};
-use crate::config::Config;
 use crate::identity::SpiffeId;
 use crate::metrics::Metrics;
 use crate::podindex::PodIndex;
+use args::ClusterSettings;
 
 /// Reason codes of the registry's own refusals.
 pub const REASON_UNKNOWN_CLUSTER: &str = "token_unknown_cluster";
@@ -139,7 +141,7 @@ impl Cluster {
 /// Builds cluster entries from the server's configuration.
 #[derive(Debug)]
 pub struct ClusterFactory {
-    pub cfg: Config,
+    pub settings: ClusterSettings,
     pub metrics: Arc<Metrics>,
 }
 
@@ -154,18 +156,15 @@ impl ClusterFactory {
         origin: Origin,
         renewal_index: bool,
     ) -> (Cluster, Vec<JoinHandle<()>>) {
-        let cfg = &self.cfg;
-        let kube = cfg
-            .kube
-            .clone()
-            .unwrap_or_else(|| crate::config::KubeSettings {
-                kubeconfig: None,
-                token_cache_ttl: std::time::Duration::from_secs(60),
-                tokenreview_timeout: std::time::Duration::from_secs(5),
-                review_limits: Default::default(),
-                token_verification: Default::default(),
-                pod_index_sync_wait: std::time::Duration::from_secs(3),
-            });
+        let cfg = &self.settings;
+        let kube = cfg.kube.clone().unwrap_or_else(|| args::KubeSettings {
+            kubeconfig: None,
+            token_cache_ttl: std::time::Duration::from_secs(60),
+            tokenreview_timeout: std::time::Duration::from_secs(5),
+            review_limits: Default::default(),
+            token_verification: Default::default(),
+            pod_index_sync_wait: std::time::Duration::from_secs(3),
+        });
         let verification = kube.token_verification;
         let mut tasks = Vec::new();
         let index = (!cfg.trusted_node_accounts.is_empty()
@@ -193,12 +192,12 @@ impl ClusterFactory {
             (Some(index), false) => Some(KubeNodeAuthorizer {
                 policy: NodePolicy {
                     trusted: cfg.trusted_node_accounts.iter().cloned().collect(),
-                    trust_domains: cfg.trust_domains(),
+                    trust_domains: cfg.trust_domains.clone(),
                     cluster_id: id.to_string(),
                     mtls_impersonation: cfg.mtls_impersonation,
                 },
                 index: index.clone(),
-                max_index_staleness: cfg.kill_switch.renewal.max_index_staleness,
+                max_index_staleness: cfg.max_index_staleness,
                 sync_wait: kube.pod_index_sync_wait,
             }),
             _ => None,
@@ -210,8 +209,9 @@ impl ClusterFactory {
             cache_ttl: kube.token_cache_ttl,
             timeout: kube.tokenreview_timeout,
             limits: kube.review_limits,
-            max_index_staleness: cfg.kill_switch.renewal.max_index_staleness,
+            max_index_staleness: cfg.max_index_staleness,
         };
+        let review = settings.clone();
         let reviewer = Arc::new(
             KubeTokenAuthenticator::new(client.clone(), settings, index.clone())
                 .with_metrics(self.metrics.clone()),
@@ -219,8 +219,10 @@ impl ClusterFactory {
         let (tokens, keys) = crate::authn::local::build(
             &client,
             verification,
-            id,
-            cfg,
+            &review,
+            cfg.kube
+                .as_ref()
+                .map_or(std::time::Duration::ZERO, |k| k.pod_index_sync_wait),
             index.clone().zip(accounts.clone()),
             reviewer.clone(),
             self.metrics.clone(),
@@ -246,7 +248,7 @@ impl ClusterFactory {
     /// With bounded renewal on it runs a pod index: a leaf issued for that
     /// cluster renews only while a pod of its identity lives there.
     pub fn build_remote(&self, id: &str, client: kube::Client, origin: Origin) -> Cluster {
-        let renewal = self.cfg.kill_switch.renewal_pod_check;
+        let renewal = self.settings.renewal_pod_check;
         let (mut c, tasks) = self.build(id, client, origin, renewal);
         c.tasks = tasks;
         c

@@ -108,7 +108,7 @@ pub fn desired(
                 id.to_string(),
                 Wanted {
                     secret: secret.to_string(),
-                    sha256: crate::ca::csr::sha256(bytes),
+                    sha256: crate::primitives::sha256(bytes),
                 },
             ))
         })
@@ -431,7 +431,7 @@ mod tests {
     fn diff_adds_rotates_and_removes() {
         let w = |s: &str, b: &str| Wanted {
             secret: s.into(),
-            sha256: crate::ca::csr::sha256(b.as_bytes()),
+            sha256: crate::primitives::sha256(b.as_bytes()),
         };
         let current: BTreeMap<String, Wanted> = [
             ("same".to_string(), w("s", "1")),

@@ -18,14 +18,11 @@ use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, PostParams};
 use kube::runtime::watcher::{self, Event};
 use kube::runtime::WatchStreamExt;
 use kube::Client;
-use prometheus_client::encoding::EncodeLabelSet;
-use prometheus_client::metrics::counter::Counter;
-use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
-use prometheus_client::registry::Registry;
 use serde::Deserialize;
 use time::format_description::well_known::Rfc3339;
 use time::OffsetDateTime;
+
+pub use super::metrics::{ConditionLabels, PodCertMetrics, WriteLabels};
 
 use super::decide::{self, Decision, FailReason, IndexView, PcrFacts, PodFacts, Policy};
 use super::PodCertSettings;
@@ -34,6 +31,7 @@ use crate::ca::{CaBundle, CaStore, Validity};
 use crate::denylist::{Denylist, LiveDenylist};
 use crate::identity::TrustDomain;
 use crate::podindex::PodIndex;
+use crate::primitives::lock;
 
 /// API group of PodCertificateRequest.
 pub const GROUP: &str = "certificates.k8s.io";
@@ -95,56 +93,6 @@ pub fn is_terminal(obj: &DynamicObject) -> bool {
 }
 
 /// Labels of the decision counter.
-#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ConditionLabels {
-    /// `Issued`, `Denied` or `Failed`.
-    pub condition: &'static str,
-    /// The reason code (`issued` for Issued).
-    pub reason: String,
-}
-
-#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct WriteLabels {
-    /// `ok`, `conflict_decided` (another writer decided first), `gone`,
-    /// `forbidden`, `error`.
-    pub result: &'static str,
-}
-
-/// The signer's metric families.
-#[derive(Debug)]
-pub struct PodCertMetrics {
-    pub decisions: Family<ConditionLabels, Counter>,
-    pub status_writes: Family<WriteLabels, Counter>,
-    /// From first sight of a request to its status written.
-    pub decision_seconds: Histogram,
-}
-
-impl PodCertMetrics {
-    pub fn register(registry: &mut Registry) -> Self {
-        let m = Self {
-            decisions: Family::default(),
-            status_writes: Family::default(),
-            decision_seconds: Histogram::new(exponential_buckets(0.005, 2.0, 14)),
-        };
-        registry.register(
-            "meshca_pod_certificate_decisions",
-            "PodCertificateRequest decisions by condition (Issued, Denied, Failed) and reason",
-            m.decisions.clone(),
-        );
-        registry.register(
-            "meshca_pod_certificate_status_writes",
-            "PodCertificateRequest status writes by result",
-            m.status_writes.clone(),
-        );
-        registry.register(
-            "meshca_pod_certificate_decision_seconds",
-            "Time from first seeing a PodCertificateRequest to its status written",
-            m.decision_seconds.clone(),
-        );
-        m
-    }
-}
-
 /// Everything the signer shares with the gRPC path.
 #[derive(Debug)]
 pub struct Signer {
@@ -260,10 +208,6 @@ pub async fn run(client: Client, signer: Arc<Signer>) {
             }
         });
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// The decision's facts from one object.
@@ -407,7 +351,7 @@ async fn handle(
                 Ok((leaf, chain, times)) => {
                     let r = audit.record();
                     r.serial = Some(leaf.serial_hex.clone());
-                    r.spki_sha256 = Some(hex::encode(crate::ca::csr::sha256(&spki_der)));
+                    r.spki_sha256 = Some(hex::encode(crate::primitives::sha256(&spki_der)));
                     r.not_before = Some(times.not_before);
                     r.not_after = Some(times.not_after);
                     r.issuer_key_id = Some(bundle.key_id().to_string());
@@ -569,7 +513,7 @@ pub fn leaf_and_intermediates(bundle: &CaBundle, leaf_pem: &str) -> String {
             if bundle.roots().iter().any(|r| r.as_ref() == der.as_ref()) {
                 continue;
             }
-            out.push_str(&crate::audit::pem_encode("CERTIFICATE", der.as_ref()));
+            out.push_str(&crate::primitives::pem_encode("CERTIFICATE", der.as_ref()));
         }
     }
     out

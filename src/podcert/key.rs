@@ -31,7 +31,7 @@ pub fn public_key(stub_csr_der: Option<&[u8]>, pkix_der: Option<&[u8]>) -> KeyFa
 }
 
 fn from_csr(der: &[u8]) -> KeyFacts {
-    let text = crate::audit::pem_encode("CERTIFICATE REQUEST", der);
+    let text = crate::primitives::pem_encode("CERTIFICATE REQUEST", der);
     match csr::parse_and_verify(&text) {
         Ok(c) => KeyFacts::Supported {
             spki_der: c.spki_der,

@@ -8,9 +8,14 @@
 //! [`controller`] watches the requests and writes their status. The trust
 //! bundle is published by [`crate::ctb`].
 
+pub mod args;
 pub mod controller;
 pub mod decide;
 pub mod key;
+pub mod metrics;
+
+pub use crate::ctb::{parse_signer_name, trust_bundle_name, SignerNameError, TRUST_BUNDLE_SUFFIX};
+pub use args::PodCertArgs;
 
 use std::time::Duration;
 
@@ -19,8 +24,6 @@ use crate::ca::ttl::JitterBand;
 /// The audit record's `authn_method` for pod certificate decisions: the
 /// API server authenticated the requester (a kubelet, under NodeRestriction).
 pub const AUTHN_METHOD: &str = "pod-certificate-request";
-/// Suffix of the signer-linked ClusterTrustBundle name.
-pub const TRUST_BUNDLE_SUFFIX: &str = "root-cert";
 
 /// The signer's settings, parsed once from flags.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -39,63 +42,6 @@ pub struct PodCertSettings {
     pub trust_bundle: bool,
     /// Full re-check period of the ClusterTrustBundle.
     pub trust_bundle_resync: Duration,
-}
-
-/// Why a signer name is refused.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("signer name {name:?}: {detail}")]
-pub struct SignerNameError {
-    pub name: String,
-    pub detail: &'static str,
-}
-
-/// Checks a signer name the way the API does for custom signers
-/// (`<domain>/<path>`), and refuses the reserved `kubernetes.io` domain.
-pub fn parse_signer_name(s: &str) -> Result<String, SignerNameError> {
-    let e = |detail| SignerNameError {
-        name: s.to_string(),
-        detail,
-    };
-    let (domain, path) = s
-        .split_once('/')
-        .ok_or_else(|| e("must be <domain>/<path>"))?;
-    if domain.is_empty() || domain.len() > 253 || path.is_empty() || s.len() > 571 {
-        return Err(e(
-            "domain and path must be non-empty (domain at most 253 bytes)",
-        ));
-    }
-    let label_ok = |l: &str| {
-        !l.is_empty()
-            && l.len() <= 63
-            && l.bytes()
-                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-            && !l.starts_with('-')
-            && !l.ends_with('-')
-    };
-    if !domain.split('.').all(label_ok) || !domain.contains('.') {
-        return Err(e("domain must be a fully qualified DNS name"));
-    }
-    if domain == "kubernetes.io" || domain.ends_with(".kubernetes.io") || domain == "k8s.io" {
-        return Err(e("the kubernetes.io and k8s.io domains are reserved"));
-    }
-    if !path
-        .bytes()
-        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'/'))
-        || path
-            .split('/')
-            .any(|seg| seg.is_empty() || seg == "." || seg == "..")
-    {
-        return Err(e(
-            "path segments may hold letters, digits, '-', '_' and '.'",
-        ));
-    }
-    Ok(s.to_string())
-}
-
-/// The ClusterTrustBundle name for a signer: the API requires the signer
-/// name with '/' as ':' and a ':' before the rest.
-pub fn trust_bundle_name(signer_name: &str) -> String {
-    format!("{}:{TRUST_BUNDLE_SUFFIX}", signer_name.replace('/', ":"))
 }
 
 #[cfg(test)]

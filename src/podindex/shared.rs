@@ -11,6 +11,7 @@ use futures::{Stream, StreamExt};
 use kube::runtime::watcher::Event;
 
 use super::IndexEvent;
+use crate::primitives::lock;
 
 /// A state a watch feeds: built whole from a completed list, then changed
 /// one event at a time.
@@ -261,8 +262,4 @@ pub async fn follow<K, S>(
             }
         }
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }

@@ -32,6 +32,7 @@
 //! grows and no serial leaves it because a replica lags.
 
 pub mod ledger;
+pub mod metrics;
 pub mod publish;
 pub mod store;
 
@@ -331,7 +332,7 @@ pub fn select_in(
         Target::Identity(id) => Some(canon(id)),
         _ => None,
     };
-    let lineage = crate::audit::verify::Lineage::new(records);
+    let lineage = crate::audit::query::Lineage::new(records);
     let roots: Vec<&str> = match target {
         Target::Serials(s) => s.iter().map(String::as_str).collect(),
         _ => records
@@ -1157,7 +1158,7 @@ mod tests {
             s.snapshot()
                 .intermediates()
                 .iter()
-                .map(|c| crate::ca::generate::pem_encode("CERTIFICATE", c))
+                .map(|c| crate::primitives::pem_encode("CERTIFICATE", c))
                 .collect()
         };
         let (old_revoked, old_serial) = leaf(&store);

@@ -10,19 +10,17 @@
 //! snapshot's root bundle ([`trust`]). Phase changes and forced steps are
 //! written to the audit log and exported as metrics.
 
+pub mod metrics;
 pub mod phase;
 pub mod state;
 pub mod trust;
+
+pub use metrics::{RotationMetrics, TransitionLabels};
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use prometheus_client::encoding::EncodeLabelSet;
-use prometheus_client::metrics::counter::Counter;
-use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::registry::Registry;
 use time::OffsetDateTime;
 
 use crate::audit::{AuditRecord, AuditSink, Decision as AuditDecision};
@@ -112,66 +110,6 @@ impl RotationError {
             Self::Blocked(r) => r,
             Self::Issuing(e) => e.reason(),
         }
-    }
-}
-
-/// Rotation metrics (registered with the server's registry).
-#[derive(Debug, Clone, Default)]
-pub struct RotationMetrics {
-    pub phase: Gauge,
-    pub gate_remaining_seconds: Gauge,
-    pub trusted_roots: Gauge,
-    pub issued_max_not_after: Gauge,
-    pub transitions: Family<TransitionLabels, Counter>,
-    pub blocked: Family<crate::metrics::ReasonLabels, Counter>,
-}
-
-#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct TransitionLabels {
-    pub to: &'static str,
-    pub forced: &'static str,
-}
-
-impl RotationMetrics {
-    pub fn register(registry: &mut Registry) -> Self {
-        let m = Self::default();
-        registry.register(
-            "meshca_rotation_phase",
-            "CA rotation phase: 0 idle, 1 trust, 2 switched, 3 retired",
-            m.phase.clone(),
-        );
-        registry.register(
-            "meshca_rotation_gate_remaining_seconds",
-            "Seconds until the current phase's gate opens (-1: not a matter of time)",
-            m.gate_remaining_seconds.clone(),
-        );
-        registry.register(
-            "meshca_rotation_trusted_roots",
-            "Roots in the published trust bundle",
-            m.trusted_roots.clone(),
-        );
-        registry.register(
-            "meshca_rotation_issued_max_not_after_seconds",
-            "Durable upper bound of every issued leaf's not_after (unix seconds)",
-            m.issued_max_not_after.clone(),
-        );
-        registry.register(
-            "meshca_rotation_transitions",
-            "CA rotation phase changes, by target phase and whether forced",
-            m.transitions.clone(),
-        );
-        registry.register(
-            "meshca_rotation_blocked",
-            "Rotation evaluations that could not proceed, by reason",
-            m.blocked.clone(),
-        );
-        // The phase's own reasons are exported from the start, so a rate() sees the first one.
-        for r in phase::BLOCKED_REASONS {
-            let _ = m
-                .blocked
-                .get_or_create(&crate::metrics::ReasonLabels { reason: r.into() });
-        }
-        m
     }
 }
 
@@ -270,7 +208,7 @@ fn generation_of(key_id: &str, roots: &[rustls_pki_types::CertificateDer<'_>]) -
         key_id: key_id.to_string(),
         roots: roots
             .iter()
-            .map(|r| hex::encode(crate::ca::csr::sha256(r)))
+            .map(|r| hex::encode(crate::primitives::sha256(r)))
             .collect(),
     }
 }
@@ -1002,7 +940,7 @@ mod tests {
     fn der(pem: &str) -> String {
         use rustls_pki_types::pem::PemObject;
         let c = rustls_pki_types::CertificateDer::from_pem_slice(pem.as_bytes()).unwrap();
-        hex::encode(crate::ca::csr::sha256(&c))
+        hex::encode(crate::primitives::sha256(&c))
     }
 
     struct Setup {
@@ -1052,7 +990,7 @@ mod tests {
     fn served(t: &TwoTier) -> (String, usize) {
         let b = t.store().snapshot();
         (
-            hex::encode(crate::ca::csr::sha256(&b.intermediates()[1])),
+            hex::encode(crate::primitives::sha256(&b.intermediates()[1])),
             b.roots().len(),
         )
     }

@@ -33,7 +33,7 @@ impl TrustSet {
             roots_pem: bundle
                 .roots()
                 .iter()
-                .map(|r| crate::ca::generate::pem_encode("CERTIFICATE", r))
+                .map(|r| crate::primitives::pem_encode("CERTIFICATE", r))
                 .collect(),
         }
     }
@@ -98,7 +98,7 @@ pub fn union_pem(first: &str, second: &str) -> String {
     }
     for der in ders(second) {
         if !have.contains(&der) {
-            out.push_str(&crate::ca::generate::pem_encode("CERTIFICATE", &der));
+            out.push_str(&crate::primitives::pem_encode("CERTIFICATE", &der));
         }
     }
     out

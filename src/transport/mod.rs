@@ -3,6 +3,7 @@
 //! outlive `max_connection_age` + grace. HTTP/2 settings are applied by the
 //! caller through tonic's builder; this module owns what tonic lacks.
 
+pub mod args;
 pub mod coalesce;
 pub mod limits;
 pub mod rejects;
@@ -236,7 +237,7 @@ impl TlsConn {
     /// Sends everything written so far.
     fn release(&mut self, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         std::task::ready!(self.push_out(cx))?;
-        // Idle connections keep no buffer (issue 20: <= 64 KiB each).
+        // Idle connections keep no buffer, so 10k idle callers stay at or under 64 KiB each.
         self.out = Vec::new();
         // Held until TLS has flushed too: h2 already took this flush as done.
         std::task::ready!(Pin::new(&mut self.inner).poll_flush(cx))?;

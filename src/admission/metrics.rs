@@ -1,0 +1,89 @@
+//! Metric families of admission: sheds by reason, slots in use, waiters,
+//! and the sizing of the queue and of each connection's share.
+
+use std::sync::atomic::AtomicU64;
+use std::time::Duration;
+
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+
+use super::{AdmissionObserver, ShedReason};
+use crate::metrics::labels::RefusalLabels;
+
+#[derive(Debug, Default)]
+pub struct AdmissionMetrics {
+    pub shed: Family<RefusalLabels, Counter>,
+    pub running: Gauge,
+    pub queued: Gauge,
+    /// The sized bound of the queue (`decide::size`).
+    pub sized_queue: Gauge,
+    /// The sized share of streams in progress per connection.
+    pub streams_per_connection: Gauge,
+    /// Mean wall time of one signing job (CSR verify + sign).
+    pub service_seconds: Gauge<f64, AtomicU64>,
+}
+
+impl AdmissionMetrics {
+    pub fn register(registry: &mut Registry) -> Self {
+        let m = Self::default();
+        registry.register(
+            "meshca_admission_shed",
+            "Requests shed by admission before any signing work, by reason",
+            m.shed.clone(),
+        );
+        for r in ShedReason::ALL {
+            let _ = m.shed.get_or_create(&RefusalLabels { reason: r.reason() });
+        }
+        registry.register(
+            "meshca_admission_running",
+            "CSR verifications and signatures running",
+            m.running.clone(),
+        );
+        registry.register(
+            "meshca_admission_queued",
+            "Requests waiting for a signing slot",
+            m.queued.clone(),
+        );
+        registry.register(
+            "meshca_admission_sized_queue",
+            "Requests the admission queue holds at most now: what the signing threads can answer within the callers' typical deadline",
+            m.sized_queue.clone(),
+        );
+        registry.register(
+            "meshca_admission_streams_per_connection",
+            "Streams in progress one connection may have now (its share of the sized queue); more are refused before their message is read",
+            m.streams_per_connection.clone(),
+        );
+        registry.register(
+            "meshca_admission_service_seconds",
+            "Mean wall time of one signing job (CSR verify and sign) on a signing thread",
+            m.service_seconds.clone(),
+        );
+        m
+    }
+}
+
+impl AdmissionObserver for AdmissionMetrics {
+    fn shed(&self, reason: ShedReason) {
+        self.shed
+            .get_or_create(&RefusalLabels {
+                reason: reason.reason(),
+            })
+            .inc();
+    }
+
+    fn occupancy(&self, running: usize, queued: usize) {
+        self.running.set(running as i64);
+        self.queued.set(queued as i64);
+    }
+
+    fn sizing(&self, queued: usize, per_connection: usize, service: Option<Duration>) {
+        self.sized_queue.set(queued as i64);
+        self.streams_per_connection.set(per_connection as i64);
+        if let Some(t) = service {
+            self.service_seconds.set(t.as_secs_f64());
+        }
+    }
+}

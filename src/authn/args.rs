@@ -1,0 +1,163 @@
+//! Flags of local token verification (`authn::local`, `authn::jwks`).
+
+use std::time::Duration;
+
+use super::token::ReviewLimits;
+use crate::flags::{bounded_duration, err, ConfigError, MAX_PERIOD};
+
+/// How bearer tokens are verified (`--token-verification`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum TokenVerificationMode {
+    /// A TokenReview for every new token (istiod's behaviour).
+    #[default]
+    Review,
+    /// Locally only: nothing is sent to the API server per token.
+    Local,
+    /// Locally, and TokenReview for whatever local verification cannot decide.
+    LocalThenReview,
+}
+
+impl TokenVerificationMode {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Self::Review => "review",
+            Self::Local => "local",
+            Self::LocalThenReview => "local-then-review",
+        }
+    }
+    pub fn uses_local(&self) -> bool {
+        !matches!(self, Self::Review)
+    }
+}
+
+/// Flags of token verification.
+#[derive(Debug, Clone, clap::Args)]
+pub struct TokenVerificationArgs {
+    /// How bearer tokens are verified: `review` (a TokenReview per new token,
+    /// as istiod), `local` (signature against the issuer's keys from the API
+    /// server's OIDC discovery, claims, and the bound pod in the pod index;
+    /// nothing sent per token), or `local-then-review` (local, and a
+    /// TokenReview for what local verification cannot decide: unknown issuer
+    /// or key, pod not in the index, index not synced).
+    #[arg(long, env = "MESHCA_TOKEN_VERIFICATION", value_enum, default_value_t = TokenVerificationMode::Review)]
+    pub token_verification: TokenVerificationMode,
+    /// Refuse tokens that are not bound to a pod (any verification mode).
+    #[arg(long, env = "MESHCA_TOKEN_REQUIRE_POD_BINDING", default_value_t = false, action = clap::ArgAction::Set)]
+    pub token_require_pod_binding: bool,
+    /// Periodic refresh of the issuer's keys.
+    #[arg(long, env = "MESHCA_JWKS_REFRESH_INTERVAL", default_value = "10m")]
+    pub jwks_refresh_interval: String,
+    /// Fewest time between two key fetches (an unknown `kid` triggers one).
+    #[arg(long, env = "MESHCA_JWKS_MIN_REFRESH_INTERVAL", default_value = "30s")]
+    pub jwks_min_refresh_interval: String,
+}
+
+/// Parsed [`TokenVerificationArgs`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TokenVerification {
+    pub mode: TokenVerificationMode,
+    pub require_pod_binding: bool,
+    pub refresh: super::jwks::RefreshPolicy,
+}
+
+impl Default for TokenVerification {
+    fn default() -> Self {
+        Self {
+            mode: TokenVerificationMode::Review,
+            require_pod_binding: false,
+            refresh: Default::default(),
+        }
+    }
+}
+
+impl TokenVerificationArgs {
+    pub fn parse(&self, fetch_timeout: Duration) -> Result<TokenVerification, ConfigError> {
+        let interval = bounded_duration(
+            "MESHCA_JWKS_REFRESH_INTERVAL",
+            &self.jwks_refresh_interval,
+            false,
+            MAX_PERIOD,
+        )?;
+        let min_interval = bounded_duration(
+            "MESHCA_JWKS_MIN_REFRESH_INTERVAL",
+            &self.jwks_min_refresh_interval,
+            false,
+            MAX_PERIOD,
+        )?;
+        if min_interval > interval {
+            return Err(err(
+                "MESHCA_JWKS_MIN_REFRESH_INTERVAL",
+                &self.jwks_min_refresh_interval,
+                "must not exceed MESHCA_JWKS_REFRESH_INTERVAL",
+            ));
+        }
+        Ok(TokenVerification {
+            mode: self.token_verification,
+            require_pod_binding: self.token_require_pod_binding,
+            refresh: super::jwks::RefreshPolicy {
+                interval,
+                min_interval,
+                timeout: fetch_timeout,
+            },
+        })
+    }
+}
+
+/// Flags of the TokenReview budget and the cache of rejected tokens.
+#[derive(Debug, Clone, clap::Args)]
+pub struct TokenReviewArgs {
+    /// Sustained TokenReviews per second meshca may send to the API server.
+    #[arg(long, env = "MESHCA_TOKENREVIEW_QPS", default_value_t = ReviewLimits::default().qps)]
+    pub tokenreview_qps: u32,
+    /// TokenReviews meshca may send at once after a quiet period.
+    #[arg(long, env = "MESHCA_TOKENREVIEW_BURST", default_value_t = ReviewLimits::default().burst)]
+    pub tokenreview_burst: u32,
+    /// TokenReviews outstanding at the API server at once.
+    #[arg(long, env = "MESHCA_TOKENREVIEW_MAX_INFLIGHT", default_value_t = ReviewLimits::default().max_inflight)]
+    pub tokenreview_max_inflight: u32,
+    /// Longest a request waits for the TokenReview budget before it is refused (Unavailable).
+    #[arg(long, env = "MESHCA_TOKENREVIEW_MAX_WAIT", default_value = "1s")]
+    pub tokenreview_max_wait: String,
+    /// How long a token the API server rejected is refused without a new review (0s disables).
+    #[arg(long, env = "MESHCA_TOKEN_NEGATIVE_CACHE_TTL", default_value = "10s")]
+    pub token_negative_cache_ttl: String,
+    /// Most rejected tokens remembered at once.
+    #[arg(long, env = "MESHCA_TOKEN_NEGATIVE_CACHE_SIZE", default_value_t = ReviewLimits::default().negative_max_entries)]
+    pub token_negative_cache_size: usize,
+}
+
+impl TokenReviewArgs {
+    /// The TokenReview budget, in-flight cap and negative cache.
+    pub fn parse(&self) -> Result<ReviewLimits, ConfigError> {
+        let positive = |name, v: u32| {
+            if v == 0 {
+                Err(err(name, "0", "must be positive"))
+            } else {
+                Ok(v)
+            }
+        };
+        // Bounded like every other duration: `Instant + d` must not overflow.
+        let duration = |name, v: &str| bounded_duration(name, v, true, MAX_PERIOD);
+        if self.token_negative_cache_size == 0 {
+            return Err(err(
+                "MESHCA_TOKEN_NEGATIVE_CACHE_SIZE",
+                "0",
+                "must be positive (MESHCA_TOKEN_NEGATIVE_CACHE_TTL=0s disables the cache)",
+            ));
+        }
+        Ok(ReviewLimits {
+            qps: positive("MESHCA_TOKENREVIEW_QPS", self.tokenreview_qps)?,
+            burst: positive("MESHCA_TOKENREVIEW_BURST", self.tokenreview_burst)?,
+            max_inflight: positive(
+                "MESHCA_TOKENREVIEW_MAX_INFLIGHT",
+                self.tokenreview_max_inflight,
+            )?,
+            max_wait: duration("MESHCA_TOKENREVIEW_MAX_WAIT", &self.tokenreview_max_wait)?,
+            negative_ttl: duration(
+                "MESHCA_TOKEN_NEGATIVE_CACHE_TTL",
+                &self.token_negative_cache_ttl,
+            )?,
+            negative_max_entries: self.token_negative_cache_size,
+        })
+    }
+}

@@ -1,0 +1,67 @@
+//! Small primitives every domain may use: SHA-256, PEM text and a lock that
+//! survives poisoning. This module imports nothing from the crate, so any
+//! module can depend on it without tying the import graph into a circle.
+
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+/// SHA-256 of `data`.
+pub fn sha256(data: &[u8]) -> [u8; 32] {
+    let d = aws_lc_rs::digest::digest(&aws_lc_rs::digest::SHA256, data);
+    let mut out = [0u8; 32];
+    out.copy_from_slice(d.as_ref());
+    out
+}
+
+/// PEM-encodes one DER object with 64-column lines and `\n` endings.
+pub fn pem_encode(label: &str, der: &[u8]) -> String {
+    use base64::Engine;
+    let b64 = base64::engine::general_purpose::STANDARD.encode(der);
+    let mut out = format!("-----BEGIN {label}-----\n");
+    for chunk in b64.as_bytes().chunks(64) {
+        out.push_str(std::str::from_utf8(chunk).unwrap_or_default());
+        out.push('\n');
+    }
+    out.push_str(&format!("-----END {label}-----\n"));
+    out
+}
+
+/// Locks `m`, taking the data even when a thread panicked while holding it:
+/// one panic must not make every later caller panic too.
+pub fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sha256_of_the_empty_string() {
+        assert_eq!(
+            hex::encode(sha256(b"")),
+            "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
+        );
+    }
+
+    #[test]
+    fn pem_lines_are_64_columns() {
+        let pem = pem_encode("X", &[0u8; 100]);
+        let lines: Vec<&str> = pem.lines().collect();
+        assert_eq!(lines[0], "-----BEGIN X-----");
+        assert_eq!(lines[1].len(), 64);
+        assert_eq!(*lines.last().unwrap(), "-----END X-----");
+    }
+
+    #[test]
+    fn a_poisoned_lock_still_yields_its_data() {
+        let m = std::sync::Arc::new(Mutex::new(7));
+        let m2 = m.clone();
+        let _ = std::thread::spawn(move || {
+            let _g = m2.lock().unwrap();
+            panic!("poison it");
+        })
+        .join();
+        assert!(m.is_poisoned());
+        assert_eq!(*lock(&m), 7);
+    }
+}
