@@ -24,8 +24,8 @@ use crate::config::Config;
 use crate::grpc::{self, CaService};
 use crate::identity::{SpiffeId, TrustDomain};
 use crate::issue::CertificateIssuer;
-use crate::metrics::Metrics;
 use crate::podindex::PodIndex;
+use crate::telemetry::Metrics;
 use crate::tls::ServingTls;
 
 /// Pluggable collaborators (Kubernetes-backed in production, fakes in unit tests).
@@ -141,7 +141,7 @@ impl App {
                 )
                 .context("opening the CA rotation state")?
                 .with_audit(audit.sink.clone())
-                .with_metrics(metrics.clone()),
+                .with_metrics(metrics.rotation.clone(), metrics.ca.clone()),
             );
             background.push(start_rotation(rotation, cfg.reload_poll).await?);
         }
@@ -197,7 +197,7 @@ impl App {
             tokens: deps.tokens,
             node_authz: deps.node_authz,
             audit,
-            metrics: Some(metrics.clone()),
+            metrics: Some(metrics.issue_metrics()),
             admission: Some(Arc::new(crate::admission::Admission::new(
                 cfg.admission,
                 Some(metrics.admission.clone()),
@@ -226,7 +226,7 @@ impl App {
             listener,
             tls.clone(),
             &cfg.transport,
-            Some(metrics.clone()),
+            Some(metrics.transport.clone()),
             Some(handshake_rejects.clone()),
             Some(aggregator.clone()),
         );
@@ -235,7 +235,7 @@ impl App {
         background.push(tokio::spawn(
             custody
                 .clone()
-                .watch(cfg.reload_poll, Some(metrics.clone())),
+                .watch(cfg.reload_poll, Some(metrics.ca.clone())),
         ));
         // Time-based checkpoints are written by the audit writer thread.
         background.push(tokio::spawn(tls.clone().follow(ca.clone())));
@@ -249,10 +249,14 @@ impl App {
             clusters: kube.clusters.clone(),
             max_index_staleness: cfg.kill_switch.renewal.max_index_staleness,
         };
-        let (admin_addr, admin) =
-            crate::http::bind(cfg.admin_listen, health, cfg.admin, Some(metrics.clone()))
-                .await
-                .with_context(|| format!("binding {}", cfg.admin_listen))?;
+        let (admin_addr, admin) = crate::http::bind(
+            cfg.admin_listen,
+            health,
+            cfg.admin,
+            Some(metrics.transport.clone()),
+        )
+        .await
+        .with_context(|| format!("binding {}", cfg.admin_listen))?;
         background.push(admin);
         tracing::info!(%addr, ca = ca.snapshot().source(), signer = %custody.snapshot().signer().describe(), two_tier = cfg.custody.issuing_ttl.is_some(), trust_domain = %cfg.trust_domain, "meshca serving IstioCertificateService");
         Ok(Self {
@@ -467,7 +471,7 @@ async fn start_signing_ca(
                 custody.clone(),
                 ttl,
                 audit.clone(),
-                Some(metrics.clone()),
+                Some(metrics.ca.clone()),
             )
             .await
             .context("making the first issuing CA")?;
@@ -537,7 +541,8 @@ impl KubeStep {
         // impersonations to it.
         let factory = Arc::new(crate::cluster::ClusterFactory {
             settings: cfg.cluster_settings(),
-            metrics: metrics.clone(),
+            token_reviews: metrics.token_reviews.clone(),
+            token_paths: metrics.token_paths.clone(),
         });
         let (local, tasks) = factory.build(
             &cfg.cluster_id,
@@ -554,7 +559,7 @@ impl KubeStep {
             local,
             kube.token_verification.mode,
             remote.is_some(),
-            Some(metrics.clone()),
+            Some(metrics.clusters.clone()),
         ));
         if let Some(settings) = remote {
             background.push(tokio::spawn(crate::cluster::secrets::run(
@@ -615,7 +620,7 @@ fn start_kill_switch(
         kube.pod_index.clone(),
         kube.clusters.clone(),
         audit.sink.clone(),
-        metrics.clone(),
+        metrics.kill_switch.clone(),
     )?;
     background.extend(kill_switch.tasks);
     if let (Some(settings), Some(client), Some(index)) =
@@ -631,7 +636,7 @@ fn start_kill_switch(
                 max_index_staleness: cfg.kill_switch.renewal.max_index_staleness,
                 denylist: kill_switch.guards.denylist.clone(),
                 audit: audit.sink.clone(),
-                metrics: metrics.clone(),
+                metrics: metrics.pod_certificates.clone(),
             },
         ));
     }
@@ -668,7 +673,7 @@ fn spawn_grpc(
         builder
             .layer(grpc::RequestGateLayer::new(
                 t,
-                Some(metrics.clone()),
+                Some(metrics.transport.clone()),
                 Some(aggregator.clone()),
             ))
             .add_service(CaService::with_limits(issuer, cfg.input).into_server())

@@ -507,7 +507,7 @@ impl Drop for AuditGuard {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::metrics::Metrics;
+    use crate::telemetry::Metrics;
 
     #[test]
     fn a_dropped_request_is_recorded_once_as_abandoned() {
