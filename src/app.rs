@@ -429,12 +429,12 @@ impl AuditStep {
                 let mut observer = None;
                 if let Some((client, settings)) = anchor_to {
                     let public = sink.verify_key().map(|k| (k.key_id(), k.to_pem()));
-                    metrics.enable_anchor(settings.interval);
+                    metrics.audit.enable_anchor(settings.interval);
                     let (anchor, task) = crate::audit::anchor::KubeAnchor::spawn(
                         client,
                         settings,
                         public,
-                        Some(metrics.clone()),
+                        Some(metrics.audit.clone()),
                     );
                     observer = Some(anchor as Arc<dyn crate::audit::writer::CheckpointObserver>);
                     anchor_task = Some(task);

@@ -1,18 +1,17 @@
 //! The wiring's aggregate of every metric family: one registry, istiod's
-//! `citadel_server_*` counters, and each domain's own metrics value
-//! (registered by the domain's `register`, in the order the exposition has
-//! always had). Domains take only their own value; the aggregate reports
-//! requests and audit outcomes through the observer traits
-//! (`outcome::OutcomeObserver`, `audit::anchor::AnchorMetrics`). istiod's
-//! exporter drops the `_total` suffix from counters; prometheus-client
-//! always appends it (OpenMetrics), so the citadel block is written by hand
-//! in the Prometheus text format and meshca's own families come from the
-//! prometheus-client registry.
+//! `citadel_server_*` counters, and each domain's own metrics value,
+//! registered by the domain's `register` in the order the exposition has
+//! always had. Domains take only their own value; the audit writer and the
+//! use case report request outcomes through `outcome::OutcomeObserver`,
+//! which this aggregate implements. istiod's exporter drops the `_total`
+//! suffix from counters; prometheus-client always appends it
+//! (OpenMetrics), so the citadel block is written by hand in the Prometheus
+//! text format and meshca's own families come from the prometheus-client
+//! registry.
 
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -20,13 +19,13 @@ use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
 use crate::admission::metrics::AdmissionMetrics;
+use crate::audit::metrics::AuditMetrics;
 use crate::authn::metrics::{TokenPathMetrics, TokenReviewMetrics};
 use crate::ca::metrics::CaMetrics;
 use crate::cluster::metrics::ClusterMetrics;
 pub use crate::metrics::Snapshot;
 use crate::metrics::{
-    Citadel, Decision, DecisionLabels, ErrorClass, LatencyLabels, NodeRefusalMetrics,
-    RefusalLabels, ResultLabels,
+    Citadel, Decision, DecisionLabels, ErrorClass, LatencyLabels, NodeRefusalMetrics, ResultLabels,
 };
 use crate::outcome::OutcomeObserver;
 use crate::podcert::metrics::PodCertMetrics;
@@ -62,13 +61,8 @@ pub struct Metrics {
     pub tokenreviews: Family<ResultLabels, Counter>,
     /// CA material reloads.
     pub ca: Arc<CaMetrics>,
-    pub audit_write_errors: Counter,
-    /// Requests refused because the audit writer could not take their record.
-    pub audit_shed: Family<RefusalLabels, Counter>,
-    /// Attempts at writing an audit anchor: `written`, or the error's reason.
-    pub audit_anchor_writes: Family<ResultLabels, Counter>,
-    /// Periodic checkpoints a newer one replaced before they were anchored.
-    pub audit_anchor_coalesced: Counter,
+    /// The audit writer's failures and sheds, and the anchor writer.
+    pub audit: Arc<AuditMetrics>,
     /// Transport limits and rejected handshakes.
     pub transport: Arc<TransportMetrics>,
     /// Admission in front of signing: sheds by reason, slots in use, waiters.
@@ -85,8 +79,6 @@ pub struct Metrics {
     pub pod_certificates: Arc<PodCertMetrics>,
     /// Security refusals of callers on a known node, by node.
     pub node_refusals: NodeRefusalMetrics,
-    /// Checkpoints anchored in Kubernetes (rendered only when anchoring is on).
-    pub anchor: AnchorStats,
     registry: Registry,
 }
 
@@ -102,39 +94,15 @@ impl OutcomeObserver for Metrics {
     }
 
     fn audit_write_error(&self) {
-        self.audit_write_errors.inc();
+        self.audit.audit_write_errors.inc();
     }
 
     fn audit_shed(&self, reason: &'static str) {
-        self.audit_shed
-            .get_or_create(&RefusalLabels { reason })
-            .inc();
+        self.audit.shed(reason);
     }
 
     fn node_refusal(&self, reason: &'static str, node: &str) {
         self.node_refusals.count(reason, node);
-    }
-}
-
-impl crate::audit::anchor::AnchorMetrics for Metrics {
-    fn anchor_written(&self, failed: Option<&'static str>) {
-        self.audit_anchor_writes
-            .get_or_create(&ResultLabels {
-                result: failed.unwrap_or("written").into(),
-            })
-            .inc();
-    }
-
-    fn anchor_coalesced(&self, n: u64) {
-        self.audit_anchor_coalesced.inc_by(n);
-    }
-
-    fn anchor_pending(&self, since: Option<std::time::SystemTime>) {
-        let unix = since.map_or(0, |t| {
-            t.duration_since(std::time::UNIX_EPOCH)
-                .map_or(1, |d| d.as_secs().max(1))
-        });
-        self.anchor.uncovered_since.store(unix, Ordering::Relaxed);
     }
 }
 
@@ -163,33 +131,7 @@ impl Metrics {
         );
         let token_reviews = Arc::new(TokenReviewMetrics::register(&mut registry));
         let ca = Arc::new(CaMetrics::register(&mut registry));
-        let audit_write_errors = Counter::default();
-        registry.register(
-            "meshca_audit_write_errors",
-            "Audit records that could not be written",
-            audit_write_errors.clone(),
-        );
-        let audit_shed = Family::<RefusalLabels, Counter>::default();
-        registry.register(
-            "meshca_audit_shed",
-            "Requests refused because the audit writer could not take their record, by reason",
-            audit_shed.clone(),
-        );
-        for r in crate::audit::writer::SHED_REASONS {
-            let _ = audit_shed.get_or_create(&RefusalLabels { reason: r });
-        }
-        let audit_anchor_writes = Family::<ResultLabels, Counter>::default();
-        registry.register(
-            "meshca_audit_anchor_writes",
-            "Attempts at writing an audit checkpoint anchor, by result (written, or the failure's reason)",
-            audit_anchor_writes.clone(),
-        );
-        let audit_anchor_coalesced = Counter::default();
-        registry.register(
-            "meshca_audit_anchor_coalesced",
-            "Periodic audit checkpoints not anchored because a newer one replaced them within the anchor interval",
-            audit_anchor_coalesced.clone(),
-        );
+        let audit = Arc::new(AuditMetrics::register(&mut registry));
         let transport = Arc::new(TransportMetrics::default());
         transport.register_limits(&mut registry);
         let admission = Arc::new(AdmissionMetrics::register(&mut registry));
@@ -205,7 +147,6 @@ impl Metrics {
             rotation,
             pod_certificates,
             node_refusals,
-            anchor: AnchorStats::default(),
             admission,
             kill_switch,
             token_paths,
@@ -216,10 +157,7 @@ impl Metrics {
             tokenreviews: token_reviews.tokenreviews.clone(),
             token_reviews,
             ca,
-            audit_write_errors,
-            audit_shed,
-            audit_anchor_writes,
-            audit_anchor_coalesced,
+            audit,
             registry,
         }
     }
@@ -397,7 +335,7 @@ impl Metrics {
                 next_update,
             );
         }
-        self.anchor.render(&mut out, now_unix);
+        self.audit.render_anchor(&mut out, now_unix);
         if let Some((hits, misses)) = snap.token_cache {
             let _ = writeln!(out, "# HELP meshca_token_cache_requests_total TokenReview cache lookups.\n# TYPE meshca_token_cache_requests_total counter\nmeshca_token_cache_requests_total{{result=\"hit\"}} {hits}\nmeshca_token_cache_requests_total{{result=\"miss\"}} {misses}");
             let ratio = if hits + misses == 0 {
@@ -523,54 +461,11 @@ mod cluster_tests {
     }
 }
 
-/// The anchor writer's state, exported at scrape time once anchoring is on
-/// ([`Metrics::enable_anchor`]). Its write and coalesce counters are
-/// registry families beside the other audit metrics.
-#[derive(Debug, Default)]
-pub struct AnchorStats {
-    /// `--audit-anchor-interval` in milliseconds (0: anchoring is off).
-    interval_ms: AtomicU64,
-    /// Unix seconds when the oldest checkpoint that no written anchor
-    /// covers was handed to the anchor writer (0: every one is covered).
-    uncovered_since: AtomicU64,
-}
-
-impl AnchorStats {
-    fn render(&self, out: &mut String, now_unix: i64) {
-        let interval_ms = self.interval_ms.load(Ordering::Relaxed);
-        if interval_ms == 0 {
-            return;
-        }
-        let interval = interval_ms as f64 / 1000.0;
-        let _ = writeln!(out, "# HELP meshca_audit_anchor_interval_seconds At most one periodic checkpoint is anchored this often (MESHCA_AUDIT_ANCHOR_INTERVAL): a checkpoint may wait this long to be anchored.\n# TYPE meshca_audit_anchor_interval_seconds gauge\nmeshca_audit_anchor_interval_seconds {interval}");
-        let since = self.uncovered_since.load(Ordering::Relaxed);
-        let pending = if since == 0 {
-            0
-        } else {
-            (now_unix - i64::try_from(since).unwrap_or(now_unix)).max(0)
-        };
-        let _ = writeln!(out, "# HELP meshca_audit_anchor_pending_seconds How long the oldest audit checkpoint that no written anchor covers has waited (0: all are anchored); up to meshca_audit_anchor_interval_seconds is normal.\n# TYPE meshca_audit_anchor_pending_seconds gauge\nmeshca_audit_anchor_pending_seconds {pending}");
-    }
-}
-
-impl Metrics {
-    /// Anchoring is on: export its gauges, and every write result from zero
-    /// so that a rate sees the first failure.
-    pub fn enable_anchor(&self, interval: Duration) {
-        for result in crate::audit::anchor::WRITE_RESULTS {
-            let _ = self.audit_anchor_writes.get_or_create(&ResultLabels {
-                result: result.into(),
-            });
-        }
-        let ms = u64::try_from(interval.as_millis()).unwrap_or(u64::MAX);
-        self.anchor.interval_ms.store(ms.max(1), Ordering::Relaxed);
-    }
-}
-
 #[cfg(test)]
 mod ops_tests {
     use super::*;
     use crate::metrics::{MAX_NODE_LABELS, OVERFLOW_NODE};
+    use std::time::Duration;
 
     #[test]
     fn node_label_is_bounded() {
@@ -603,9 +498,9 @@ mod ops_tests {
         let off = m.render(&Snapshot::default(), 100);
         assert!(!off.contains("meshca_audit_anchor_pending_seconds"));
         assert!(!off.contains("meshca_audit_anchor_writes_total{"));
-        m.enable_anchor(Duration::from_secs(60));
-        m.anchor_pending(at(100));
-        m.anchor_written(Some("audit_anchor_write_failed"));
+        m.audit.enable_anchor(Duration::from_secs(60));
+        m.audit.anchor_pending(at(100));
+        m.audit.anchor_written(Some("audit_anchor_write_failed"));
         let text = m.render(&Snapshot::default(), 400);
         for line in [
             "meshca_audit_anchor_interval_seconds 60",
@@ -619,9 +514,9 @@ mod ops_tests {
                 "missing {line:?} in\n{text}"
             );
         }
-        m.anchor_written(None);
-        m.anchor_pending(None);
-        m.anchor_coalesced(3);
+        m.audit.anchor_written(None);
+        m.audit.anchor_pending(None);
+        m.audit.anchor_coalesced(3);
         let text = m.render(&Snapshot::default(), 500);
         for line in [
             "meshca_audit_anchor_pending_seconds 0",
