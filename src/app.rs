@@ -24,8 +24,8 @@ use crate::config::Config;
 use crate::grpc::{self, CaService};
 use crate::identity::{SpiffeId, TrustDomain};
 use crate::issue::CertificateIssuer;
-use crate::metrics::Metrics;
 use crate::podindex::PodIndex;
+use crate::telemetry::Metrics;
 use crate::tls::ServingTls;
 
 /// Pluggable collaborators (Kubernetes-backed in production, fakes in unit tests).
@@ -141,7 +141,7 @@ impl App {
                 )
                 .context("opening the CA rotation state")?
                 .with_audit(audit.sink.clone())
-                .with_metrics(metrics.clone()),
+                .with_metrics(metrics.rotation.clone(), metrics.ca.clone()),
             );
             background.push(start_rotation(rotation, cfg.reload_poll).await?);
         }
@@ -200,7 +200,7 @@ impl App {
             tokens: deps.tokens,
             node_authz: deps.node_authz,
             audit,
-            metrics: Some(metrics.clone()),
+            metrics: Some(metrics.issue_metrics()),
             admission: Some(Arc::new(crate::admission::Admission::new(
                 admission_cfg,
                 Some(metrics.admission.clone()),
@@ -229,7 +229,7 @@ impl App {
             listener,
             tls.clone(),
             &cfg.transport,
-            Some(metrics.clone()),
+            Some(metrics.transport.clone()),
             Some(handshake_rejects.clone()),
             Some(aggregator.clone()),
         );
@@ -238,7 +238,7 @@ impl App {
         background.push(tokio::spawn(
             custody
                 .clone()
-                .watch(cfg.reload_poll, Some(metrics.clone())),
+                .watch(cfg.reload_poll, Some(metrics.ca.clone())),
         ));
         // Time-based checkpoints are written by the audit writer thread.
         background.push(tokio::spawn(tls.clone().follow(ca.clone())));
@@ -252,10 +252,14 @@ impl App {
             clusters: kube.clusters.clone(),
             max_index_staleness: cfg.kill_switch.renewal.max_index_staleness,
         };
-        let (admin_addr, admin) =
-            crate::http::bind(cfg.admin_listen, health, cfg.admin, Some(metrics.clone()))
-                .await
-                .with_context(|| format!("binding {}", cfg.admin_listen))?;
+        let (admin_addr, admin) = crate::http::bind(
+            cfg.admin_listen,
+            health,
+            cfg.admin,
+            Some(metrics.transport.clone()),
+        )
+        .await
+        .with_context(|| format!("binding {}", cfg.admin_listen))?;
         background.push(admin);
         tracing::info!(%addr, ca = ca.snapshot().source(), signer = %custody.snapshot().signer().describe(), two_tier = cfg.custody.issuing_ttl.is_some(), trust_domain = %cfg.trust_domain, "meshca serving IstioCertificateService");
         Ok(Self {
@@ -428,12 +432,12 @@ impl AuditStep {
                 let mut observer = None;
                 if let Some((client, settings)) = anchor_to {
                     let public = sink.verify_key().map(|k| (k.key_id(), k.to_pem()));
-                    metrics.enable_anchor(settings.interval);
+                    metrics.audit.enable_anchor(settings.interval);
                     let (anchor, task) = crate::audit::anchor::KubeAnchor::spawn(
                         client,
                         settings,
                         public,
-                        Some(metrics.clone()),
+                        Some(metrics.audit.clone()),
                     );
                     observer = Some(anchor as Arc<dyn crate::audit::writer::CheckpointObserver>);
                     anchor_task = Some(task);
@@ -470,7 +474,7 @@ async fn start_signing_ca(
                 custody.clone(),
                 ttl,
                 audit.clone(),
-                Some(metrics.clone()),
+                Some(metrics.ca.clone()),
             )
             .await
             .context("making the first issuing CA")?;
@@ -540,7 +544,8 @@ impl KubeStep {
         // impersonations to it.
         let factory = Arc::new(crate::cluster::ClusterFactory {
             settings: cfg.cluster_settings(),
-            metrics: metrics.clone(),
+            token_reviews: metrics.token_reviews.clone(),
+            token_paths: metrics.token_paths.clone(),
         });
         let (local, tasks) = factory.build(
             &cfg.cluster_id,
@@ -557,7 +562,7 @@ impl KubeStep {
             local,
             kube.token_verification.mode,
             remote.is_some(),
-            Some(metrics.clone()),
+            Some(metrics.clusters.clone()),
         ));
         if let Some(settings) = remote {
             background.push(tokio::spawn(crate::cluster::secrets::run(
@@ -618,7 +623,7 @@ fn start_kill_switch(
         kube.pod_index.clone(),
         kube.clusters.clone(),
         audit.sink.clone(),
-        metrics.clone(),
+        metrics.kill_switch.clone(),
     )?;
     background.extend(kill_switch.tasks);
     if let (Some(settings), Some(client), Some(index)) =
@@ -634,7 +639,7 @@ fn start_kill_switch(
                 max_index_staleness: cfg.kill_switch.renewal.max_index_staleness,
                 denylist: kill_switch.guards.denylist.clone(),
                 audit: audit.sink.clone(),
-                metrics: metrics.clone(),
+                metrics: metrics.pod_certificates.clone(),
             },
         ));
     }
@@ -655,7 +660,8 @@ fn spawn_grpc(
     stop: oneshot::Receiver<()>,
 ) -> JoinHandle<Result<(), tonic::transport::Error>> {
     let t = &cfg.transport;
-    let mut gate = grpc::RequestGateLayer::new(t, Some(metrics.clone()), Some(aggregator.clone()));
+    let mut gate =
+        grpc::RequestGateLayer::new(t, Some(metrics.transport.clone()), Some(aggregator.clone()));
     if let Some(a) = &issuer.admission {
         // The gate enforces the per-connection share admission sizes.
         gate = gate.with_concurrency(a.concurrency());

@@ -27,9 +27,15 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use base64::Engine;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
 
 use crate::identity::{SpiffeId, TrustDomains};
-use crate::metrics::Metrics;
+use crate::metrics::SourceResultLabels;
+
+/// `meshca_denylist_reloads_total{source,result}`: registered with the
+/// kill switch's families (`revocation::metrics`), counted here.
+pub type ReloadCounter = Family<SourceResultLabels, Counter>;
 
 /// Data key of the denylist in its ConfigMap.
 pub const CONFIGMAP_KEY: &str = "denylist";
@@ -346,9 +352,13 @@ impl DenylistSettings {
 }
 
 /// What a reload did (for the log and `meshca_denylist_reloads_total`).
-fn reloaded(metrics: Option<&Metrics>, source: Source, result: &'static str) {
+fn reloaded(metrics: Option<&ReloadCounter>, source: Source, result: &'static str) {
     if let Some(m) = metrics {
-        m.denylist_reload(source.as_str(), result);
+        m.get_or_create(&SourceResultLabels {
+            source: source.as_str(),
+            result,
+        })
+        .inc();
     }
 }
 
@@ -365,7 +375,7 @@ pub async fn follow_file(
     path: PathBuf,
     poll: Duration,
     live: Arc<LiveDenylist>,
-    metrics: Option<Arc<Metrics>>,
+    metrics: Option<ReloadCounter>,
 ) {
     let mut last = std::fs::read(&path).ok();
     loop {
@@ -375,7 +385,7 @@ pub async fn follow_file(
             Err(e) => {
                 if last.is_some() {
                     tracing::warn!(file = %path.display(), error = %e, "denylist file unreadable; keeping the list in force");
-                    reloaded(metrics.as_deref(), Source::File, "unreadable");
+                    reloaded(metrics.as_ref(), Source::File, "unreadable");
                     last = None;
                 }
                 continue;
@@ -389,11 +399,11 @@ pub async fn follow_file(
             Ok(list) => {
                 tracing::info!(file = %path.display(), entries = list.len(), "denylist reloaded");
                 live.set(Source::File, list);
-                reloaded(metrics.as_deref(), Source::File, "ok");
+                reloaded(metrics.as_ref(), Source::File, "ok");
             }
             Err(e) => {
                 tracing::error!(file = %path.display(), reason = e.reason(), error = %e, "denylist refused; keeping the list in force");
-                reloaded(metrics.as_deref(), Source::File, "invalid");
+                reloaded(metrics.as_ref(), Source::File, "invalid");
             }
         }
     }
@@ -418,7 +428,7 @@ pub async fn follow_configmap(
     namespace: String,
     name: String,
     live: Arc<LiveDenylist>,
-    metrics: Option<Arc<Metrics>>,
+    metrics: Option<ReloadCounter>,
 ) {
     use futures::StreamExt;
     use k8s_openapi::api::core::v1::ConfigMap;
@@ -433,11 +443,11 @@ pub async fn follow_configmap(
         Ok(list) => {
             tracing::info!(configmap = %format!("{namespace}/{name}"), entries = list.len(), "denylist reloaded");
             live.set(Source::ConfigMap, list);
-            reloaded(metrics.as_deref(), Source::ConfigMap, "ok");
+            reloaded(metrics.as_ref(), Source::ConfigMap, "ok");
         }
         Err(e) => {
             tracing::error!(configmap = %format!("{namespace}/{name}"), reason = e.reason(), error = %e, "denylist refused; keeping the list in force");
-            reloaded(metrics.as_deref(), Source::ConfigMap, "invalid");
+            reloaded(metrics.as_ref(), Source::ConfigMap, "invalid");
         }
     };
     while let Some(event) = stream.next().await {
@@ -455,7 +465,7 @@ pub async fn follow_configmap(
             Ok(Event::Delete(_)) => {
                 tracing::info!(configmap = %format!("{namespace}/{name}"), "denylist ConfigMap deleted; its entries are lifted");
                 live.set(Source::ConfigMap, Denylist::default());
-                reloaded(metrics.as_deref(), Source::ConfigMap, "deleted");
+                reloaded(metrics.as_ref(), Source::ConfigMap, "deleted");
             }
             Err(e) => {
                 tracing::warn!(error = %e, "denylist ConfigMap watch error; retrying with backoff")

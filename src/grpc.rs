@@ -16,12 +16,12 @@ use tonic::{Request, Response, Status};
 use crate::authn::{AuthnError, Credentials};
 use crate::ca::TtlError;
 use crate::issue::{CertificateIssuer, IssueError, IssueRequest, RequestError};
-use crate::metrics::Metrics;
 use crate::proto::istio_certificate_service_server::{
     IstioCertificateService, IstioCertificateServiceServer,
 };
 use crate::proto::{IstioCertificateRequest, IstioCertificateResponse};
 use crate::transport::limits::{admit_request, canonical_ip, RequestAdmission, RequestCaps};
+use crate::transport::metrics::TransportMetrics;
 pub use crate::transport::{ConnInfo, InputLimits, Refusal, TransportLimits};
 
 /// Metadata key a node proxy uses to ask for another workload's identity.
@@ -301,7 +301,7 @@ struct RequestGate {
     per_ip: std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, Arc<Semaphore>>>,
     queued: AtomicUsize,
     timeout: Duration,
-    metrics: Option<Arc<Metrics>>,
+    metrics: Option<Arc<TransportMetrics>>,
     /// Refusals are folded here per source address for the audit log.
     aggregator: Option<Arc<crate::audit::aggregate::Aggregator>>,
     /// The sized share of streams in progress per connection (admission).
@@ -311,7 +311,7 @@ struct RequestGate {
 impl RequestGateLayer {
     pub fn new(
         limits: &TransportLimits,
-        metrics: Option<Arc<Metrics>>,
+        metrics: Option<Arc<TransportMetrics>>,
         aggregator: Option<Arc<crate::audit::aggregate::Aggregator>>,
     ) -> Self {
         Self {

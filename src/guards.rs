@@ -17,9 +17,9 @@ use crate::denylist::{LiveDenylist, Source};
 use crate::flags::{bounded_duration, configmap_flag, err, ConfigError, MAX_PERIOD, MAX_TTL_LIMIT};
 use crate::identity::TrustDomains;
 use crate::issue::IssueGuards;
-use crate::metrics::Metrics;
 use crate::podindex::PodIndex;
 use crate::renewal::RenewalGuard;
+use crate::revocation::metrics::KillSwitchMetrics;
 use crate::revocation::LiveRevocations;
 
 /// Bounded mTLS renewal, the denylist and revocation.
@@ -188,7 +188,7 @@ pub fn start(
     pod_index: Option<Arc<PodIndex>>,
     registry: Option<Arc<crate::cluster::ClusterRegistry>>,
     audit: Arc<dyn AuditSink>,
-    metrics: Arc<Metrics>,
+    metrics: Arc<KillSwitchMetrics>,
 ) -> anyhow::Result<Started> {
     let ks = &from.kill_switch;
     let mut tasks = Vec::new();
@@ -216,7 +216,7 @@ pub fn start(
                 path.clone(),
                 ks.denylist.poll,
                 live.clone(),
-                Some(metrics.clone()),
+                Some(metrics.denylist_reloads.clone()),
             )));
         }
         if let Some((ns, name)) = &ks.denylist.configmap {
@@ -228,7 +228,7 @@ pub fn start(
                 ns.clone(),
                 name.clone(),
                 live.clone(),
-                Some(metrics.clone()),
+                Some(metrics.denylist_reloads.clone()),
             )));
         }
         Some(live)

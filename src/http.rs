@@ -20,9 +20,16 @@ use x509_parser::prelude::FromDer;
 
 use crate::authn::token::KubeTokenAuthenticator;
 use crate::ca::CaStore;
-use crate::metrics::{Metrics, Snapshot};
+use crate::metrics::Snapshot;
 use crate::podindex::PodIndex;
+use crate::transport::metrics::TransportMetrics;
 use crate::transport::{AdminLimits, ConnTracker, Pool, Refusal};
+
+/// What `/metrics` serves: the Prometheus text exposition of every metric,
+/// with the values read at scrape time.
+pub trait Exposition: Send + Sync + std::fmt::Debug {
+    fn render(&self, snap: &Snapshot, now_unix: i64) -> String;
+}
 
 /// What readiness depends on.
 #[derive(Debug, Clone)]
@@ -33,7 +40,7 @@ pub struct Health {
     pub custody: Arc<CaStore>,
     /// Present when impersonation is served from a pod index.
     pub index: Option<Arc<PodIndex>>,
-    pub metrics: Arc<Metrics>,
+    pub metrics: Arc<dyn Exposition>,
     pub token_reviewer: Option<Arc<KubeTokenAuthenticator>>,
     /// The CRL in force, served at `/ca-crl.pem` when revocation is on.
     pub crl: Option<Arc<crate::revocation::LiveRevocations>>,
@@ -150,7 +157,7 @@ pub async fn bind(
     addr: SocketAddr,
     health: Health,
     limits: AdminLimits,
-    metrics: Option<Arc<Metrics>>,
+    metrics: Option<Arc<TransportMetrics>>,
 ) -> std::io::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
     let listener = TcpListener::bind(addr).await?;
     let local = listener.local_addr()?;

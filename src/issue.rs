@@ -11,7 +11,10 @@ use crate::audit::{AuditError, AuditGuard, AuditRefusal, AuditSink};
 use crate::authn::{self, AuthnError, Credentials, TokenAuthenticator};
 use crate::authz::{ImpersonationError, NodeAuthorizer};
 use crate::ca::{csr, ttl, CaStore, CsrError, CsrPolicy, SignError, TtlError, TtlPolicy};
-use crate::metrics::{ErrorClass, Metrics};
+use crate::cluster::metrics::ClusterMetrics;
+use crate::metrics::ErrorClass;
+use crate::outcome::OutcomeObserver;
+use crate::revocation::metrics::KillSwitchMetrics;
 
 /// A decoded request.
 #[derive(Debug, Clone, Default)]
@@ -125,6 +128,16 @@ impl IssueError {
     }
 }
 
+/// What the use case reports to: each request's outcome (istiod's
+/// counters, latency, audit sheds, node refusals), the caller's cluster,
+/// and denylist hits.
+#[derive(Debug, Clone)]
+pub struct IssueMetrics {
+    pub outcomes: Arc<dyn OutcomeObserver>,
+    pub clusters: Arc<ClusterMetrics>,
+    pub kill_switch: Arc<KillSwitchMetrics>,
+}
+
 /// The wiring of one CA server.
 #[derive(Debug, Clone)]
 pub struct CertificateIssuer {
@@ -134,7 +147,7 @@ pub struct CertificateIssuer {
     pub tokens: Option<Arc<dyn TokenAuthenticator>>,
     pub node_authz: Option<Arc<dyn NodeAuthorizer>>,
     pub audit: Arc<dyn AuditSink>,
-    pub metrics: Option<Arc<Metrics>>,
+    pub metrics: Option<IssueMetrics>,
     /// Admission in front of signing; `None` admits everything at once.
     pub admission: Option<Arc<Admission>>,
     /// Bounded renewal, denylist and revocation checks: the kill switch
@@ -284,7 +297,7 @@ impl CertificateIssuer {
     ) -> Result<Vec<String>, IssueError> {
         let mut audit = AuditGuard::new(
             self.audit.clone(),
-            self.metrics.clone().map(|m| m as _),
+            self.metrics.as_ref().map(|m| m.outcomes.clone()),
             creds.peer_addr,
         );
         // The claimed cluster until authentication names the verified one.
@@ -717,7 +730,7 @@ mod tests {
         let mut reasons = std::collections::BTreeSet::new();
         for denial in every_denial() {
             let sink = Arc::new(MemorySink::default());
-            let metrics = Arc::new(Metrics::new());
+            let metrics = Arc::new(crate::telemetry::Metrics::new());
             let issuer = CertificateIssuer {
                 ca: ca.clone(),
                 ttl: TtlPolicy::default(),
@@ -725,7 +738,7 @@ mod tests {
                 tokens: None,
                 node_authz: Some(Arc::new(Fixed(denial.clone()))),
                 audit: sink.clone(),
-                metrics: Some(metrics.clone()),
+                metrics: Some(metrics.issue_metrics()),
                 admission: None,
                 guards: Default::default(),
             };

@@ -35,6 +35,7 @@ pub mod revocation;
 pub mod rootpub;
 pub mod rotation;
 pub mod table;
+pub mod telemetry;
 pub mod tls;
 pub mod transport;
 

@@ -1,7 +1,7 @@
 //! Shared vocabulary of a request's outcome: what the audit log records and
 //! the metrics count. Both depend on this module and on nothing of each
 //! other (the audit guard reports outcomes through [`OutcomeObserver`],
-//! which `metrics::Metrics` implements).
+//! which the wiring's `telemetry::Metrics` implements).
 
 use serde::{Deserialize, Serialize};
 

@@ -11,6 +11,7 @@ pub mod bounded;
 pub mod chain;
 pub mod format;
 pub mod keys;
+pub mod metrics;
 pub mod query;
 pub mod settings;
 pub mod verify;
@@ -346,7 +347,7 @@ pub fn random_id() -> String {
 }
 
 impl AuditGuard {
-    /// `metrics`: pass `Some(metrics)` (an `Arc<Metrics>` coerces).
+    /// `metrics`: pass `Some(metrics)` (an `Arc<telemetry::Metrics>` coerces).
     pub fn new(
         sink: Arc<dyn AuditSink>,
         metrics: Option<Arc<dyn OutcomeObserver>>,
@@ -507,7 +508,7 @@ impl Drop for AuditGuard {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::metrics::Metrics;
+    use crate::telemetry::Metrics;
 
     #[test]
     fn a_dropped_request_is_recorded_once_as_abandoned() {
@@ -580,6 +581,6 @@ mod tests {
         );
         g.allow();
         assert!(g.finish().is_err(), "issuance must fail closed");
-        assert_eq!(metrics.audit_write_errors.get(), 1);
+        assert_eq!(metrics.audit.audit_write_errors.get(), 1);
     }
 }

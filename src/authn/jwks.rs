@@ -277,7 +277,7 @@ pub struct IssuerKeys {
     fetching: tokio::sync::Mutex<Option<Instant>>,
     last_error: Mutex<Option<JwksError>>,
     pub stats: FetchStats,
-    metrics: std::sync::OnceLock<Arc<crate::metrics::Metrics>>,
+    metrics: std::sync::OnceLock<Arc<super::metrics::TokenPathMetrics>>,
 }
 
 impl IssuerKeys {
@@ -294,21 +294,20 @@ impl IssuerKeys {
     }
 
     /// Counts fetches and exports the key count.
-    pub fn with_metrics(self, metrics: Arc<crate::metrics::Metrics>) -> Self {
+    pub fn with_metrics(self, metrics: Arc<super::metrics::TokenPathMetrics>) -> Self {
         let _ = self.metrics.set(metrics);
         self
     }
 
     fn count(&self, result: &str) {
         if let Some(m) = self.metrics.get() {
-            m.token_paths
-                .jwks_fetches
+            m.jwks_fetches
                 .get_or_create(&crate::metrics::ResultLabels {
                     result: result.to_string(),
                 })
                 .inc();
             let n = self.current().map_or(0, |c| c.keys.len());
-            m.token_paths.jwks_keys.set(n as i64);
+            m.jwks_keys.set(n as i64);
         }
     }
 

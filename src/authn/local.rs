@@ -520,23 +520,21 @@ pub struct TokenVerifier {
     pub local: Option<Arc<LocalVerifier>>,
     pub review: Option<Arc<dyn TokenAuthenticator>>,
     pub require_pod_binding: bool,
-    pub metrics: Option<Arc<crate::metrics::Metrics>>,
+    pub metrics: Option<Arc<super::metrics::TokenPathMetrics>>,
 }
 
 impl TokenVerifier {
     fn count(&self, path: &'static str, result: &'static str) {
         if let Some(m) = &self.metrics {
-            m.token_paths
-                .verifications
-                .get_or_create(&crate::metrics::TokenPathLabels { path, result })
+            m.verifications
+                .get_or_create(&super::metrics::TokenPathLabels { path, result })
                 .inc();
         }
     }
 
     fn local_outcome(&self, reason: &'static str) {
         if let Some(m) = &self.metrics {
-            m.token_paths
-                .local_outcomes
+            m.local_outcomes
                 .get_or_create(&crate::metrics::RefusalLabels { reason })
                 .inc();
         }
@@ -643,7 +641,7 @@ pub fn build(
     sync_wait: std::time::Duration,
     indexes: Option<(Arc<PodIndex>, Arc<AccountIndex>)>,
     reviewer: Arc<dyn TokenAuthenticator>,
-    metrics: Arc<crate::metrics::Metrics>,
+    metrics: Arc<super::metrics::TokenPathMetrics>,
 ) -> (Arc<TokenVerifier>, Option<Arc<IssuerKeys>>) {
     let mode = verification.mode;
     let (local, keys) = match (mode.uses_local(), indexes) {

@@ -346,7 +346,7 @@ struct Core {
     slots: Semaphore,
     /// When present, cached callers whose pod left the index are re-reviewed.
     index: Option<Arc<PodIndex>>,
-    metrics: OnceLock<Arc<crate::metrics::Metrics>>,
+    metrics: OnceLock<Arc<super::metrics::TokenReviewMetrics>>,
 }
 
 /// TokenReview against the cluster's API server.
@@ -398,14 +398,14 @@ impl KubeTokenAuthenticator {
     }
 
     /// Records TokenReview latency, errors and the API-server protection counters.
-    pub fn with_metrics(self, metrics: Arc<crate::metrics::Metrics>) -> Self {
+    pub fn with_metrics(self, metrics: Arc<super::metrics::TokenReviewMetrics>) -> Self {
         let _ = self.core.metrics.set(metrics);
         self
     }
 }
 
 impl Core {
-    fn metrics(&self) -> Option<&crate::metrics::Metrics> {
+    fn metrics(&self) -> Option<&super::metrics::TokenReviewMetrics> {
         self.metrics.get().map(Arc::as_ref)
     }
 
@@ -934,8 +934,11 @@ mod tests {
     fn authenticator(
         fake: Arc<Fake>,
         limits: ReviewLimits,
-    ) -> (KubeTokenAuthenticator, Arc<crate::metrics::Metrics>) {
-        let metrics = Arc::new(crate::metrics::Metrics::new());
+    ) -> (
+        KubeTokenAuthenticator,
+        Arc<crate::authn::metrics::TokenReviewMetrics>,
+    ) {
+        let metrics = Arc::new(crate::authn::metrics::TokenReviewMetrics::default());
         let settings = TokenReviewSettings {
             audiences: vec!["istio-ca".into()],
             trust_domain: TrustDomain::new("cluster.local").unwrap(),

@@ -872,7 +872,8 @@ mod tests {
     /// The scrape reads the histogram as `Metrics` really renders it.
     #[test]
     fn scrape_reads_issued_latency_buckets() {
-        use crate::metrics::{Decision, Metrics, Snapshot};
+        use crate::metrics::Decision;
+        use crate::telemetry::{Metrics, Snapshot};
         let m = Metrics::new();
         m.record(Decision::Allow, "issued", None, 0.00015);
         m.record(Decision::Allow, "issued", None, 0.003);

@@ -185,7 +185,7 @@ pub struct TwoTier {
     /// Issuing snapshots replaced so far that requests may still hold (a
     /// rotation waits for their leaves before reading its mark).
     replaced: Mutex<Vec<Weak<CaBundle>>>,
-    metrics: Option<Arc<crate::metrics::Metrics>>,
+    metrics: Option<Arc<super::metrics::CaMetrics>>,
 }
 
 impl std::fmt::Debug for TwoTier {
@@ -211,7 +211,7 @@ impl TwoTier {
         custody: Arc<CaStore>,
         ttl: Duration,
         audit: Arc<dyn AuditSink>,
-        metrics: Option<Arc<crate::metrics::Metrics>>,
+        metrics: Option<Arc<super::metrics::CaMetrics>>,
     ) -> Result<Arc<Self>, IssuingError> {
         let now = OffsetDateTime::now_utc();
         let snapshot = custody.snapshot();

@@ -7,6 +7,7 @@ pub mod csr;
 pub mod custody;
 pub mod generate;
 pub mod issuing;
+pub mod metrics;
 pub mod serial;
 pub mod signer;
 pub mod store;

@@ -204,7 +204,7 @@ impl CaStore {
     pub async fn watch(
         self: Arc<Self>,
         poll: Duration,
-        metrics: Option<Arc<crate::metrics::Metrics>>,
+        metrics: Option<Arc<super::metrics::CaMetrics>>,
     ) {
         let Some(dir) = self.dir.clone() else { return };
         let (tx, mut rx) = tokio::sync::mpsc::channel::<()>(16);

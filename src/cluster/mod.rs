@@ -21,13 +21,14 @@ use std::sync::{Arc, RwLock};
 
 use tokio::task::JoinHandle;
 
+use self::metrics::ClusterMetrics;
 use crate::authn::jwks::IssuerKeys;
 use crate::authn::local::TokenVerifier;
+use crate::authn::metrics::{TokenPathMetrics, TokenReviewMetrics};
 use crate::authn::token::{KubeTokenAuthenticator, TokenReviewSettings};
 use crate::authn::{AuthnError, Caller, Credentials, TokenAuthenticator};
 use crate::authz::{Evidence, ImpersonationError, KubeNodeAuthorizer, NodeAuthorizer, NodePolicy};
 use crate::identity::SpiffeId;
-use crate::metrics::Metrics;
 use crate::podindex::PodIndex;
 use args::ClusterSettings;
 
@@ -142,7 +143,8 @@ impl Cluster {
 #[derive(Debug)]
 pub struct ClusterFactory {
     pub settings: ClusterSettings,
-    pub metrics: Arc<Metrics>,
+    pub token_reviews: Arc<TokenReviewMetrics>,
+    pub token_paths: Arc<TokenPathMetrics>,
 }
 
 impl ClusterFactory {
@@ -214,7 +216,7 @@ impl ClusterFactory {
         let review = settings.clone();
         let reviewer = Arc::new(
             KubeTokenAuthenticator::new(client.clone(), settings, index.clone())
-                .with_metrics(self.metrics.clone()),
+                .with_metrics(self.token_reviews.clone()),
         );
         let (tokens, keys) = crate::authn::local::build(
             &client,
@@ -225,7 +227,7 @@ impl ClusterFactory {
                 .map_or(std::time::Duration::ZERO, |k| k.pod_index_sync_wait),
             index.clone().zip(accounts.clone()),
             reviewer.clone(),
-            self.metrics.clone(),
+            self.token_paths.clone(),
         );
         if let Some(keys) = &keys {
             tasks.push(tokio::spawn(keys.clone().run()));
@@ -264,7 +266,7 @@ pub struct ClusterRegistry {
     remote_secrets: bool,
     secrets_listed: AtomicBool,
     mode: crate::authn::local::TokenVerificationMode,
-    metrics: Option<Arc<Metrics>>,
+    metrics: Option<Arc<ClusterMetrics>>,
 }
 
 impl ClusterRegistry {
@@ -272,7 +274,7 @@ impl ClusterRegistry {
         local: Cluster,
         mode: crate::authn::local::TokenVerificationMode,
         remote_secrets: bool,
-        metrics: Option<Arc<Metrics>>,
+        metrics: Option<Arc<ClusterMetrics>>,
     ) -> Self {
         let id = local.id.clone();
         let r = Self {
@@ -359,7 +361,7 @@ impl ClusterRegistry {
 
     pub(crate) fn kubeconfig_refused(&self, reason: &'static str) {
         if let Some(m) = &self.metrics {
-            m.clusters.kubeconfig_refused(reason);
+            m.kubeconfig_refused(reason);
         }
     }
 
@@ -367,7 +369,7 @@ impl ClusterRegistry {
     pub fn publish_metrics(&self) {
         if let Some(m) = &self.metrics {
             let ids = self.ids();
-            m.clusters.set_clusters(&self.local, &ids);
+            m.set_clusters(&self.local, &ids);
         }
     }
 
@@ -375,7 +377,7 @@ impl ClusterRegistry {
     pub fn publish_sync(&self) {
         if let Some(m) = &self.metrics {
             for c in self.read().values() {
-                m.clusters.set_synced(&c.id, c.is_synced());
+                m.set_synced(&c.id, c.is_synced());
             }
         }
     }

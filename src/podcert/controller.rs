@@ -103,7 +103,7 @@ pub struct Signer {
     pub max_index_staleness: Duration,
     pub denylist: Option<Arc<LiveDenylist>>,
     pub audit: Arc<dyn AuditSink>,
-    pub metrics: Arc<crate::metrics::Metrics>,
+    pub metrics: Arc<PodCertMetrics>,
 }
 
 /// The served PodCertificateRequest version, newest first; `None` when the
@@ -398,7 +398,6 @@ async fn handle(
     }
     signer
         .metrics
-        .pod_certificates
         .decisions
         .get_or_create(&ConditionLabels {
             condition,
@@ -439,13 +438,11 @@ async fn handle(
     };
     signer
         .metrics
-        .pod_certificates
         .status_writes
         .get_or_create(&WriteLabels { result })
         .inc();
     signer
         .metrics
-        .pod_certificates
         .decision_seconds
         .observe(seen.elapsed().as_secs_f64());
     tracing::info!(

@@ -48,9 +48,9 @@ use rcgen::{CertificateRevocationListParams, KeyIdMethod, RevocationReason, Revo
 use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
 
+use self::metrics::KillSwitchMetrics;
 use crate::audit::{AuditRecord, AuditSink, Decision};
 use crate::ca::{CaBundle, CaStore};
-use crate::metrics::Metrics;
 
 /// Istio's CRL ConfigMap (ztunnel >= 1.29 reads it) and its data key.
 pub const CRL_CONFIGMAP: &str = "istio-ca-crl";
@@ -596,14 +596,13 @@ pub async fn follow(
     ca: Arc<CaStore>,
     live: Arc<LiveRevocations>,
     audit: Arc<dyn AuditSink>,
-    metrics: Option<Arc<Metrics>>,
+    metrics: Option<Arc<KillSwitchMetrics>>,
     crl_tx: tokio::sync::watch::Sender<String>,
     client: Option<kube::Client>,
 ) {
     if let Some(m) = &metrics {
         for reason in ledger::REASONS {
             let _ = m
-                .kill_switch
                 .revocation_events
                 .get_or_create(&crate::metrics::ReasonLabels {
                     reason: reason.into(),
@@ -642,8 +641,7 @@ pub async fn follow(
                 tracing::error!(error = %err, reason = e.reason(), "revocation audit record lost");
             }
             if let Some(m) = &metrics {
-                m.kill_switch
-                    .revocation_events
+                m.revocation_events
                     .get_or_create(&crate::metrics::ReasonLabels {
                         reason: e.reason().into(),
                     })
@@ -686,21 +684,19 @@ pub async fn follow(
                     signed_at = Some(std::time::Instant::now());
                     last_set = Some(in_force);
                     if let Some(m) = &metrics {
-                        m.kill_switch
-                            .crl_signed
+                        m.crl_signed
                             .get_or_create(&crate::metrics::ResultLabels {
                                 result: "ok".into(),
                             })
                             .inc();
-                        m.kill_switch.revoked_serials.set(entries.len() as i64);
+                        m.revoked_serials.set(entries.len() as i64);
                     }
                     tracing::info!(serials = entries.len(), crl_number = number, "CRL signed");
                 }
                 Err(e) => {
                     tracing::error!(reason = e.reason(), error = %e, "CRL not signed; keeping the previous one");
                     if let Some(m) = &metrics {
-                        m.kill_switch
-                            .crl_signed
+                        m.crl_signed
                             .get_or_create(&crate::metrics::ResultLabels {
                                 result: "error".into(),
                             })

@@ -343,7 +343,8 @@ pub struct Rotation {
     target: Install,
     state: Arc<StateStore>,
     audit: Option<Arc<dyn AuditSink>>,
-    metrics: Option<Arc<crate::metrics::Metrics>>,
+    metrics: Option<Arc<RotationMetrics>>,
+    ca_metrics: Option<Arc<crate::ca::metrics::CaMetrics>>,
     allow_root_change: bool,
     max_ttl: Duration,
     /// The last staged-material error logged (logged again only when it changes).
@@ -402,6 +403,7 @@ impl Rotation {
             state,
             audit: None,
             metrics: None,
+            ca_metrics: None,
             allow_root_change,
             max_ttl,
             last_next_error: std::sync::Mutex::new(None),
@@ -413,8 +415,13 @@ impl Rotation {
         self
     }
 
-    pub fn with_metrics(mut self, metrics: Arc<crate::metrics::Metrics>) -> Self {
+    pub fn with_metrics(
+        mut self,
+        metrics: Arc<RotationMetrics>,
+        ca_metrics: Arc<crate::ca::metrics::CaMetrics>,
+    ) -> Self {
         self.metrics = Some(metrics);
+        self.ca_metrics = Some(ca_metrics);
         self
     }
 
@@ -603,8 +610,7 @@ impl Rotation {
     }
 
     fn observe(&self, r: &Report) {
-        let Some(m) = &self.metrics else { return };
-        let rm = &m.rotation;
+        let Some(rm) = &self.metrics else { return };
         rm.phase.set(r.phase.number());
         rm.gate_remaining_seconds.set(
             r.waiting
@@ -702,7 +708,7 @@ impl Rotation {
                     Some("task_failed")
                 }
             };
-            if let (Some(result), Some(m)) = (outcome, &self.metrics) {
+            if let (Some(result), Some(m)) = (outcome, &self.ca_metrics) {
                 m.ca_reloads
                     .get_or_create(&crate::metrics::ResultLabels {
                         result: result.to_string(),

@@ -6,6 +6,7 @@
 pub mod args;
 pub mod coalesce;
 pub mod limits;
+pub mod metrics;
 pub mod rejects;
 
 use std::future::Future;
@@ -22,7 +23,7 @@ use tonic::transport::server::Connected;
 
 pub use limits::{AdminLimits, ConnCounts, InputLimits, Pool, Refusal, TransportLimits};
 
-use crate::metrics::Metrics;
+use self::metrics::TransportMetrics;
 use crate::tls::ServingTls;
 
 /// What a connection carries into each request's extensions.
@@ -117,11 +118,15 @@ pub struct ConnTracker {
     counts: Mutex<ConnCounts>,
     max_total: usize,
     max_per_ip: usize,
-    metrics: Option<Arc<Metrics>>,
+    metrics: Option<Arc<TransportMetrics>>,
 }
 
 impl ConnTracker {
-    pub fn new(max_total: usize, max_per_ip: usize, metrics: Option<Arc<Metrics>>) -> Arc<Self> {
+    pub fn new(
+        max_total: usize,
+        max_per_ip: usize,
+        metrics: Option<Arc<TransportMetrics>>,
+    ) -> Arc<Self> {
         Self::for_pool(Pool::Connections, max_total, max_per_ip, metrics)
     }
 
@@ -129,7 +134,7 @@ impl ConnTracker {
         pool: Pool,
         max_total: usize,
         max_per_ip: usize,
-        metrics: Option<Arc<Metrics>>,
+        metrics: Option<Arc<TransportMetrics>>,
     ) -> Arc<Self> {
         Arc::new(Self {
             counts: Mutex::new(ConnCounts::new(pool)),
@@ -194,7 +199,7 @@ impl Drop for ConnPermit {
     }
 }
 
-fn refuse(metrics: Option<&Metrics>, r: Refusal, peer: SocketAddr) {
+fn refuse(metrics: Option<&TransportMetrics>, r: Refusal, peer: SocketAddr) {
     tracing::debug!(%peer, reason = r.reason(), "connection refused");
     if let Some(m) = metrics {
         m.refused(r);
@@ -212,7 +217,7 @@ pub struct TlsConn {
     /// The first bytes (the HTTP/2 preface) must arrive by then: hyper has
     /// no timeout of its own before the preface.
     first_read: Option<Pin<Box<tokio::time::Sleep>>>,
-    metrics: Option<Arc<Metrics>>,
+    metrics: Option<Arc<TransportMetrics>>,
     /// Plaintext written by h2 and not yet given to TLS (see `coalesce`).
     out: Vec<u8>,
     frames: coalesce::FrameTracker,
@@ -386,7 +391,7 @@ pub fn until_unix(not_after: i64, now: time::OffsetDateTime) -> Duration {
 
 /// Counts a rejected handshake by reason and hands it to the audit table.
 fn rejected(
-    metrics: Option<&Metrics>,
+    metrics: Option<&TransportMetrics>,
     table: Option<&rejects::HandshakeRejects>,
     remote: SocketAddr,
     reason: &'static str,
@@ -417,7 +422,7 @@ pub fn tls_incoming(
     listener: TcpListener,
     tls: Arc<ServingTls>,
     limits: &TransportLimits,
-    metrics: Option<Arc<Metrics>>,
+    metrics: Option<Arc<TransportMetrics>>,
     rejects: Option<Arc<rejects::HandshakeRejects>>,
     aggregator: Option<Arc<crate::audit::aggregate::Aggregator>>,
 ) -> tokio_stream::wrappers::ReceiverStream<Result<TlsConn, std::io::Error>> {
