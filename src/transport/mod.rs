@@ -5,6 +5,7 @@
 
 pub mod args;
 pub mod coalesce;
+pub mod gate;
 pub mod limits;
 pub mod metrics;
 pub mod rejects;
