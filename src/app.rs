@@ -757,13 +757,11 @@ impl App {
             .map_err(|e| anyhow::anyhow!("auditing the dev client certificate: {e}"))?;
         let chain = bundle.response_chain(&leaf.pem);
         let without_root = chain[..chain.len().saturating_sub(1)].concat();
-        std::fs::create_dir_all(dir)?;
-        generate::write_file(&dir.join("cert-chain.pem"), without_root.as_bytes(), false)?;
-        generate::write_file(&dir.join("key.pem"), key.serialize_pem().as_bytes(), true)?;
-        generate::write_file(
-            &dir.join("root-cert.pem"),
-            bundle.root_bundle().as_bytes(),
-            false,
+        generate::write_identity_files(
+            dir,
+            &without_root,
+            &key.serialize_pem(),
+            bundle.root_bundle(),
         )?;
         Ok(())
     }
@@ -795,4 +793,22 @@ fn dev_client_record(
     r.certificate = Some(leaf.pem.clone());
     r.bound();
     r
+}
+
+/// Logs to stderr, as text or JSON, filtered by `RUST_LOG` (default `info`);
+/// shared by the `meshca` and `meshca-bench` binaries.
+pub fn init_tracing(format: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    // Colour codes only for a terminal, never in files or collected logs.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(ansi);
+    if format == "json" {
+        builder.json().init();
+    } else {
+        builder.init();
+    }
 }

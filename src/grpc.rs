@@ -2,14 +2,13 @@
 //! module that knows `tonic::Status`.
 
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use prost::Message as _;
 use prost_types::value::Kind;
-use tokio::sync::Semaphore;
 use tonic::codegen::http;
 use tonic::{Request, Response, Status};
 
@@ -20,7 +19,7 @@ use crate::proto::istio_certificate_service_server::{
     IstioCertificateService, IstioCertificateServiceServer,
 };
 use crate::proto::{IstioCertificateRequest, IstioCertificateResponse};
-use crate::transport::limits::{admit_request, canonical_ip, RequestAdmission, RequestCaps};
+use crate::transport::gate::RequestGate;
 use crate::transport::metrics::TransportMetrics;
 pub use crate::transport::{ConnInfo, InputLimits, Refusal, TransportLimits};
 
@@ -275,35 +274,11 @@ impl IstioCertificateService for CaService {
     }
 }
 
-/// Bounds the requests being handled and waiting, and each request's total
-/// time. Applied around tonic's routes, so it runs before the message is
-/// read: a waiting stream holds only its headers and flow-control window.
-///
-/// Per-source fairness: a slot is taken before the body is read, so a
-/// stream that never sends its body holds its slot until the request
-/// timeout. Rather than reading the body before taking a slot (that would
-/// need a second, unbounded buffer of up to `max_message_bytes` per waiting
-/// stream, breaking the memory arithmetic in `transport::limits`), each
-/// source IP may hold at most `max_inflight_requests_per_ip` slots; its
-/// other requests wait in the shared, bounded queue. A few hostile IPs then
-/// hold only their share and the remaining slots serve everyone else.
+/// Puts the request gate ([`crate::transport::gate`]) in front of tonic's
+/// routes and answers its refusals as grpc-go (istiod) does.
 #[derive(Debug, Clone)]
 pub struct RequestGateLayer {
     gate: Arc<RequestGate>,
-}
-
-#[derive(Debug)]
-struct RequestGate {
-    slots: Arc<Semaphore>,
-    caps: RequestCaps,
-    /// One semaphore per source IP with requests running or waiting; an
-    /// entry leaves the map with its last user.
-    per_ip: std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, Arc<Semaphore>>>,
-    queued: AtomicUsize,
-    timeout: Duration,
-    metrics: Option<Arc<TransportMetrics>>,
-    /// Refusals are folded here per source address for the audit log.
-    aggregator: Option<Arc<crate::audit::aggregate::Aggregator>>,
     /// The sized share of streams in progress per connection (admission).
     concurrency: Option<Arc<crate::admission::Concurrency>>,
 }
@@ -315,31 +290,36 @@ impl RequestGateLayer {
         aggregator: Option<Arc<crate::audit::aggregate::Aggregator>>,
     ) -> Self {
         Self {
-            gate: Arc::new(RequestGate {
-                slots: Arc::new(Semaphore::new(limits.max_inflight_requests)),
-                caps: RequestCaps {
-                    inflight: limits.max_inflight_requests,
-                    inflight_per_ip: limits.max_inflight_requests_per_ip,
-                    queued: limits.max_queued_requests,
-                },
-                per_ip: Default::default(),
-                queued: AtomicUsize::new(0),
-                timeout: limits.request_timeout,
-                metrics,
-                aggregator,
-                concurrency: None,
-            }),
+            gate: Arc::new(RequestGate::new(limits, metrics, aggregator)),
+            concurrency: None,
         }
     }
 
     /// Enforces admission's sized share of streams in progress per
     /// connection: a stream beyond it is refused before its message is read.
     pub fn with_concurrency(mut self, c: Arc<crate::admission::Concurrency>) -> Self {
-        if let Some(g) = Arc::get_mut(&mut self.gate) {
-            g.concurrency = Some(c);
-        }
+        self.concurrency = Some(c);
         self
     }
+}
+
+/// Counts a gate refusal and answers it with the code grpc-go (istiod) gives
+/// for the same condition.
+fn refuse(
+    gate: &RequestGate,
+    r: Refusal,
+    ip: Option<std::net::IpAddr>,
+) -> http::Response<tonic::body::Body> {
+    gate.count(r, ip);
+    match r {
+        Refusal::RequestTimeout => Status::deadline_exceeded("request timed out"),
+        Refusal::MessageTooLarge => {
+            Status::resource_exhausted("grpc: received message larger than max")
+        }
+        // Every slot or queue place is taken: a shed, with a hint.
+        _ => pushback_status(GATE_PUSHBACK),
+    }
+    .into_http()
 }
 
 impl<S> tower_layer::Layer<S> for RequestGateLayer {
@@ -348,6 +328,7 @@ impl<S> tower_layer::Layer<S> for RequestGateLayer {
         RequestGateService {
             inner,
             gate: self.gate.clone(),
+            concurrency: self.concurrency.clone(),
         }
     }
 }
@@ -356,6 +337,7 @@ impl<S> tower_layer::Layer<S> for RequestGateLayer {
 pub struct RequestGateService<S> {
     inner: S,
     gate: Arc<RequestGate>,
+    concurrency: Option<Arc<crate::admission::Concurrency>>,
 }
 
 /// Counts the request as cancelled by the client if dropped before it
@@ -371,13 +353,7 @@ impl CancelGuard {
     fn cancelled(&mut self) {
         self.done = true;
         if let Some(c) = &self.control {
-            if c.stream_cancelled() {
-                tracing::info!(
-                    reason = Refusal::StreamResetFlood.reason(),
-                    "closing a connection that cancels too many streams"
-                );
-                self.gate.count(Refusal::StreamResetFlood, self.ip);
-            }
+            self.gate.stream_cancelled(c, self.ip);
         }
     }
 }
@@ -397,155 +373,45 @@ struct InProgress {
 }
 
 impl InProgress {
-    /// Counts the request; `Err` when the connection already has its share.
-    fn start(
+    /// Takes a place among the connection's streams in progress, or `None`
+    /// after `wait`. Over the connection's share the stream waits, holding
+    /// only its headers: while fresh it takes a place another stream frees
+    /// (new work first); once stale it waits out its time and is refused,
+    /// because an answer invites the client's next request at once while a
+    /// waiting stream costs nothing.
+    async fn enter(
         control: Arc<crate::transport::ConnControl>,
         concurrency: Arc<crate::admission::Concurrency>,
-    ) -> Result<Self, Self> {
-        let before = control.stream_started();
+        wait: Duration,
+    ) -> Option<Self> {
+        let start = tokio::time::Instant::now();
+        let end = start + wait;
+        let before = loop {
+            let freed = control.freed();
+            tokio::pin!(freed);
+            freed.as_mut().enable();
+            if let Some(before) = control.try_stream_start(|n| concurrency.admits(n)) {
+                break before;
+            }
+            if start.elapsed() >= concurrency.fresh() {
+                tokio::time::sleep_until(end).await;
+                return None;
+            }
+            if tokio::time::timeout_at(end, freed).await.is_err() {
+                return None;
+            }
+        };
         concurrency.opened(before);
-        let over = before >= concurrency.per_connection();
-        let me = Self {
+        Some(Self {
             control,
             concurrency,
-        };
-        if over {
-            Err(me)
-        } else {
-            Ok(me)
-        }
+        })
     }
 }
 
 impl Drop for InProgress {
     fn drop(&mut self) {
         self.concurrency.closed(self.control.stream_ended());
-    }
-}
-
-/// Leaves the queue when dropped, also when the request is cancelled.
-struct Queued<'a>(&'a AtomicUsize);
-
-impl Drop for Queued<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
-    }
-}
-
-impl RequestGate {
-    /// Counts a refusal in metrics and, per source, in the audit log.
-    fn count(&self, r: Refusal, ip: Option<std::net::IpAddr>) {
-        if let Some(m) = &self.metrics {
-            m.refused(r);
-        }
-        if let (Some(a), Some(ip)) = (&self.aggregator, ip) {
-            a.fold_transport(canonical_ip(ip), r.reason());
-        }
-    }
-
-    fn refuse(
-        &self,
-        r: Refusal,
-        ip: Option<std::net::IpAddr>,
-    ) -> http::Response<tonic::body::Body> {
-        self.count(r, ip);
-        // Codes as grpc-go (istiod) gives them for the same conditions.
-        match r {
-            Refusal::RequestTimeout => Status::deadline_exceeded("request timed out"),
-            Refusal::MessageTooLarge => {
-                Status::resource_exhausted("grpc: received message larger than max")
-            }
-            // Every slot or queue place is taken: a shed, with a hint.
-            _ => pushback_status(GATE_PUSHBACK),
-        }
-        .into_http()
-    }
-
-    /// The source's semaphore, created on first use.
-    fn source(&self, ip: std::net::IpAddr) -> Arc<Semaphore> {
-        let mut map = self.per_ip.lock().unwrap_or_else(|p| p.into_inner());
-        map.entry(canonical_ip(ip))
-            .or_insert_with(|| Arc::new(Semaphore::new(self.caps.inflight_per_ip)))
-            .clone()
-    }
-
-    /// Drops the source's entry once nobody holds or waits on it. Callers
-    /// clone the semaphore under the same lock, so a count of one (the map's
-    /// own) means it is unused.
-    fn release_source(&self, ip: std::net::IpAddr) {
-        let ip = canonical_ip(ip);
-        let mut map = self.per_ip.lock().unwrap_or_else(|p| p.into_inner());
-        if map.get(&ip).is_some_and(|s| Arc::strong_count(s) == 1) {
-            map.remove(&ip);
-        }
-    }
-
-    async fn slot(&self, ip: Option<std::net::IpAddr>) -> Result<Slot<'_>, Refusal> {
-        let source = ip.map(|ip| (ip, self.source(ip)));
-        let mut slot = Slot {
-            gate: self,
-            ip: source.as_ref().map(|(ip, _)| *ip),
-            source: None,
-            global: None,
-        };
-        let inflight = self.caps.inflight - self.slots.available_permits().min(self.caps.inflight);
-        let ip_inflight = source.as_ref().map_or(0, |(_, s)| {
-            self.caps.inflight_per_ip - s.available_permits().min(self.caps.inflight_per_ip)
-        });
-        let queued = self.queued.load(Ordering::Acquire);
-        if let RequestAdmission::Refuse(r) =
-            admit_request(inflight, ip_inflight, queued, &self.caps)
-        {
-            drop(source);
-            return Err(r);
-        }
-        let source = source.map(|(_, s)| s);
-        // Fast path: both permits free, no queueing.
-        if let Some(s) = &source {
-            slot.source = s.clone().try_acquire_owned().ok();
-        }
-        if slot.source.is_some() || source.is_none() {
-            slot.global = self.slots.clone().try_acquire_owned().ok();
-        }
-        if slot.global.is_some() {
-            return Ok(slot);
-        }
-        self.queued.fetch_add(1, Ordering::AcqRel);
-        let _queued = Queued(&self.queued);
-        // The semaphores are never closed.
-        if let (Some(s), None) = (source, &slot.source) {
-            slot.source = Some(
-                s.acquire_owned()
-                    .await
-                    .map_err(|_| Refusal::RequestQueueFull)?,
-            );
-        }
-        slot.global = Some(
-            self.slots
-                .clone()
-                .acquire_owned()
-                .await
-                .map_err(|_| Refusal::RequestQueueFull)?,
-        );
-        Ok(slot)
-    }
-}
-
-/// A request's handler slot and its source's share; released on drop.
-struct Slot<'a> {
-    gate: &'a RequestGate,
-    ip: Option<std::net::IpAddr>,
-    source: Option<tokio::sync::OwnedSemaphorePermit>,
-    global: Option<tokio::sync::OwnedSemaphorePermit>,
-}
-
-impl Drop for Slot<'_> {
-    fn drop(&mut self) {
-        self.global = None;
-        self.source = None;
-        if let Some(ip) = self.ip {
-            self.gate.release_source(ip);
-        }
     }
 }
 
@@ -606,22 +472,17 @@ where
             .extensions()
             .get::<ConnInfo>()
             .map(|c| c.remote_addr.ip());
-        // The connection's share of streams in progress, checked before
+        // The connection's share of streams in progress, taken before
         // anything else: a stream over it costs its headers only.
-        let in_progress = match (
-            &gate.concurrency,
-            req.extensions()
-                .get::<ConnInfo>()
-                .map(|c| c.control.clone()),
-        ) {
-            (Some(c), Some(control)) => match InProgress::start(control, c.clone()) {
-                Ok(p) => Some(p),
-                Err(over) => {
-                    let resp = gate.refuse(Refusal::ConnectionStreamLimit, ip);
-                    drop(over);
-                    return Box::pin(async move { Ok(resp) });
-                }
-            },
+        let share = match (&self.concurrency, req.extensions().get::<ConnInfo>()) {
+            (Some(c), Some(conn)) => {
+                let timeout = req
+                    .headers()
+                    .get("grpc-timeout")
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(crate::admission::decide::parse_grpc_timeout);
+                Some((conn.control.clone(), c.clone(), c.park_for(timeout)))
+            }
             _ => None,
         };
         // The ready service handles this call; a fresh clone takes its place.
@@ -642,11 +503,20 @@ where
         Box::pin(async move {
             // Moved whole into the future: dropped with it on RST_STREAM.
             let mut cancel = cancel;
-            let _in_progress = in_progress;
+            let _in_progress = match share {
+                Some((control, c, wait)) => match InProgress::enter(control, c, wait).await {
+                    Some(p) => Some(p),
+                    None => {
+                        cancel.done = true;
+                        return Ok(refuse(&gate, Refusal::ConnectionStreamLimit, ip));
+                    }
+                },
+                None => None,
+            };
             let work = async {
                 let _slot = match gate.slot(ip).await {
                     Ok(s) => s,
-                    Err(r) => return Ok(gate.refuse(r, ip)),
+                    Err(r) => return Ok(refuse(&gate, r, ip)),
                 };
                 let resp = inner.call(req).await?;
                 if body_failed.load(Ordering::Acquire) {
@@ -659,13 +529,13 @@ where
                 if Status::from_header_map(resp.headers()).map(|s| s.code())
                     == Some(tonic::Code::OutOfRange)
                 {
-                    return Ok(gate.refuse(Refusal::MessageTooLarge, ip));
+                    return Ok(refuse(&gate, Refusal::MessageTooLarge, ip));
                 }
                 Ok(resp)
             };
-            let result = match tokio::time::timeout(gate.timeout, work).await {
+            let result = match tokio::time::timeout(gate.timeout(), work).await {
                 Ok(r) => r,
-                Err(_) => Ok(gate.refuse(Refusal::RequestTimeout, ip)),
+                Err(_) => Ok(refuse(&gate, Refusal::RequestTimeout, ip)),
             };
             cancel.done = true;
             result
@@ -785,46 +655,6 @@ mod tests {
             assert_eq!(status.code(), tonic::Code::Unauthenticated);
             assert_eq!(status.message(), AUTHN_FAILURE);
         }
-    }
-
-    fn gate(inflight: usize, per_ip: usize, queued: usize) -> Arc<RequestGate> {
-        let limits = TransportLimits {
-            max_inflight_requests: inflight,
-            max_inflight_requests_per_ip: per_ip,
-            max_queued_requests: queued,
-            ..TransportLimits::default()
-        };
-        RequestGateLayer::new(&limits, None, None).gate
-    }
-
-    /// A source's entry leaves the map with its last user, also when a
-    /// waiting request is cancelled: the map never outgrows live requests.
-    #[tokio::test]
-    async fn per_source_entries_leave_with_their_last_request() {
-        let g = gate(4, 1, 4);
-        let (a, b) = ("10.0.0.1".parse().unwrap(), "10.0.0.2".parse().unwrap());
-        let first = g.slot(Some(a)).await.unwrap();
-        // A second request from the same source waits although slots are free.
-        let mut waiting = Box::pin(g.slot(Some(a)));
-        assert!(futures::poll!(waiting.as_mut()).is_pending());
-        assert_eq!(g.queued.load(Ordering::Acquire), 1);
-        // Another source runs at once.
-        let other = g.slot(Some(b)).await.unwrap();
-        drop(other);
-        // Cancel the waiting request, then finish the first.
-        drop(waiting);
-        assert_eq!(g.queued.load(Ordering::Acquire), 0);
-        drop(first);
-        assert!(g.per_ip.lock().unwrap().is_empty());
-        assert_eq!(g.slots.available_permits(), 4);
-        // With the queue full, a source at its cap is refused with its own reason.
-        let g = gate(4, 1, 0);
-        let _first = g.slot(Some(a)).await.unwrap();
-        assert_eq!(
-            g.slot(Some(a)).await.err(),
-            Some(Refusal::RequestPerIpLimit)
-        );
-        assert_eq!(g.per_ip.lock().unwrap().len(), 1);
     }
 
     #[tokio::test]

@@ -273,22 +273,6 @@ struct CertsArgs {
     output: String,
 }
 
-fn init_tracing(format: &str) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    // Colour codes only for a terminal, never in files or collected logs.
-    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(ansi);
-    if format == "json" {
-        builder.json().init();
-    } else {
-        builder.init();
-    }
-}
-
 /// mimalloc rather than glibc malloc: under load glibc's malloc/free (with
 /// its consolidation) was about a tenth of the server's CPU samples
 /// (docs/BENCHMARKS.md).
@@ -298,7 +282,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    init_tracing(&cli.log_format);
+    meshca::app::init_tracing(&cli.log_format);
     match cli.command {
         Command::Serve(args) => serve(*args).await,
         Command::Audit(cmd) => audit(cmd),

@@ -128,14 +128,7 @@ pub fn write_client_identity(
         bundle.signing_not_after(),
     )?;
     let (chain, key) = bundle.client_identity(id, &validity)?;
-    std::fs::create_dir_all(dir)?;
-    generate::write_file(&dir.join("cert-chain.pem"), chain.as_bytes(), false)?;
-    generate::write_file(&dir.join("key.pem"), key.as_bytes(), true)?;
-    generate::write_file(
-        &dir.join("root-cert.pem"),
-        bundle.root_bundle().as_bytes(),
-        false,
-    )?;
+    generate::write_identity_files(dir, &chain, &key, bundle.root_bundle())?;
     Ok(())
 }
 

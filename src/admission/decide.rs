@@ -165,9 +165,17 @@ pub fn size(
         .saturating_sub(running)
         .clamp(min_queued, b.max_queued);
     let min_per = b.min_per_connection.min(b.max_per_connection);
+    let busy = busy_connections.max(1);
     let per_connection = (queued + running)
-        .div_ceil(busy_connections.max(1))
+        .div_ceil(busy)
         .clamp(min_per, b.max_per_connection);
+    // Room in the queue for what the connections' shares let through (the
+    // shares round up), so a request inside its share is not shed as
+    // "queue full" after its message was read and its caller authenticated.
+    let queued = per_connection
+        .saturating_mul(busy)
+        .saturating_sub(running)
+        .clamp(queued, b.max_queued.max(queued));
     Sizing {
         queued,
         per_connection,

@@ -141,6 +141,9 @@ pub struct AdmissionConfig {
     /// The advertised `SETTINGS_MAX_CONCURRENT_STREAMS` (the sized share's
     /// ceiling); set from the transport limits.
     pub max_streams_per_connection: usize,
+    /// Longest a stream over its connection's share waits for a place
+    /// (holding only its headers) before it is refused; 0: refused at once.
+    pub stream_park: Duration,
 }
 
 /// Most entries in the per-IP and per-identity tables; beyond, stale ones
@@ -175,6 +178,7 @@ impl Default for AdmissionConfig {
             queue_target: Duration::from_millis(50),
             min_streams_per_connection: 8,
             max_streams_per_connection: 100,
+            stream_park: Duration::from_millis(250),
         }
     }
 }
@@ -235,6 +239,10 @@ pub struct AdmissionArgs {
         default_value_t = 8
     )]
     pub admission_min_streams_per_connection: usize,
+    /// Longest a stream over its connection's share waits for a place before it is refused
+    /// (0s: refused at once; at most the request's grpc-timeout).
+    #[arg(long, env = "MESHCA_ADMISSION_STREAM_PARK", default_value = "250ms")]
+    pub admission_stream_park: String,
 }
 
 impl AdmissionArgs {
@@ -295,6 +303,11 @@ impl AdmissionArgs {
                 1_000_000,
             )?,
             max_streams_per_connection: AdmissionConfig::default().max_streams_per_connection,
+            stream_park: dur(
+                "MESHCA_ADMISSION_STREAM_PARK",
+                &self.admission_stream_park,
+                true,
+            )?,
         })
     }
 }
@@ -305,19 +318,58 @@ impl AdmissionArgs {
 pub struct Concurrency {
     busy_connections: AtomicUsize,
     per_connection: AtomicUsize,
+    /// Requests waiting for a signing thread: the share is enforced only
+    /// while some do, so an unloaded server never refuses a stream.
+    waiting: Arc<AtomicUsize>,
+    park: Duration,
+    fresh: Duration,
+    margin: Duration,
 }
 
 impl Concurrency {
-    pub fn new(per_connection: usize) -> Arc<Self> {
+    fn new(cfg: &AdmissionConfig, waiting: Arc<AtomicUsize>) -> Arc<Self> {
+        let park = cfg.stream_park;
         Arc::new(Self {
             busy_connections: AtomicUsize::new(0),
-            per_connection: AtomicUsize::new(per_connection.max(1)),
+            per_connection: AtomicUsize::new(cfg.max_streams_per_connection.max(1)),
+            waiting,
+            park,
+            // Within half the queue target a waiting stream is still new
+            // work; past it, a freed place goes to newer streams.
+            fresh: match cfg.queue_target {
+                t if t.is_zero() => park,
+                t => t / 2,
+            },
+            margin: cfg.deadline_margin,
         })
+    }
+
+    /// How long a stream over its connection's share may wait for a place:
+    /// the configured time, ending before the caller's own deadline (a
+    /// cancelled stream would count against its connection).
+    pub fn park_for(&self, timeout: Option<Duration>) -> Duration {
+        timeout.map_or(self.park, |t| {
+            self.park
+                .min(t.saturating_sub(self.margin.saturating_mul(2)))
+        })
+    }
+
+    /// A waiting stream younger than this takes a freed place; an older one
+    /// waits out its time and is refused (new work first).
+    pub fn fresh(&self) -> Duration {
+        self.fresh
     }
 
     /// Streams in progress one connection may have now.
     pub fn per_connection(&self) -> usize {
         self.per_connection.load(Ordering::Relaxed)
+    }
+
+    /// Whether a connection that had `before` streams in progress may open
+    /// one more: always while no request waits for signing, else within
+    /// its share.
+    pub fn admits(&self, before: usize) -> bool {
+        self.waiting.load(Ordering::Relaxed) == 0 || before < self.per_connection()
     }
 
     pub fn busy_connections(&self) -> usize {
@@ -395,18 +447,19 @@ impl Drop for CapTicket<'_> {
 
 impl Admission {
     pub fn new(cfg: AdmissionConfig, metrics: Option<Arc<dyn AdmissionObserver>>) -> Self {
+        let queue = FairQueue::new(
+            PoolConfig {
+                max_running: cfg.max_running,
+                max_queued: cfg.max_queued,
+                lifo_after: cfg.lifo_after,
+                nice: cfg.signing_nice,
+                target: cfg.queue_target,
+            },
+            metrics.clone(),
+        );
         Self {
-            queue: FairQueue::new(
-                PoolConfig {
-                    max_running: cfg.max_running,
-                    max_queued: cfg.max_queued,
-                    lifo_after: cfg.lifo_after,
-                    nice: cfg.signing_nice,
-                    target: cfg.queue_target,
-                },
-                metrics.clone(),
-            ),
-            concurrency: Concurrency::new(cfg.max_streams_per_connection),
+            concurrency: Concurrency::new(&cfg, queue.waiting()),
+            queue,
             deadline_ns: AtomicU64::new(0),
             cfg,
             sources: Mutex::new(HashMap::new()),
@@ -431,10 +484,23 @@ impl Admission {
             0 => self.cfg.max_wait,
             ns => Duration::from_nanos(ns),
         };
+        let horizon = if self.cfg.queue_target.is_zero() {
+            deadline
+        } else {
+            deadline.min(self.cfg.queue_target)
+        };
+        // The measured throughput while backlogged, as a per-thread time,
+        // when there is one: the jobs' own wall time misses CPU-quota
+        // throttling and neighbours between jobs.
+        let running = self.queue.max_running();
+        let service = match self.queue.drain_time() {
+            Some(per) => Some(per.saturating_mul(u32::try_from(running).unwrap_or(u32::MAX))),
+            None => self.queue.service_time(),
+        };
         decide::size(
-            self.queue.service_time(),
+            service,
             self.queue.max_running(),
-            deadline,
+            horizon,
             self.concurrency.busy_connections(),
             decide::SizingBounds {
                 min_queued: MIN_SIZED_QUEUE,

@@ -49,6 +49,7 @@ struct State {
     /// When the last request was queued.
     last_arrival: Option<Instant>,
     closed: bool,
+    drain: DrainMeter,
     table: FairTable<Waiter>,
 }
 
@@ -81,6 +82,14 @@ struct Inner {
     work: Condvar,
     /// Exponentially weighted mean wall time of a job, in ns (0: none yet).
     service_ns: AtomicU64,
+    /// Mean time between completions while jobs wait (ns; 0: none yet): the
+    /// pool's real throughput, CPU quota and neighbours included.
+    drain_ns: AtomicU64,
+    /// When `drain_ns` was last sampled (ms since `started`).
+    drained_at_ms: AtomicU64,
+    started: Instant,
+    /// Jobs waiting now, readable without the lock.
+    waiting: Arc<AtomicUsize>,
     completed: AtomicU64,
     metrics: Option<Arc<dyn super::AdmissionObserver>>,
 }
@@ -134,6 +143,50 @@ impl Drop for WaitGuard<'_> {
     }
 }
 
+/// Completions counted while the queue stays backlogged, for the pool's
+/// throughput. Idle time between bursts is not counted.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct DrainMeter {
+    since: Option<Instant>,
+    done: u32,
+}
+
+/// A throughput sample covers at least this long, so that CPU-quota
+/// periods (where the pool runs, then waits) average out.
+const DRAIN_WINDOW: Duration = Duration::from_millis(100);
+
+/// A throughput sample needs at least this many completions.
+const DRAIN_MIN_DONE: u32 = 8;
+
+/// A throughput sample older than this no longer sizes anything.
+const DRAIN_FRESH: Duration = Duration::from_secs(10);
+
+impl DrainMeter {
+    /// A job completed at `now`, with jobs still waiting (`backlogged`) or
+    /// not. Returns the time per completion once a window is full.
+    pub fn completed(&mut self, now: Instant, backlogged: bool) -> Option<Duration> {
+        if !backlogged {
+            *self = Self::default();
+            return None;
+        }
+        let Some(since) = self.since else {
+            self.since = Some(now);
+            return None;
+        };
+        self.done = self.done.saturating_add(1);
+        let spent = now.saturating_duration_since(since);
+        if spent < DRAIN_WINDOW || self.done < DRAIN_MIN_DONE {
+            return None;
+        }
+        let per = spent / self.done;
+        *self = Self {
+            since: Some(now),
+            done: 0,
+        };
+        Some(per)
+    }
+}
+
 /// Weight of a new sample in the mean service time (1/16).
 const EWMA_SHIFT: u32 = 4;
 
@@ -157,6 +210,7 @@ impl Inner {
     }
 
     fn gauges(&self, s: &State) {
+        self.waiting.store(s.table.len(), Ordering::Relaxed);
         if let Some(m) = &self.metrics {
             m.occupancy(s.running, s.table.len());
         }
@@ -227,6 +281,7 @@ impl Inner {
                     self.run_job(w);
                     s = self.lock();
                     s.running -= 1;
+                    self.drained(&mut s);
                 }
                 continue;
             }
@@ -253,7 +308,37 @@ impl Inner {
             self.run_job(w);
             s = self.lock();
             s.running -= 1;
+            self.drained(&mut s);
         }
+    }
+
+    /// Feeds a completion to the throughput meter (lock held).
+    fn drained(&self, s: &mut State) {
+        let now = Instant::now();
+        let backlogged = !s.table.is_empty();
+        if let Some(per) = s.drain.completed(now, backlogged) {
+            let per = u64::try_from(per.as_nanos()).unwrap_or(u64::MAX);
+            let at = u64::try_from(now.saturating_duration_since(self.started).as_millis())
+                .unwrap_or(u64::MAX);
+            let _ = self
+                .drain_ns
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |m| {
+                    // Each sample already averages a window: weight 1/4.
+                    Some(if m == 0 { per } else { m - m / 4 + per / 4 }.max(1))
+                });
+            self.drained_at_ms.store(at, Ordering::Relaxed);
+        }
+    }
+
+    /// Time per completion while backlogged, if sampled recently.
+    fn drain_time(&self) -> Option<Duration> {
+        let ns = self.drain_ns.load(Ordering::Relaxed);
+        if ns == 0 {
+            return None;
+        }
+        let at = Duration::from_millis(self.drained_at_ms.load(Ordering::Relaxed));
+        let age = self.started.elapsed().saturating_sub(at);
+        (age <= DRAIN_FRESH).then(|| Duration::from_nanos(ns))
     }
 
     fn service_time(&self) -> Option<Duration> {
@@ -301,6 +386,10 @@ impl FairQueue {
             state: Mutex::new(State::default()),
             work: Condvar::new(),
             service_ns: AtomicU64::new(0),
+            drain_ns: AtomicU64::new(0),
+            drained_at_ms: AtomicU64::new(0),
+            started: Instant::now(),
+            waiting: Arc::new(AtomicUsize::new(0)),
             completed: AtomicU64::new(0),
             metrics,
         });
@@ -353,6 +442,17 @@ impl FairQueue {
     /// Mean wall time of a job, once one has run.
     pub fn service_time(&self) -> Option<Duration> {
         self.inner().service_time()
+    }
+
+    /// Time per completion while jobs were waiting (the pool's measured
+    /// throughput), if sampled in the last few seconds.
+    pub fn drain_time(&self) -> Option<Duration> {
+        self.inner().drain_time()
+    }
+
+    /// Jobs waiting now (lock-free; shared with the request gate).
+    pub fn waiting(&self) -> Arc<AtomicUsize> {
+        self.inner().waiting.clone()
     }
 
     /// Jobs run to completion so far.

@@ -169,6 +169,20 @@ pub fn write_cacerts(dir: &Path, ca: &GeneratedCa, force: bool) -> Result<(), Ge
 }
 
 /// Writes a file atomically (temp file + rename), mode 0600 for secrets.
+/// Writes a workload identity as istio-agent lays it out: `cert-chain.pem`
+/// (leaf and intermediates), `key.pem` (owner-only) and `root-cert.pem`.
+pub fn write_identity_files(
+    dir: &Path,
+    chain_pem: &str,
+    key_pem: &str,
+    root_pem: &str,
+) -> std::io::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    write_file(&dir.join("cert-chain.pem"), chain_pem.as_bytes(), false)?;
+    write_file(&dir.join("key.pem"), key_pem.as_bytes(), true)?;
+    write_file(&dir.join("root-cert.pem"), root_pem.as_bytes(), false)
+}
+
 pub fn write_file(path: &Path, body: &[u8], secret: bool) -> std::io::Result<()> {
     use std::io::Write;
     let tmp = path.with_extension("tmp");
