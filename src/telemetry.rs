@@ -27,7 +27,7 @@ pub use crate::metrics::Snapshot;
 use crate::metrics::{
     Citadel, Decision, DecisionLabels, ErrorClass, LatencyLabels, NodeRefusalMetrics, ResultLabels,
 };
-use crate::outcome::OutcomeObserver;
+use crate::outcome::{Outcome, OutcomeObserver};
 use crate::podcert::metrics::PodCertMetrics;
 use crate::revocation::metrics::KillSwitchMetrics;
 use crate::rotation::metrics::RotationMetrics;
@@ -83,14 +83,8 @@ pub struct Metrics {
 }
 
 impl OutcomeObserver for Metrics {
-    fn outcome(
-        &self,
-        decision: Decision,
-        reason: &'static str,
-        class: Option<ErrorClass>,
-        seconds: f64,
-    ) {
-        self.record(decision, reason, class, seconds);
+    fn outcome(&self, o: Outcome) {
+        self.record(o.decision, o.reason, o.class, o.seconds);
     }
 
     fn audit_write_error(&self) {
