@@ -25,7 +25,7 @@ use crate::ca::metrics::CaMetrics;
 use crate::cluster::metrics::ClusterMetrics;
 pub use crate::metrics::Snapshot;
 use crate::metrics::{
-    Citadel, Decision, DecisionLabels, ErrorClass, LatencyLabels, NodeRefusalMetrics, ResultLabels,
+    Citadel, Decision, DecisionLabels, ErrorClass, LatencyLabels, NodeRefusalMetrics,
 };
 use crate::outcome::{Outcome, OutcomeObserver};
 use crate::podcert::metrics::PodCertMetrics;
@@ -56,9 +56,6 @@ pub struct Metrics {
     pub request_duration: Family<LatencyLabels, Histogram>,
     /// TokenReview round trips, budget and caches.
     pub token_reviews: Arc<TokenReviewMetrics>,
-    /// TokenReviews sent, by result: a handle on `token_reviews`'
-    /// family of that name, under the name readers of the aggregate use.
-    pub tokenreviews: Family<ResultLabels, Counter>,
     /// CA material reloads.
     pub ca: Arc<CaMetrics>,
     /// The audit writer's failures and sheds, and the anchor writer.
@@ -148,7 +145,6 @@ impl Metrics {
             citadel: Citadel::default(),
             decisions,
             request_duration,
-            tokenreviews: token_reviews.tokenreviews.clone(),
             token_reviews,
             ca,
             audit,
