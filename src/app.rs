@@ -762,24 +762,20 @@ fn dev_client_record(
     id: &SpiffeId,
     leaf: &crate::ca::IssuedLeaf,
 ) -> crate::audit::AuditRecord {
-    let mut r = crate::audit::AuditRecord::new(
+    use x509_parser::prelude::{FromDer, X509Certificate};
+    let parsed = X509Certificate::from_der(&leaf.der).ok();
+    let mut r = crate::ca::minted_record(
+        crate::ca::MintedKind::DevClient,
         OffsetDateTime::now_utc(),
-        crate::audit::random_id(),
-        crate::audit::Decision::Allow,
-        "dev_client_issued".into(),
+        bundle,
+        parsed.as_ref().map(|(_, c)| c),
+        leaf.pem.clone(),
     );
     r.requested_identity = Some(id.to_string());
+    // The leaf as signed: its serial, and its validity to the sub-second.
     r.serial = Some(leaf.serial_hex.clone());
-    use x509_parser::prelude::{FromDer, X509Certificate};
-    if let Ok((_, c)) = X509Certificate::from_der(&leaf.der) {
-        r.spki_sha256 = Some(hex::encode(crate::primitives::sha256(c.public_key().raw)));
-    }
     r.not_before = Some(leaf.not_before);
     r.not_after = Some(leaf.not_after);
-    r.issuer_key_id = Some(bundle.key_id().to_string());
-    r.issued_kind = Some("dev_client".into());
-    r.signer = Some(bundle.signer().kind().into());
-    r.certificate = Some(leaf.pem.clone());
     r.bound();
     r
 }
