@@ -780,9 +780,22 @@ fn dev_client_record(
     r
 }
 
-/// Logs to stderr, as text or JSON, filtered by `RUST_LOG` (default `info`);
-/// shared by the `meshca` and `meshca-bench` binaries.
-pub fn init_tracing(format: &str) {
+/// The body of every meshca binary's `main` (`meshca`, `meshca-bench`):
+/// logging as `log_format` says, then `main` on a multi-threaded runtime,
+/// the one `#[tokio::main]` would build.
+pub fn run_binary(
+    log_format: &str,
+    main: impl std::future::Future<Output = anyhow::Result<()>>,
+) -> anyhow::Result<()> {
+    init_tracing(log_format);
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?
+        .block_on(main)
+}
+
+/// Logs to stderr, as text or JSON, filtered by `RUST_LOG` (default `info`).
+fn init_tracing(format: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     // Colour codes only for a terminal, never in files or collected logs.
