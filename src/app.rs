@@ -164,24 +164,15 @@ impl App {
 
     /// Serving: the TLS listener, the issuer behind the request gate, the
     /// reloaders, and the admin port.
-    async fn serve(cfg: &Config, deps: Deps, started: Started) -> anyhow::Result<Self> {
-        let Started {
-            custody,
-            ca,
-            audit,
-            kube,
-            guards,
-            metrics,
-            mut background,
-        } = started;
+    async fn serve(cfg: &Config, deps: Deps, mut started: Started) -> anyhow::Result<Self> {
         let AuditStep {
             sink: audit,
             writer: audit_writer,
             anchor: audit_anchor,
             aggregator,
-        } = audit;
+        } = started.audit;
         let tls = Arc::new(ServingTls::new_audited(
-            &ca.snapshot(),
+            &started.ca.snapshot(),
             cfg.serving_names.clone(),
             cfg.trust_domains(),
             Some(audit.clone()),
@@ -194,23 +185,23 @@ impl App {
         let mut admission_cfg = cfg.admission;
         admission_cfg.max_streams_per_connection = cfg.transport.max_concurrent_streams as usize;
         let issuer = Arc::new(CertificateIssuer {
-            ca: ca.clone(),
+            ca: started.ca.clone(),
             ttl: cfg.ttl,
             csr_policy: cfg.csr_policy,
             tokens: deps.tokens,
             node_authz: deps.node_authz,
             audit,
-            metrics: Some(metrics.issue_metrics()),
+            metrics: Some(started.metrics.issue_metrics()),
             admission: Some(Arc::new(crate::admission::Admission::new(
                 admission_cfg,
-                Some(metrics.admission.clone()),
+                Some(started.metrics.admission.clone()),
             ))),
-            guards: guards.clone(),
+            guards: started.guards.clone(),
         });
         // Without a writer thread (a sink supplied by the caller), folded
         // refusals are flushed to the sink by a task instead.
         if audit_writer.is_none() {
-            background.push(tokio::spawn(
+            started.background.push(tokio::spawn(
                 aggregator
                     .clone()
                     .run(issuer.audit.clone(), cfg.audit.writer.aggregate_interval),
@@ -220,7 +211,7 @@ impl App {
         let handshake_rejects =
             crate::transport::rejects::HandshakeRejects::new(cfg.audit.handshakes.max_sources);
         let rejects_sink = issuer.audit.clone();
-        background.push(tokio::spawn(
+        started.background.push(tokio::spawn(
             handshake_rejects
                 .clone()
                 .run(rejects_sink.clone(), cfg.audit.handshakes.interval),
@@ -229,57 +220,60 @@ impl App {
             listener,
             tls.clone(),
             &cfg.transport,
-            Some(metrics.transport.clone()),
+            Some(started.metrics.transport.clone()),
             Some(handshake_rejects.clone()),
             Some(aggregator.clone()),
         );
         let (tx, rx) = oneshot::channel::<()>();
-        let server = spawn_grpc(cfg, incoming, issuer, &metrics, &aggregator, rx);
-        background.push(tokio::spawn(
-            custody
+        let server = spawn_grpc(cfg, incoming, issuer, &started.metrics, &aggregator, rx);
+        started.background.push(tokio::spawn(
+            started
+                .custody
                 .clone()
-                .watch(cfg.reload_poll, Some(metrics.ca.clone())),
+                .watch(cfg.reload_poll, Some(started.metrics.ca.clone())),
         ));
         // Time-based checkpoints are written by the audit writer thread.
-        background.push(tokio::spawn(tls.clone().follow(ca.clone())));
+        started
+            .background
+            .push(tokio::spawn(tls.clone().follow(started.ca.clone())));
         let health = crate::http::Health {
-            ca: ca.clone(),
-            custody: custody.clone(),
-            index: kube.pod_index.clone(),
-            metrics: metrics.clone(),
-            token_reviewer: kube.token_reviewer.clone(),
-            crl: guards.revocations.clone(),
-            clusters: kube.clusters.clone(),
+            ca: started.ca.clone(),
+            custody: started.custody.clone(),
+            index: started.kube.pod_index.clone(),
+            metrics: started.metrics.clone(),
+            token_reviewer: started.kube.token_reviewer.clone(),
+            crl: started.guards.revocations.clone(),
+            clusters: started.kube.clusters.clone(),
             max_index_staleness: cfg.kill_switch.renewal.max_index_staleness,
         };
         let (admin_addr, admin) = crate::http::bind(
             cfg.admin_listen,
             health,
             cfg.admin,
-            Some(metrics.transport.clone()),
+            Some(started.metrics.transport.clone()),
         )
         .await
         .with_context(|| format!("binding {}", cfg.admin_listen))?;
-        background.push(admin);
-        tracing::info!(%addr, ca = ca.snapshot().source(), signer = %custody.snapshot().signer().describe(), two_tier = cfg.custody.issuing_ttl.is_some(), trust_domain = %cfg.trust_domain, "meshca serving IstioCertificateService");
+        started.background.push(admin);
+        tracing::info!(%addr, ca = started.ca.snapshot().source(), signer = %started.custody.snapshot().signer().describe(), two_tier = cfg.custody.issuing_ttl.is_some(), trust_domain = %cfg.trust_domain, "meshca serving IstioCertificateService");
         Ok(Self {
             addr,
             admin_addr,
-            pod_index: kube.pod_index,
-            token_reviewer: kube.token_reviewer,
-            issuer_keys: kube.issuer_keys,
-            clusters: kube.clusters,
-            metrics,
+            pod_index: started.kube.pod_index,
+            token_reviewer: started.kube.token_reviewer,
+            issuer_keys: started.kube.issuer_keys,
+            clusters: started.kube.clusters,
+            metrics: started.metrics,
             audit_writer,
             audit_anchor,
             handshake_rejects: (handshake_rejects, rejects_sink),
             aggregator,
-            ca,
-            custody,
+            ca: started.ca,
+            custody: started.custody,
             tls,
             shutdown: Some(tx),
             server,
-            background,
+            background: started.background,
         })
     }
 
@@ -773,31 +767,40 @@ fn dev_client_record(
     id: &SpiffeId,
     leaf: &crate::ca::IssuedLeaf,
 ) -> crate::audit::AuditRecord {
-    let mut r = crate::audit::AuditRecord::new(
+    use x509_parser::prelude::{FromDer, X509Certificate};
+    let parsed = X509Certificate::from_der(&leaf.der).ok();
+    let mut r = crate::ca::minted_record(
+        crate::ca::MintedKind::DevClient,
         OffsetDateTime::now_utc(),
-        crate::audit::random_id(),
-        crate::audit::Decision::Allow,
-        "dev_client_issued".into(),
+        bundle,
+        parsed.as_ref().map(|(_, c)| c),
+        leaf.pem.clone(),
     );
     r.requested_identity = Some(id.to_string());
+    // The leaf as signed: its serial, and its validity to the sub-second.
     r.serial = Some(leaf.serial_hex.clone());
-    use x509_parser::prelude::{FromDer, X509Certificate};
-    if let Ok((_, c)) = X509Certificate::from_der(&leaf.der) {
-        r.spki_sha256 = Some(hex::encode(crate::primitives::sha256(c.public_key().raw)));
-    }
     r.not_before = Some(leaf.not_before);
     r.not_after = Some(leaf.not_after);
-    r.issuer_key_id = Some(bundle.key_id().to_string());
-    r.issued_kind = Some("dev_client".into());
-    r.signer = Some(bundle.signer().kind().into());
-    r.certificate = Some(leaf.pem.clone());
     r.bound();
     r
 }
 
-/// Logs to stderr, as text or JSON, filtered by `RUST_LOG` (default `info`);
-/// shared by the `meshca` and `meshca-bench` binaries.
-pub fn init_tracing(format: &str) {
+/// The body of every meshca binary's `main` (`meshca`, `meshca-bench`):
+/// logging as `log_format` says, then `main` on a multi-threaded runtime,
+/// the one `#[tokio::main]` would build.
+pub fn run_binary(
+    log_format: &str,
+    main: impl std::future::Future<Output = anyhow::Result<()>>,
+) -> anyhow::Result<()> {
+    init_tracing(log_format);
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?
+        .block_on(main)
+}
+
+/// Logs to stderr, as text or JSON, filtered by `RUST_LOG` (default `info`).
+fn init_tracing(format: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     // Colour codes only for a terminal, never in files or collected logs.

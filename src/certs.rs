@@ -350,7 +350,7 @@ pub fn ztunnel_rows(
 /// istioctl's table: its columns, and its tabwriter's layout (each column
 /// as wide as its widest cell plus 5 spaces, the last one unpadded).
 pub fn table(rows: &[CertRow]) -> String {
-    let mut out = vec![[
+    let header = [
         "CERTIFICATE NAME",
         "TYPE",
         "STATUS",
@@ -358,11 +358,9 @@ pub fn table(rows: &[CertRow]) -> String {
         "SERIAL NUMBER",
         "NOT AFTER",
         "NOT BEFORE",
-    ]
-    .map(String::from)
-    .to_vec()];
-    for r in rows {
-        out.push(vec![
+    ];
+    let cells = rows.iter().map(|r| {
+        vec![
             r.certificate_name.clone(),
             r.kind.clone(),
             r.status.clone(),
@@ -370,9 +368,9 @@ pub fn table(rows: &[CertRow]) -> String {
             r.serial_number.clone(),
             r.not_after.clone(),
             r.not_before.clone(),
-        ]);
-    }
-    crate::table::render_table_padded(&out, 5)
+        ]
+    });
+    crate::table::render_table_padded(&header, cells, 5)
 }
 
 pub use crate::table::render_table;

@@ -279,11 +279,13 @@ struct CertsArgs {
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    meshca::app::init_tracing(&cli.log_format);
-    match cli.command {
+    app::run_binary(&cli.log_format, run(cli.command))
+}
+
+async fn run(command: Command) -> anyhow::Result<()> {
+    match command {
         Command::Serve(args) => serve(*args).await,
         Command::Audit(cmd) => audit(cmd),
         Command::Certs(args) => certs(args).await,

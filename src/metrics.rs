@@ -4,6 +4,8 @@
 //! imports no domain: each domain defines and registers its own families
 //! next to its code, and the wiring (`telemetry`) puts them on one registry.
 
+use std::fmt::Debug;
+use std::hash::Hash;
 use std::sync::atomic::AtomicU64;
 
 use prometheus_client::encoding::EncodeLabelSet;
@@ -66,6 +68,32 @@ pub const MAX_NODE_LABELS: usize = 4096;
 
 /// The `node` label once [`MAX_NODE_LABELS`] nodes have been seen.
 pub const OVERFLOW_NODE: &str = "overflow";
+
+/// Registers a counter family labelled by one reason (or result) and
+/// creates each of `reasons`' series at zero, so a rate() sees the first one.
+pub fn register_reasons<L>(
+    registry: &mut Registry,
+    name: &str,
+    help: &str,
+    family: &Family<L, Counter>,
+    reasons: impl IntoIterator<Item = &'static str>,
+) where
+    L: From<&'static str> + EncodeLabelSet + Clone + Hash + Eq + Debug + Send + Sync + 'static,
+{
+    registry.register(name, help, family.clone());
+    pre_create(family, reasons);
+}
+
+/// Creates each of `reasons`' series at zero (a family registered earlier,
+/// whose reasons are known only later).
+pub fn pre_create<L>(family: &Family<L, Counter>, reasons: impl IntoIterator<Item = &'static str>)
+where
+    L: From<&'static str> + Clone + Hash + Eq,
+{
+    for r in reasons {
+        let _ = family.get_or_create(&L::from(r));
+    }
+}
 
 /// Refusals that say something about a caller rather than about meshca's
 /// health: a node proxy asking for identities it may not have, a

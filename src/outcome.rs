@@ -28,16 +28,22 @@ pub enum ErrorClass {
     CaNotReady,
 }
 
+/// One finished request, as the metrics count it.
+#[derive(Debug, Clone, Copy)]
+pub struct Outcome {
+    pub decision: Decision,
+    /// The decision's reason code (`issued` for a certificate issued).
+    pub reason: &'static str,
+    /// How a refusal counts in istiod's metrics (none when allowed).
+    pub class: Option<ErrorClass>,
+    /// From the request's start to its audit record sealed.
+    pub seconds: f64,
+}
+
 /// Who counts finished requests and audit-log trouble.
 pub trait OutcomeObserver: Send + Sync + std::fmt::Debug {
     /// One finished request (called exactly once per request).
-    fn outcome(
-        &self,
-        decision: Decision,
-        reason: &'static str,
-        class: Option<ErrorClass>,
-        seconds: f64,
-    );
+    fn outcome(&self, outcome: Outcome);
     /// A record could not be written.
     fn audit_write_error(&self);
     /// A request was turned away because the audit writer could not take its

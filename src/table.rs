@@ -1,13 +1,20 @@
 //! Plain-text tables for the command line (shared by `certs` and `audit query`).
 
-/// Left-aligned columns separated by at least three spaces.
-pub fn render_table(rows: &[Vec<String>]) -> String {
-    render_table_padded(rows, 3)
+/// `header`, then `body`: left-aligned columns separated by at least three spaces.
+pub fn render_table(header: &[&str], body: impl IntoIterator<Item = Vec<String>>) -> String {
+    render_table_padded(header, body, 3)
 }
 
-/// Left-aligned columns, each as wide as its widest cell plus `padding`
-/// spaces; the last column is not padded (Go's tabwriter with flags 0).
-pub fn render_table_padded(rows: &[Vec<String>], padding: usize) -> String {
+/// `header`, then `body`: left-aligned columns, each as wide as its widest
+/// cell plus `padding` spaces; the last column is not padded (Go's
+/// tabwriter with flags 0).
+pub fn render_table_padded(
+    header: &[&str],
+    body: impl IntoIterator<Item = Vec<String>>,
+    padding: usize,
+) -> String {
+    let mut rows = vec![header.iter().map(|h| h.to_string()).collect::<Vec<_>>()];
+    rows.extend(body);
     let cols = rows.iter().map(Vec::len).max().unwrap_or(0);
     let widths: Vec<usize> = (0..cols)
         .map(|c| {

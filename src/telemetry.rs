@@ -25,9 +25,9 @@ use crate::ca::metrics::CaMetrics;
 use crate::cluster::metrics::ClusterMetrics;
 pub use crate::metrics::Snapshot;
 use crate::metrics::{
-    Citadel, Decision, DecisionLabels, ErrorClass, LatencyLabels, NodeRefusalMetrics, ResultLabels,
+    Citadel, Decision, DecisionLabels, ErrorClass, LatencyLabels, NodeRefusalMetrics,
 };
-use crate::outcome::OutcomeObserver;
+use crate::outcome::{Outcome, OutcomeObserver};
 use crate::podcert::metrics::PodCertMetrics;
 use crate::revocation::metrics::KillSwitchMetrics;
 use crate::rotation::metrics::RotationMetrics;
@@ -56,9 +56,6 @@ pub struct Metrics {
     pub request_duration: Family<LatencyLabels, Histogram>,
     /// TokenReview round trips, budget and caches.
     pub token_reviews: Arc<TokenReviewMetrics>,
-    /// TokenReviews sent, by result: a handle on `token_reviews`'
-    /// family of that name, under the name readers of the aggregate use.
-    pub tokenreviews: Family<ResultLabels, Counter>,
     /// CA material reloads.
     pub ca: Arc<CaMetrics>,
     /// The audit writer's failures and sheds, and the anchor writer.
@@ -84,14 +81,8 @@ pub struct Metrics {
 }
 
 impl OutcomeObserver for Metrics {
-    fn outcome(
-        &self,
-        decision: Decision,
-        reason: &'static str,
-        class: Option<ErrorClass>,
-        seconds: f64,
-    ) {
-        self.record(decision, reason, class, seconds);
+    fn outcome(&self, o: Outcome) {
+        self.record(o.decision, o.reason, o.class, o.seconds);
     }
 
     fn audit_write_error(&self) {
@@ -155,7 +146,6 @@ impl Metrics {
             citadel: Citadel::default(),
             decisions,
             request_duration,
-            tokenreviews: token_reviews.tokenreviews.clone(),
             token_reviews,
             ca,
             audit,

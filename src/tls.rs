@@ -193,24 +193,15 @@ pub fn serving_record(
     cert: &CertificateDer<'_>,
 ) -> crate::audit::AuditRecord {
     use x509_parser::prelude::{FromDer, X509Certificate};
-    let now = OffsetDateTime::now_utc();
-    let mut r = crate::audit::AuditRecord::new(
-        now,
-        crate::audit::random_id(),
-        crate::audit::Decision::Allow,
-        "serving_cert_issued".into(),
+    let parsed = X509Certificate::from_der(cert).ok();
+    let mut r = crate::ca::minted_record(
+        crate::ca::MintedKind::Serving,
+        OffsetDateTime::now_utc(),
+        bundle,
+        parsed.as_ref().map(|(_, c)| c),
+        crate::primitives::pem_encode("CERTIFICATE", cert),
     );
-    if let Ok((_, c)) = X509Certificate::from_der(cert) {
-        r.serial = Some(crate::ca::serial_hex(c.raw_serial()));
-        r.spki_sha256 = Some(hex::encode(crate::primitives::sha256(c.public_key().raw)));
-        r.not_before = Some(c.validity().not_before.to_datetime());
-        r.not_after = Some(c.validity().not_after.to_datetime());
-    }
-    r.issuer_key_id = Some(bundle.key_id().to_string());
     r.detail = Some(format!("serving names {}", names.join(",")));
-    r.issued_kind = Some("serving".into());
-    r.signer = Some(bundle.signer().kind().into());
-    r.certificate = Some(crate::primitives::pem_encode("CERTIFICATE", cert));
     r.bound();
     r
 }

@@ -304,6 +304,7 @@ async fn local_verification_accepts_exactly_what_tokenreview_accepts() {
             t.local
                 .app
                 .metrics
+                .token_reviews
                 .tokenreviews
                 .get_or_create(&meshca::metrics::ResultLabels {
                     result: r.to_string(),

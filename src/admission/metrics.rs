@@ -11,6 +11,7 @@ use prometheus_client::registry::Registry;
 
 use super::{AdmissionObserver, ShedReason};
 use crate::metrics::labels::RefusalLabels;
+use crate::metrics::register_reasons;
 
 #[derive(Debug, Default)]
 pub struct AdmissionMetrics {
@@ -28,14 +29,13 @@ pub struct AdmissionMetrics {
 impl AdmissionMetrics {
     pub fn register(registry: &mut Registry) -> Self {
         let m = Self::default();
-        registry.register(
+        register_reasons(
+            registry,
             "meshca_admission_shed",
             "Requests shed by admission before any signing work, by reason",
-            m.shed.clone(),
+            &m.shed,
+            ShedReason::ALL.iter().map(ShedReason::reason),
         );
-        for r in ShedReason::ALL {
-            let _ = m.shed.get_or_create(&RefusalLabels { reason: r.reason() });
-        }
         registry.register(
             "meshca_admission_running",
             "CSR verifications and signatures running",

@@ -14,6 +14,7 @@ use prometheus_client::registry::Registry;
 use super::anchor::{AnchorMetrics, WRITE_RESULTS};
 use super::writer::SHED_REASONS;
 use crate::metrics::labels::{RefusalLabels, ResultLabels};
+use crate::metrics::register_reasons;
 
 #[derive(Debug, Default)]
 pub struct AuditMetrics {
@@ -36,14 +37,13 @@ impl AuditMetrics {
             "Audit records that could not be written",
             m.audit_write_errors.clone(),
         );
-        registry.register(
+        register_reasons(
+            registry,
             "meshca_audit_shed",
             "Requests refused because the audit writer could not take their record, by reason",
-            m.audit_shed.clone(),
+            &m.audit_shed,
+            SHED_REASONS,
         );
-        for r in SHED_REASONS {
-            let _ = m.audit_shed.get_or_create(&RefusalLabels { reason: r });
-        }
         registry.register(
             "meshca_audit_anchor_writes",
             "Attempts at writing an audit checkpoint anchor, by result (written, or the failure's reason)",

@@ -25,7 +25,7 @@ use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
 
 pub use crate::outcome::Decision;
-use crate::outcome::{ErrorClass, OutcomeObserver};
+use crate::outcome::{ErrorClass, Outcome, OutcomeObserver};
 
 /// What a security team reads about one request. Never holds a token, a key
 /// or a CSR (only its SHA-256).
@@ -462,7 +462,12 @@ impl AuditGuard {
         };
         match refused {
             None => {
-                m.outcome(self.record.decision, self.reason, self.class, elapsed);
+                m.outcome(Outcome {
+                    decision: self.record.decision,
+                    reason: self.reason,
+                    class: self.class,
+                    seconds: elapsed,
+                });
                 if let (Decision::Deny, Some(node)) = (self.record.decision, &self.record.node) {
                     m.node_refusal(self.reason, node);
                 }
@@ -473,12 +478,12 @@ impl AuditGuard {
                     AuditRefusal::Write(_) => m.audit_write_error(),
                 }
                 tracing::error!(error = %e, request_id = %self.record.request_id, "audit record not written");
-                m.outcome(
-                    Decision::Deny,
-                    e.reason(),
-                    Some(ErrorClass::CertGen),
-                    elapsed,
-                );
+                m.outcome(Outcome {
+                    decision: Decision::Deny,
+                    reason: e.reason(),
+                    class: Some(ErrorClass::CertGen),
+                    seconds: elapsed,
+                });
             }
         }
     }

@@ -213,7 +213,7 @@ pub fn query<L: AsRef<[u8]>>(lines: &[(String, L)], q: &Query) -> (Vec<AuditReco
 
 /// A fixed-width table of records.
 pub fn table(records: &[AuditRecord]) -> String {
-    let mut rows = vec![[
+    let header = [
         "TIME",
         "DECISION",
         "REASON",
@@ -222,11 +222,9 @@ pub fn table(records: &[AuditRecord]) -> String {
         "CSR SANS",
         "NODE",
         "SERIAL",
-    ]
-    .map(String::from)
-    .to_vec()];
-    for r in records {
-        rows.push(vec![
+    ];
+    let rows = records.iter().map(|r| {
+        vec![
             r.time
                 .format(&time::format_description::well_known::Rfc3339)
                 .unwrap_or_default(),
@@ -247,9 +245,9 @@ pub fn table(records: &[AuditRecord]) -> String {
                 .unwrap_or_else(|| "-".into()),
             r.node.clone().unwrap_or_else(|| "-".into()),
             r.serial.clone().unwrap_or_else(|| "-".into()),
-        ]);
-    }
-    crate::table::render_table(&rows)
+        ]
+    });
+    crate::table::render_table(&header, rows)
 }
 
 #[cfg(test)]

@@ -9,6 +9,7 @@ use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
 use crate::metrics::labels::{ReasonLabels, RefusalLabels, ResultLabels};
+use crate::metrics::register_reasons;
 
 /// `meshca_tokenreview_refused` reason: the TokenReview budget is spent.
 pub const REASON_BUDGET: &str = "tokenreview_budget_exhausted";
@@ -125,16 +126,13 @@ impl TokenReviewMetrics {
             "Tokens dropped by the pre-check (not a JWT, expired) before any review",
             m.tokenreview_precheck_rejected.clone(),
         );
-        registry.register(
+        register_reasons(
+            registry,
             "meshca_tokenreview_refused",
             "Requests refused by the TokenReview budget, by reason",
-            m.tokenreview_refused.clone(),
+            &m.tokenreview_refused,
+            [REASON_BUDGET, REASON_INFLIGHT],
         );
-        for r in [REASON_BUDGET, REASON_INFLIGHT] {
-            let _ = m
-                .tokenreview_refused
-                .get_or_create(&ReasonLabels { reason: r.into() });
-        }
         registry.register(
             "meshca_tokenreview_inflight",
             "TokenReviews outstanding at the API server",

@@ -26,9 +26,7 @@ struct Cli {
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    meshca::app::init_tracing(&cli.log_format);
-    meshca::bench::run(cli.args).await
+    meshca::app::run_binary(&cli.log_format, meshca::bench::run(cli.args))
 }

@@ -22,7 +22,7 @@ use super::bundle::{BundleFiles, CaBundle, MaterialError};
 use super::signer::memory::MemorySigner;
 use super::signer::{KeyAlgorithm, Signer, SignerError, SignerKey};
 use super::store::CaStore;
-use crate::audit::{AuditRecord, AuditSink, Decision};
+use crate::audit::{AuditRecord, AuditSink};
 
 /// Issuing CAs are backdated by this much, as leaves are (clock skew).
 const BACKDATE: time::Duration = time::Duration::minutes(5);
@@ -118,27 +118,18 @@ pub fn mint(
     let bundle = CaBundle::from_files_with(files, Some(key.clone()), now)?;
     let (_, issued) = X509Certificate::from_der(bundle.signing_cert())
         .map_err(|e| IssuingError::Generation(e.to_string()))?;
-    let mut r = AuditRecord::new(
+    let mut r = super::minted_record(
+        super::MintedKind::IssuingCa,
         now,
-        crate::audit::random_id(),
-        Decision::Allow,
-        "issuing_ca_issued".into(),
+        custody,
+        Some(&issued),
+        pem,
     );
-    r.serial = Some(super::serial_hex(issued.raw_serial()));
-    r.spki_sha256 = Some(hex::encode(crate::primitives::sha256(
-        issued.public_key().raw,
-    )));
-    r.not_before = Some(issued.validity().not_before.to_datetime());
-    r.not_after = Some(issued.validity().not_after.to_datetime());
-    r.issuer_key_id = Some(custody.key_id().to_string());
     r.detail = Some(format!(
         "issuing CA key {} signed by {}",
         bundle.key_id(),
         custody.signer().describe()
     ));
-    r.issued_kind = Some("issuing_ca".into());
-    r.signer = Some(custody.signer().kind().into());
-    r.certificate = Some(pem);
     Ok(Minted { bundle, record: r })
 }
 

@@ -7,6 +7,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
 use crate::metrics::labels::RefusalLabels;
+use crate::metrics::register_reasons;
 use crate::outcome::Decision;
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -55,16 +56,13 @@ impl ClusterMetrics {
             "1 once a registered cluster's pod index has synced (its impersonations get Unavailable until then)",
             m.synced.clone(),
         );
-        registry.register(
+        register_reasons(
+            registry,
             "meshca_remote_kubeconfig_refused",
             "Remote secret kubeconfigs refused, by reason",
-            m.kubeconfig_refused.clone(),
+            &m.kubeconfig_refused,
+            super::kubeconfig::KubeconfigError::REASONS.iter().copied(),
         );
-        for r in super::kubeconfig::KubeconfigError::REASONS {
-            let _ = m
-                .kubeconfig_refused
-                .get_or_create(&RefusalLabels { reason: r });
-        }
         m
     }
 

@@ -35,3 +35,17 @@ pub struct SourceResultLabels {
     pub source: &'static str,
     pub result: &'static str,
 }
+
+impl From<&'static str> for RefusalLabels {
+    fn from(reason: &'static str) -> Self {
+        Self { reason }
+    }
+}
+
+impl From<&'static str> for ReasonLabels {
+    fn from(reason: &'static str) -> Self {
+        Self {
+            reason: reason.into(),
+        }
+    }
+}

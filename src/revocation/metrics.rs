@@ -6,6 +6,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
 use crate::metrics::labels::{ReasonLabels, ResultLabels, SourceResultLabels};
+use crate::metrics::register_reasons;
 
 /// The kill switch's own families: denylist hits by reason, denylist
 /// reloads by source and result, and CRLs signed.
@@ -24,22 +25,19 @@ pub struct KillSwitchMetrics {
 impl KillSwitchMetrics {
     pub fn register(registry: &mut Registry) -> Self {
         let m = Self::default();
-        registry.register(
+        register_reasons(
+            registry,
             "meshca_denylist_hits",
             "Requests refused by the denylist, by reason",
-            m.denylist_hits.clone(),
+            &m.denylist_hits,
+            [
+                "denylist_identity",
+                "denylist_node",
+                "denylist_pod",
+                "denylist_service_account",
+                "denylist_token_key",
+            ],
         );
-        for r in [
-            "denylist_identity",
-            "denylist_node",
-            "denylist_pod",
-            "denylist_service_account",
-            "denylist_token_key",
-        ] {
-            let _ = m
-                .denylist_hits
-                .get_or_create(&ReasonLabels { reason: r.into() });
-        }
         registry.register(
             "meshca_denylist_reloads",
             "Denylist reload attempts, by source (file, configmap) and result",

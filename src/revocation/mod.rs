@@ -601,13 +601,7 @@ pub async fn follow(
     client: Option<kube::Client>,
 ) {
     if let Some(m) = &metrics {
-        for reason in ledger::REASONS {
-            let _ = m
-                .revocation_events
-                .get_or_create(&crate::metrics::ReasonLabels {
-                    reason: reason.into(),
-                });
-        }
+        crate::metrics::pre_create(&m.revocation_events, ledger::REASONS);
     }
     let mut generations = ca.subscribe();
     let mut ledger = ledger::Ledger::new();

@@ -7,6 +7,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
 use crate::metrics::labels::ReasonLabels;
+use crate::metrics::register_reasons;
 
 /// Rotation metrics (registered with the server's registry).
 #[derive(Debug, Clone, Default)]
@@ -53,15 +54,13 @@ impl RotationMetrics {
             "CA rotation phase changes, by target phase and whether forced",
             m.transitions.clone(),
         );
-        registry.register(
+        register_reasons(
+            registry,
             "meshca_rotation_blocked",
             "Rotation evaluations that could not proceed, by reason",
-            m.blocked.clone(),
+            &m.blocked,
+            super::phase::BLOCKED_REASONS,
         );
-        // The phase's own reasons are exported from the start, so a rate() sees the first one.
-        for r in super::phase::BLOCKED_REASONS {
-            let _ = m.blocked.get_or_create(&ReasonLabels { reason: r.into() });
-        }
         m
     }
 }

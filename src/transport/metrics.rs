@@ -8,6 +8,7 @@ use prometheus_client::registry::Registry;
 
 use super::limits::Refusal;
 use crate::metrics::labels::RefusalLabels;
+use crate::metrics::register_reasons;
 
 #[derive(Debug, Default)]
 pub struct TransportMetrics {
@@ -28,16 +29,13 @@ impl TransportMetrics {
     /// The limit families, every refusal reason exported from the start
     /// so a rate() sees the first refusal.
     pub fn register_limits(&self, registry: &mut Registry) {
-        registry.register(
+        register_reasons(
+            registry,
             "meshca_transport_refusals",
             "Connections and requests refused by a transport limit, by reason",
-            self.transport_refusals.clone(),
+            &self.transport_refusals,
+            Refusal::ALL.iter().map(Refusal::reason),
         );
-        for r in Refusal::ALL {
-            let _ = self
-                .transport_refusals
-                .get_or_create(&RefusalLabels { reason: r.reason() });
-        }
         registry.register(
             "meshca_open_connections",
             "Admitted gRPC connections (handshaking or established)",
@@ -52,16 +50,13 @@ impl TransportMetrics {
 
     /// The rejected-handshake families.
     pub fn register_rejects(&self, registry: &mut Registry) {
-        registry.register(
+        register_reasons(
+            registry,
             "meshca_tls_handshake_rejects",
             "TLS handshakes on the gRPC port that failed or timed out, by reason (each is in an aggregated audit record)",
-            self.handshake_rejects.clone(),
+            &self.handshake_rejects,
+            super::rejects::KNOWN_REASONS,
         );
-        for r in super::rejects::KNOWN_REASONS {
-            let _ = self
-                .handshake_rejects
-                .get_or_create(&RefusalLabels { reason: r });
-        }
         registry.register(
             "meshca_tls_handshake_rejects_overflow",
             "Rejected handshakes the audit log could only count under the peer `overflow` (the per-interval source table was full)",
