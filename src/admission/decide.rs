@@ -138,44 +138,46 @@ pub struct Sizing {
 }
 
 /// Accept only what can be answered in time. `running` signing threads,
-/// each taking `service` (measured wall time, CPU limits included) per
-/// request, answer `running x deadline / service` requests within a
-/// `deadline` (the callers' typical `grpc-timeout`): whatever waits beyond
-/// that would be answered too late, so the queue holds no more. Each of the
-/// `busy_connections` (connections with a request in progress) may hold an
-/// equal part of that; a connection's further streams are refused at once,
-/// cheaply, and wait at the client, where their deadline is known. Until a
-/// service time is measured the configured maximum applies.
+/// each taking `service` per request (measured: the pool's time per
+/// completion while backlogged, times `running`, so CPU limits count),
+/// answer `running x deadline / service` requests within a `deadline` (the
+/// callers' typical `grpc-timeout`): whatever waits beyond that would be
+/// answered too late, so the queue holds no more. The connections share
+/// what is answered within the queue `target` (the deadline when zero):
+/// each of the `busy_connections` (connections with a request in progress)
+/// may hold an equal part, and its further streams wait at the request
+/// gate holding only their headers, or at the client. Until a service time
+/// is measured the configured maximum applies.
 pub fn size(
     service: Option<Duration>,
     running: usize,
     deadline: Duration,
+    target: Duration,
     busy_connections: usize,
     b: SizingBounds,
 ) -> Sizing {
-    let answerable = match service {
+    let answerable = |within: Duration| match service {
         Some(s) if !s.is_zero() => {
-            let n = deadline.as_nanos() * running as u128 / s.as_nanos();
+            let n = within.as_nanos() * running as u128 / s.as_nanos();
             usize::try_from(n).unwrap_or(usize::MAX)
         }
         _ => b.max_queued.saturating_add(running),
     };
     let min_queued = b.min_queued.min(b.max_queued);
-    let queued = answerable
+    let queued = answerable(deadline)
         .saturating_sub(running)
         .clamp(min_queued, b.max_queued);
+    // Without a target shorter than the deadline the connections share
+    // the whole sized queue.
+    let shared = if target.is_zero() || target >= deadline {
+        queued.saturating_add(running)
+    } else {
+        answerable(target)
+    };
     let min_per = b.min_per_connection.min(b.max_per_connection);
-    let busy = busy_connections.max(1);
-    let per_connection = (queued + running)
-        .div_ceil(busy)
+    let per_connection = shared
+        .div_ceil(busy_connections.max(1))
         .clamp(min_per, b.max_per_connection);
-    // Room in the queue for what the connections' shares let through (the
-    // shares round up), so a request inside its share is not shed as
-    // "queue full" after its message was read and its caller authenticated.
-    let queued = per_connection
-        .saturating_mul(busy)
-        .saturating_sub(running)
-        .clamp(queued, b.max_queued.max(queued));
     Sizing {
         queued,
         per_connection,
@@ -445,7 +447,7 @@ mod tests {
             cases.into_iter().enumerate()
         {
             assert_eq!(
-                size(service, running, deadline, busy, bounds),
+                size(service, running, deadline, Duration::ZERO, busy, bounds),
                 Sizing {
                     queued,
                     per_connection: per
@@ -453,6 +455,32 @@ mod tests {
                 "case {i}"
             );
         }
+    }
+
+    #[test_case(50, 20, 4 ; "a 50 ms target: 62 answerable, 20 connections")]
+    #[test_case(20, 20, 2 ; "a 20 ms target")]
+    #[test_case(5_000, 20, 63 ; "a target past the deadline: the deadline")]
+    #[test_case(0, 20, 63 ; "no target: the deadline")]
+    #[test_case(50, 1, 62 ; "one busy connection takes all")]
+    #[test_case(50, 1000, 1 ; "a thousand connections: the floor")]
+    fn sizing_shares_what_the_target_answers(target_ms: u64, busy: usize, per: usize) {
+        let b = SizingBounds {
+            min_queued: 16,
+            max_queued: 65_536,
+            min_per_connection: 1,
+            max_per_connection: 100,
+        };
+        let s = size(
+            Some(Duration::from_micros(800)),
+            1,
+            Duration::from_secs(1),
+            Duration::from_millis(target_ms),
+            busy,
+            b,
+        );
+        // The queue bound stays what the deadline answers.
+        assert_eq!(s.queued, 1_249);
+        assert_eq!(s.per_connection, per);
     }
 
     #[test_case(0, 100, true, Ok(()) ; "idle known")]

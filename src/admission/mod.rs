@@ -146,6 +146,10 @@ pub struct AdmissionConfig {
     pub stream_park: Duration,
 }
 
+/// How long after requests last waited for signing the per-connection
+/// share is still enforced.
+const PRESSURE_MEMORY: Duration = Duration::from_secs(1);
+
 /// Most entries in the per-IP and per-identity tables; beyond, stale ones
 /// are dropped first.
 const MAX_TABLE: usize = 100_000;
@@ -176,7 +180,7 @@ impl Default for AdmissionConfig {
             lifo_after: Duration::from_millis(10),
             signing_nice: 10,
             queue_target: Duration::from_millis(50),
-            min_streams_per_connection: 8,
+            min_streams_per_connection: 1,
             max_streams_per_connection: 100,
             stream_park: Duration::from_millis(250),
         }
@@ -236,7 +240,7 @@ pub struct AdmissionArgs {
     #[arg(
         long,
         env = "MESHCA_ADMISSION_MIN_STREAMS_PER_CONNECTION",
-        default_value_t = 8
+        default_value_t = 1
     )]
     pub admission_min_streams_per_connection: usize,
     /// Longest a stream over its connection's share waits for a place before it is refused
@@ -319,20 +323,21 @@ pub struct Concurrency {
     busy_connections: AtomicUsize,
     per_connection: AtomicUsize,
     /// Requests waiting for a signing thread: the share is enforced only
-    /// while some do, so an unloaded server never refuses a stream.
-    waiting: Arc<AtomicUsize>,
+    /// while some do or did lately, so an unloaded server never refuses a
+    /// stream.
+    backlog: Arc<queue::Backlog>,
     park: Duration,
     fresh: Duration,
     margin: Duration,
 }
 
 impl Concurrency {
-    fn new(cfg: &AdmissionConfig, waiting: Arc<AtomicUsize>) -> Arc<Self> {
+    fn new(cfg: &AdmissionConfig, backlog: Arc<queue::Backlog>) -> Arc<Self> {
         let park = cfg.stream_park;
         Arc::new(Self {
             busy_connections: AtomicUsize::new(0),
             per_connection: AtomicUsize::new(cfg.max_streams_per_connection.max(1)),
-            waiting,
+            backlog,
             park,
             // Within half the queue target a waiting stream is still new
             // work; past it, a freed place goes to newer streams.
@@ -366,10 +371,10 @@ impl Concurrency {
     }
 
     /// Whether a connection that had `before` streams in progress may open
-    /// one more: always while no request waits for signing, else within
-    /// its share.
+    /// one more: within its share, or while no request has waited for
+    /// signing for a second.
     pub fn admits(&self, before: usize) -> bool {
-        self.waiting.load(Ordering::Relaxed) == 0 || before < self.per_connection()
+        before < self.per_connection() || !self.backlog.pressed(PRESSURE_MEMORY)
     }
 
     pub fn busy_connections(&self) -> usize {
@@ -458,7 +463,7 @@ impl Admission {
             metrics.clone(),
         );
         Self {
-            concurrency: Concurrency::new(&cfg, queue.waiting()),
+            concurrency: Concurrency::new(&cfg, queue.backlog()),
             queue,
             deadline_ns: AtomicU64::new(0),
             cfg,
@@ -484,23 +489,11 @@ impl Admission {
             0 => self.cfg.max_wait,
             ns => Duration::from_nanos(ns),
         };
-        let horizon = if self.cfg.queue_target.is_zero() {
-            deadline
-        } else {
-            deadline.min(self.cfg.queue_target)
-        };
-        // The measured throughput while backlogged, as a per-thread time,
-        // when there is one: the jobs' own wall time misses CPU-quota
-        // throttling and neighbours between jobs.
-        let running = self.queue.max_running();
-        let service = match self.queue.drain_time() {
-            Some(per) => Some(per.saturating_mul(u32::try_from(running).unwrap_or(u32::MAX))),
-            None => self.queue.service_time(),
-        };
         decide::size(
-            service,
+            self.queue.effective_service(),
             self.queue.max_running(),
-            horizon,
+            deadline,
+            self.cfg.queue_target,
             self.concurrency.busy_connections(),
             decide::SizingBounds {
                 min_queued: MIN_SIZED_QUEUE,
@@ -519,7 +512,7 @@ impl Admission {
             .per_connection
             .store(s.per_connection, Ordering::Relaxed);
         if let Some(m) = &self.metrics {
-            m.sizing(s.queued, s.per_connection, self.queue.service_time());
+            m.sizing(s.queued, s.per_connection, self.queue.effective_service());
         }
     }
 

@@ -88,8 +88,8 @@ struct Inner {
     /// When `drain_ns` was last sampled (ms since `started`).
     drained_at_ms: AtomicU64,
     started: Instant,
-    /// Jobs waiting now, readable without the lock.
-    waiting: Arc<AtomicUsize>,
+    /// Jobs waiting now and when some last did, readable without the lock.
+    backlog: Arc<Backlog>,
     completed: AtomicU64,
     metrics: Option<Arc<dyn super::AdmissionObserver>>,
 }
@@ -140,6 +140,48 @@ impl WaitGuard<'_> {
 impl Drop for WaitGuard<'_> {
     fn drop(&mut self) {
         self.leave();
+    }
+}
+
+/// How many jobs wait now, and when some last did.
+#[derive(Debug)]
+pub struct Backlog {
+    waiting: AtomicUsize,
+    epoch: Instant,
+    /// When jobs last waited (ms since `epoch`, plus one; 0: never).
+    last_ms: AtomicU64,
+}
+
+impl Backlog {
+    fn new() -> Self {
+        Self {
+            waiting: AtomicUsize::new(0),
+            epoch: Instant::now(),
+            last_ms: AtomicU64::new(0),
+        }
+    }
+
+    fn set(&self, waiting: usize) {
+        self.waiting.store(waiting, Ordering::Relaxed);
+        if waiting > 0 {
+            let ms = u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX);
+            self.last_ms.store(ms.saturating_add(1), Ordering::Relaxed);
+        }
+    }
+
+    /// Whether jobs wait now or did within `within`: a queue that empties
+    /// between two CPU-quota periods is still under pressure.
+    pub fn pressed(&self, within: Duration) -> bool {
+        if self.waiting.load(Ordering::Relaxed) > 0 {
+            return true;
+        }
+        match self.last_ms.load(Ordering::Relaxed) {
+            0 => false,
+            ms => {
+                let last = Duration::from_millis(ms - 1);
+                self.epoch.elapsed().saturating_sub(last) < within
+            }
+        }
     }
 }
 
@@ -210,7 +252,7 @@ impl Inner {
     }
 
     fn gauges(&self, s: &State) {
-        self.waiting.store(s.table.len(), Ordering::Relaxed);
+        self.backlog.set(s.table.len());
         if let Some(m) = &self.metrics {
             m.occupancy(s.running, s.table.len());
         }
@@ -232,7 +274,7 @@ impl Inner {
             }
             let now = Instant::now();
             let (lifo_after, target) = (self.lifo_after, self.target);
-            let service = self.service_time();
+            let service = self.effective_service();
             // Requests keep arriving: a stale request is not started (it is
             // shed at its deadline) while fresh ones come; a burst's tail,
             // with nothing arriving, is served however old.
@@ -330,6 +372,17 @@ impl Inner {
         }
     }
 
+    /// A signing thread's time per request as its callers see it: the
+    /// measured time per completion while backlogged times the threads,
+    /// which counts CPU-quota throttling and neighbours between jobs, when
+    /// sampled lately; else a job's own wall time.
+    fn effective_service(&self) -> Option<Duration> {
+        let threads = u32::try_from(self.max_running).unwrap_or(u32::MAX);
+        self.drain_time()
+            .map(|per| per.saturating_mul(threads))
+            .or_else(|| self.service_time())
+    }
+
     /// Time per completion while backlogged, if sampled recently.
     fn drain_time(&self) -> Option<Duration> {
         let ns = self.drain_ns.load(Ordering::Relaxed);
@@ -389,7 +442,7 @@ impl FairQueue {
             drain_ns: AtomicU64::new(0),
             drained_at_ms: AtomicU64::new(0),
             started: Instant::now(),
-            waiting: Arc::new(AtomicUsize::new(0)),
+            backlog: Arc::new(Backlog::new()),
             completed: AtomicU64::new(0),
             metrics,
         });
@@ -444,15 +497,15 @@ impl FairQueue {
         self.inner().service_time()
     }
 
-    /// Time per completion while jobs were waiting (the pool's measured
-    /// throughput), if sampled in the last few seconds.
-    pub fn drain_time(&self) -> Option<Duration> {
-        self.inner().drain_time()
+    /// A signing thread's time per request, throttling included
+    /// (`Inner::effective_service`).
+    pub fn effective_service(&self) -> Option<Duration> {
+        self.inner().effective_service()
     }
 
-    /// Jobs waiting now (lock-free; shared with the request gate).
-    pub fn waiting(&self) -> Arc<AtomicUsize> {
-        self.inner().waiting.clone()
+    /// Jobs waiting, lock-free (shared with the request gate).
+    pub fn backlog(&self) -> Arc<Backlog> {
+        self.inner().backlog.clone()
     }
 
     /// Jobs run to completion so far.
@@ -630,6 +683,13 @@ mod tests {
         assert_eq!(c.await.unwrap(), Ok(7));
         for t in held {
             t.await.unwrap();
+        }
+        // A thread counts its job done just after the job answered.
+        for _ in 0..5_000 {
+            if q.stats() == (0, 0) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
         }
         assert_eq!(q.stats(), (0, 0));
     }
