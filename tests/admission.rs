@@ -279,7 +279,10 @@ async fn nothing_is_signed_for_a_caller_past_its_deadline() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cancelled_caller_is_dropped_from_the_queue() {
     let _serial = SERIAL.lock().await;
-    let s = start(config(1, 4096)).await;
+    // A slow (RSA-4096) signer: the 400 requests take seconds to sign, so
+    // whether cancelled ones are dropped from the queue shows in the count,
+    // not in a race between the resets and a fast signer.
+    let s = start_signing_with(config(1, 4096), KeyType::Rsa4096).await;
     let mut tasks = Vec::new();
     // Four connections of 100 streams (each under the per-connection
     // cancellation limit).
@@ -299,8 +302,17 @@ async fn a_cancelled_caller_is_dropped_from_the_queue() {
             successes += 1;
         }
     }
-    // Let the server notice the resets and finish what it started.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Let the server notice the resets and finish what it started: until
+    // no record has been added for half a second (at most 30 s).
+    let mut seen = usize::MAX;
+    for _ in 0..60 {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let n = s.records().len();
+        if n == seen {
+            break;
+        }
+        seen = n;
+    }
     let records = s.records();
     let allows = records
         .iter()
@@ -317,10 +329,9 @@ async fn a_cancelled_caller_is_dropped_from_the_queue() {
     // Requests signed between a client giving up and the server reading
     // its RST_STREAM still finish; the rest of the cancelled requests must
     // never be signed. Were cancelled waiters kept in the queue (no
-    // deadline, a 5 s wait), every one of the 400 would be. The margin is
-    // half: on a loaded 2-core CI machine the server read the resets late
-    // enough to sign 123 of 400 after they were cancelled (a quarter
-    // failed), while the bug this guards against signs nearly all of them.
+    // deadline, a 5 s wait), every one of the 400 would be: the wait above
+    // lasts until the server stops writing records. The margin is half,
+    // for a loaded CI machine that reads the resets late.
     let cancelled = 400 - successes;
     assert!(
         allows - successes <= cancelled / 2,
@@ -439,141 +450,19 @@ async fn the_identity_cap_sheds_over_the_cap_with_its_own_reason() {
     );
 }
 
-/// Client-side latency of one request sent with `grpc-timeout: deadline`.
-/// The client itself waits much longer than the deadline, so that an answer
-/// the server sends late is seen as late instead of being cut off.
-async fn timed_call(
-    mut c: Client,
-    csr: String,
-    deadline: Duration,
-) -> (Result<(), Code>, Duration) {
-    let t0 = Instant::now();
-    let got = tokio::time::timeout(deadline * 10, call(&mut c, &csr, Some(deadline))).await;
-    let r = match got {
-        Ok(Ok(())) => Ok(()),
-        Ok(Err(st)) => Err(st.code()),
-        Err(_) => Err(Code::Unknown),
-    };
-    (r, t0.elapsed())
-}
-
-/// A renewal storm on a server with one signing thread and a slow (RSA-4096)
-/// CA key: its signing capacity, not a CPU cgroup, is what is confined, so
-/// the test needs no privileges, and the generator in this process has CPU
-/// to spare for three times that capacity. First
-/// its capacity in a closed loop, then 16 callers offering three times that
-/// on a fixed schedule, each request with a 1 s deadline. The answers that do come back come back in time (p99 of the
-/// successes under the deadline, as the client sees it), the excess is
-/// refused rather than answered late, and most of the capacity still goes
-/// to answers in time. Every bound is a ratio of this run's own capacity.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "in one process the generator shares the server's CPU: on a loaded 2-core machine \
-            (load average 6-8) p99 was 0.98-1.56 s and 4-29 successes came late; \
-            scripts/bench-storm measures this with the server confined to its own core share"]
-async fn a_storm_on_a_confined_server_keeps_successes_within_their_deadline() {
-    let _serial = SERIAL.lock().await;
-    let s = start_signing_with(
-        // The default lower priority of the signing thread: reading and
-        // shedding the storm's requests come first (at the same priority,
-        // 584 of 954 requests were never read before their deadline).
-        AdmissionConfig {
-            max_running: 1,
-            ..AdmissionConfig::default()
-        },
-        KeyType::Rsa4096,
-    )
-    .await;
-    let mut callers = Vec::new();
-    for i in 0..16 {
-        callers.push(s.caller(&format!("storm-{i}")).await);
-    }
-    // Capacity: four callers, four requests in flight each, no deadline.
-    let measure = Duration::from_secs(1);
-    let stop = Instant::now() + measure;
-    let mut tasks = Vec::new();
-    for (c, csr) in callers.iter().take(4) {
-        for _ in 0..4 {
-            let (mut c, csr) = (c.clone(), csr.clone());
-            tasks.push(tokio::spawn(async move {
-                let mut n = 0u64;
-                while Instant::now() < stop {
-                    if call(&mut c, &csr, None).await.is_ok() {
-                        n += 1;
-                    }
-                }
-                n
-            }));
-        }
-    }
-    let mut served = 0u64;
-    for t in tasks {
-        served += t.await.unwrap();
-    }
-    assert!(served >= 20, "too few served to measure capacity: {served}");
-    let capacity = served as f64 / measure.as_secs_f64();
-    // The storm bar's deadline: the sized queue holds what the one thread
-    // answers within it.
-    let deadline = Duration::from_secs(1);
-
-    // The storm: 3x capacity on a fixed schedule, spread over the callers.
-    let storm = Duration::from_secs(2);
-    let offered = (capacity * 3.0 * storm.as_secs_f64()) as usize;
-    let interval = storm / offered as u32;
-    let start = Instant::now();
-    let mut tasks = Vec::with_capacity(offered);
-    for i in 0..offered {
-        tokio::time::sleep_until((start + interval * i as u32).into()).await;
-        let (c, csr) = &callers[i % callers.len()];
-        tasks.push(tokio::spawn(timed_call(c.clone(), csr.clone(), deadline)));
-    }
-    let mut ok = Vec::new();
-    let mut refused: HashMap<Code, usize> = HashMap::new();
-    for t in tasks {
-        match t.await.unwrap() {
-            (Ok(()), took) => ok.push(took),
-            (Err(code), _) => *refused.entry(code).or_default() += 1,
-        }
-    }
-    let elapsed = start.elapsed().as_secs_f64();
-    ok.sort();
-    let late = ok.iter().filter(|t| **t > deadline).count();
-    let summary = format!(
-        "capacity {capacity:.0}/s, deadline {deadline:?}, offered {offered}, ok {}, late {late}, \
-         refused {refused:?}, p99 {:?}",
-        ok.len(),
-        ok.get(ok.len() * 99 / 100)
-    );
-    assert!(
-        refused.get(&Code::ResourceExhausted).copied().unwrap_or(0) > offered / 10,
-        "not overloaded: {summary}"
-    );
-    assert!(ok.len() > offered / 10, "{summary}");
-    let p99 = ok[(ok.len() * 99 / 100).min(ok.len() - 1)];
-    assert!(p99 < deadline, "{summary}");
-    // A response racing its deadline on a loaded machine, not a backlog
-    // answered late (before the sized queue, 6,354 of 8,000 were late).
-    assert!(late * 100 <= ok.len(), "{summary}");
-    // Goodput: answers in time per second, against the closed-loop capacity
-    // (the generator shares the two threads with the server here, so the
-    // bound is looser than the storm bar's 0.9 measured on a separate core).
-    let goodput = (ok.len() - late) as f64 / elapsed;
-    assert!(
-        goodput >= capacity * 0.5,
-        "goodput {goodput:.0}/s: {summary}"
-    );
-    eprintln!("{summary}, goodput {goodput:.0}/s");
-}
-
 /// The sized share of streams per connection: with room for 4 queued
 /// requests on one signing thread, one connection may have 5 in progress;
 /// a burst of 40 on it is partly refused at the request gate
 /// (`connection_stream_limit`, counted, RESOURCE_EXHAUSTED with pushback),
-/// and every other refusal is an audited admission shed.
+/// and every other refusal is an audited admission shed. Streams over the
+/// share are refused at once here (no waiting at the gate), so that the
+/// refusal does not depend on how fast the signer frees places.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_over_its_share_is_refused_at_the_gate() {
     let _serial = SERIAL.lock().await;
     let s = start(AdmissionConfig {
         min_streams_per_connection: 2,
+        stream_park: Duration::ZERO,
         ..config(1, 4)
     })
     .await;

@@ -168,11 +168,12 @@ pub fn size(
         .saturating_sub(running)
         .clamp(min_queued, b.max_queued);
     // Without a target shorter than the deadline the connections share
-    // the whole sized queue.
+    // the whole sized queue; never more than it holds.
+    let whole = queued.saturating_add(running);
     let shared = if target.is_zero() || target >= deadline {
-        queued.saturating_add(running)
+        whole
     } else {
-        answerable(target)
+        answerable(target).min(whole)
     };
     let min_per = b.min_per_connection.min(b.max_per_connection);
     let per_connection = shared

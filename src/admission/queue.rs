@@ -274,7 +274,9 @@ impl Inner {
             }
             let now = Instant::now();
             let (lifo_after, target) = (self.lifo_after, self.target);
-            let service = self.effective_service();
+            // A job's own time: the floor of staleness is a few jobs' work,
+            // not the pool's throttled rate (which sizes the queue instead).
+            let service = self.service_time();
             // Requests keep arriving: a stale request is not started (it is
             // shed at its deadline) while fresh ones come; a burst's tail,
             // with nothing arriving, is served however old.
