@@ -181,6 +181,9 @@ impl App {
             .await
             .with_context(|| format!("binding {}", cfg.listen))?;
         let addr = listener.local_addr()?;
+        // The per-connection share is capped by the advertised stream limit.
+        let mut admission_cfg = cfg.admission;
+        admission_cfg.max_streams_per_connection = cfg.transport.max_concurrent_streams as usize;
         let issuer = Arc::new(CertificateIssuer {
             ca: started.ca.clone(),
             ttl: cfg.ttl,
@@ -190,7 +193,7 @@ impl App {
             audit,
             metrics: Some(started.metrics.issue_metrics()),
             admission: Some(Arc::new(crate::admission::Admission::new(
-                cfg.admission,
+                admission_cfg,
                 Some(started.metrics.admission.clone()),
             ))),
             guards: started.guards.clone(),
@@ -651,6 +654,12 @@ fn spawn_grpc(
     stop: oneshot::Receiver<()>,
 ) -> JoinHandle<Result<(), tonic::transport::Error>> {
     let t = &cfg.transport;
+    let mut gate =
+        grpc::RequestGateLayer::new(t, Some(metrics.transport.clone()), Some(aggregator.clone()));
+    if let Some(a) = &issuer.admission {
+        // The gate enforces the per-connection share admission sizes.
+        gate = gate.with_concurrency(a.concurrency());
+    }
     let mut builder = tonic::transport::Server::builder()
         .max_concurrent_streams(t.max_concurrent_streams)
         .http2_max_header_list_size(t.max_header_list_bytes)
@@ -665,11 +674,7 @@ fn spawn_grpc(
     }
     tokio::spawn(
         builder
-            .layer(grpc::RequestGateLayer::new(
-                t,
-                Some(metrics.transport.clone()),
-                Some(aggregator.clone()),
-            ))
+            .layer(gate)
             .add_service(CaService::with_limits(issuer, cfg.input).into_server())
             .serve_with_incoming_shutdown(incoming, async {
                 let _ = stop.await;

@@ -279,6 +279,8 @@ impl IstioCertificateService for CaService {
 #[derive(Debug, Clone)]
 pub struct RequestGateLayer {
     gate: Arc<RequestGate>,
+    /// The sized share of streams in progress per connection (admission).
+    concurrency: Option<Arc<crate::admission::Concurrency>>,
 }
 
 impl RequestGateLayer {
@@ -289,7 +291,15 @@ impl RequestGateLayer {
     ) -> Self {
         Self {
             gate: Arc::new(RequestGate::new(limits, metrics, aggregator)),
+            concurrency: None,
         }
+    }
+
+    /// Enforces admission's sized share of streams in progress per
+    /// connection: a stream beyond it is refused before its message is read.
+    pub fn with_concurrency(mut self, c: Arc<crate::admission::Concurrency>) -> Self {
+        self.concurrency = Some(c);
+        self
     }
 }
 
@@ -318,6 +328,7 @@ impl<S> tower_layer::Layer<S> for RequestGateLayer {
         RequestGateService {
             inner,
             gate: self.gate.clone(),
+            concurrency: self.concurrency.clone(),
         }
     }
 }
@@ -326,6 +337,7 @@ impl<S> tower_layer::Layer<S> for RequestGateLayer {
 pub struct RequestGateService<S> {
     inner: S,
     gate: Arc<RequestGate>,
+    concurrency: Option<Arc<crate::admission::Concurrency>>,
 }
 
 /// Counts the request as cancelled by the client if dropped before it
@@ -351,6 +363,55 @@ impl Drop for CancelGuard {
         if !self.done {
             self.cancelled();
         }
+    }
+}
+
+/// Counts a request in progress on its connection until dropped.
+struct InProgress {
+    control: Arc<crate::transport::ConnControl>,
+    concurrency: Arc<crate::admission::Concurrency>,
+}
+
+impl InProgress {
+    /// Takes a place among the connection's streams in progress, or `None`
+    /// after `wait`. Over the connection's share the stream waits, holding
+    /// only its headers: while fresh it takes a place another stream frees
+    /// (new work first); once stale it waits out its time and is refused,
+    /// because an answer invites the client's next request at once while a
+    /// waiting stream costs nothing.
+    async fn enter(
+        control: Arc<crate::transport::ConnControl>,
+        concurrency: Arc<crate::admission::Concurrency>,
+        wait: Duration,
+    ) -> Option<Self> {
+        let start = tokio::time::Instant::now();
+        let end = start + wait;
+        let before = loop {
+            let freed = control.freed();
+            tokio::pin!(freed);
+            freed.as_mut().enable();
+            if let Some(before) = control.try_stream_start(|n| concurrency.admits(n)) {
+                break before;
+            }
+            if start.elapsed() >= concurrency.fresh() {
+                tokio::time::sleep_until(end).await;
+                return None;
+            }
+            if tokio::time::timeout_at(end, freed).await.is_err() {
+                return None;
+            }
+        };
+        concurrency.opened(before);
+        Some(Self {
+            control,
+            concurrency,
+        })
+    }
+}
+
+impl Drop for InProgress {
+    fn drop(&mut self) {
+        self.concurrency.closed(self.control.stream_ended());
     }
 }
 
@@ -406,14 +467,27 @@ where
     fn call(&mut self, mut req: http::Request<B>) -> Self::Future {
         req.extensions_mut()
             .insert(Arrival(std::time::Instant::now()));
-        // The ready service handles this call; a fresh clone takes its place.
-        let clone = self.inner.clone();
-        let mut inner = std::mem::replace(&mut self.inner, clone);
         let gate = self.gate.clone();
         let ip = req
             .extensions()
             .get::<ConnInfo>()
             .map(|c| c.remote_addr.ip());
+        // The connection's share of streams in progress, taken before
+        // anything else: a stream over it costs its headers only.
+        let share = match (&self.concurrency, req.extensions().get::<ConnInfo>()) {
+            (Some(c), Some(conn)) => {
+                let timeout = req
+                    .headers()
+                    .get("grpc-timeout")
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(crate::admission::decide::parse_grpc_timeout);
+                Some((conn.control.clone(), c.clone(), c.park_for(timeout)))
+            }
+            _ => None,
+        };
+        // The ready service handles this call; a fresh clone takes its place.
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
         let cancel = CancelGuard {
             control: req
                 .extensions()
@@ -429,6 +503,16 @@ where
         Box::pin(async move {
             // Moved whole into the future: dropped with it on RST_STREAM.
             let mut cancel = cancel;
+            let _in_progress = match share {
+                Some((control, c, wait)) => match InProgress::enter(control, c, wait).await {
+                    Some(p) => Some(p),
+                    None => {
+                        cancel.done = true;
+                        return Ok(refuse(&gate, Refusal::ConnectionStreamLimit, ip));
+                    }
+                },
+                None => None,
+            };
             let work = async {
                 let _slot = match gate.slot(ip).await {
                     Ok(s) => s,

@@ -466,17 +466,12 @@ impl CertificateIssuer {
             }
         }
 
-        // Admission: the identity cap, then a fair turn for the CPU-heavy
-        // work; the slot is held until the certificate is signed.
+        // Admission: the identity cap, then a fair turn on a signing thread
+        // for the CPU-heavy work.
         let admitting = admission.map(|a| (a, crate::admission::decide::caller_key(&caller)));
-        let (ticket, _permit) = match &admitting {
-            Some((a, key)) => {
-                let ticket = a.take_identity(&identity)?;
-                let start_by = a.start_by(timing.arrived, timing.timeout);
-                let permit = a.acquire(key, start_by).await?;
-                (Some(ticket), Some(permit))
-            }
-            None => (None, None),
+        let ticket = match &admitting {
+            Some((a, _)) => Some(a.take_identity(&identity)?),
+            None => None,
         };
 
         // One snapshot for the whole signing step: a reload cannot mix material.
@@ -499,30 +494,18 @@ impl CertificateIssuer {
             bundle: bundle.clone(),
             gate,
         };
-        // Runs on this worker while its caller is alone: admission already
-        // bounds signing to one per core, and handing each ~80 µs job to the
-        // blocking pool and back cost two thread wake-ups per request
-        // (docs/BENCHMARKS.md). When other callers wait, or under
-        // overload, it goes to the blocking pool so the workers keep reading
-        // requests into the fair queue (admission::decide::sign_off_worker).
-        // A caller that cancels is seen at the queue (its future is dropped
-        // before a slot); once the job runs it finishes, and a certificate
-        // its caller no longer waits for is audited `request_abandoned`.
-        let off_worker = admitting
-            .as_ref()
-            .is_some_and(|(a, key)| a.sign_off_worker(key));
-        let mut out = if off_worker {
-            tokio::task::spawn_blocking(move || job.run())
-                .await
-                .unwrap_or_else(|e| SignOutcome {
-                    csr_sha256: None,
-                    csr_sans: None,
-                    result: Err(IssueError::Sign(crate::ca::SignError::Generation(format!(
-                        "signing task failed: {e}"
-                    )))),
-                })
-        } else {
-            job.run()
+        // With admission, the job runs on one of its signing threads at the
+        // caller's fair turn (admission::queue): the async workers stay free
+        // to read, classify and shed the next requests. A caller that
+        // cancels while its job waits leaves the queue unsigned; once the
+        // job runs it finishes, and a certificate its caller no longer waits
+        // for is audited `request_abandoned`.
+        let mut out = match &admitting {
+            Some((a, key)) => {
+                let start_by = a.start_by(timing.arrived, timing.timeout);
+                a.run(key, start_by, move || job.run()).await?
+            }
+            None => job.run(),
         };
         if let (Some(a), Err(IssueError::Shed(s))) = (admission, &out.result) {
             // Withheld right before signing: counted with its pushback.

@@ -62,7 +62,8 @@ pub struct Metrics {
     pub audit: Arc<AuditMetrics>,
     /// Transport limits and rejected handshakes.
     pub transport: Arc<TransportMetrics>,
-    /// Admission in front of signing: sheds by reason, slots in use, waiters.
+    /// Admission in front of signing: sheds by reason, slots in use,
+    /// waiters, and the sizing of the queue and of each connection's share.
     pub admission: Arc<AdmissionMetrics>,
     /// Denylist and revocation: the kill switch.
     pub kill_switch: Arc<KillSwitchMetrics>,

@@ -3,6 +3,7 @@
 
 use std::time::{Duration, Instant};
 
+use super::fair::Pick;
 use super::ShedReason;
 
 /// What the queue looks like when a request asks to run.
@@ -70,16 +71,118 @@ pub fn load(queued: usize, max_queued: usize) -> Load {
     }
 }
 
-/// Whether signing should leave the async workers for the blocking pool. A
-/// lone caller signs on the worker (the hand-off cost two thread wake-ups
-/// per request). Once another caller waits, or a quarter of the queue is
-/// taken, the workers are needed to keep reading requests into the fair
-/// queue: signing on them left the rest unread in socket buffers, where fair
-/// order and deadlines cannot reach (a greedy connection then won: 2.6x its
-/// share in tests/admission.rs on a loaded machine, and callers gave up
-/// before the server saw their request).
-pub fn sign_off_worker(queued: usize, max_queued: usize, others_waiting: bool) -> bool {
-    max_queued > 0 && (others_waiting || queued * 4 >= max_queued)
+/// Which of a caller's waiting requests takes its turn: the oldest, unless
+/// the oldest has already waited `lifo_after` (the caller is backlogged):
+/// then the newest, whose answer is the most likely to still be of use
+/// (adaptive LIFO). The oldest are then the ones left to expire.
+pub fn pick(oldest_waited: Duration, lifo_after: Duration) -> Pick {
+    if oldest_waited >= lifo_after {
+        Pick::Newest
+    } else {
+        Pick::Oldest
+    }
+}
+
+/// Whether a request that has waited `waited` is stale: past the queue
+/// target, which is at least four service times (so a slow signer, an HSM,
+/// with a short queue is not taken for overload) and at least two fair
+/// rounds of the `callers` waiting over the `running` signing threads (a
+/// request waiting its fair turn is not stale). Zero turns it off.
+pub fn stale(
+    waited: Duration,
+    target: Duration,
+    service: Option<Duration>,
+    callers: usize,
+    running: usize,
+) -> bool {
+    if target.is_zero() {
+        return false;
+    }
+    let rounds = (callers.saturating_mul(2) / running.max(1)).max(4);
+    let floor = service.map_or(Duration::ZERO, |s| {
+        s.saturating_mul(u32::try_from(rounds).unwrap_or(u32::MAX))
+    });
+    waited > target.max(floor)
+}
+
+/// Whether stale requests are shed: while requests keep arriving (the last
+/// came less than `target` ago), a stale request is shed instead of started,
+/// so the answers that go out are still useful and the queue's delay stays
+/// near the target (CoDel-style queue target; within a backlogged caller,
+/// adaptive LIFO serves the fresh ones first). Once arrivals stop (`quiet`
+/// reaches the target), the stale requests of a burst's tail are served
+/// however old. Zero turns it off.
+pub fn hold_stale(quiet: Duration, target: Duration) -> bool {
+    !target.is_zero() && quiet < target
+}
+
+/// Limits of the concurrency sizing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SizingBounds {
+    pub min_queued: usize,
+    pub max_queued: usize,
+    /// Fewest streams in progress one connection is always allowed.
+    pub min_per_connection: usize,
+    /// Most (the advertised `SETTINGS_MAX_CONCURRENT_STREAMS`).
+    pub max_per_connection: usize,
+}
+
+/// How much work the server holds at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sizing {
+    /// Requests that may wait for a signing thread.
+    pub queued: usize,
+    /// Requests in progress per connection; more are refused before their
+    /// message is read.
+    pub per_connection: usize,
+}
+
+/// Accept only what can be answered in time. `running` signing threads,
+/// each taking `service` per request (measured: the pool's time per
+/// completion while backlogged, times `running`, so CPU limits count),
+/// answer `running x deadline / service` requests within a `deadline` (the
+/// callers' typical `grpc-timeout`): whatever waits beyond that would be
+/// answered too late, so the queue holds no more. The connections share
+/// what is answered within the queue `target` (the deadline when zero):
+/// each of the `busy_connections` (connections with a request in progress)
+/// may hold an equal part, and its further streams wait at the request
+/// gate holding only their headers, or at the client. Until a service time
+/// is measured the configured maximum applies.
+pub fn size(
+    service: Option<Duration>,
+    running: usize,
+    deadline: Duration,
+    target: Duration,
+    busy_connections: usize,
+    b: SizingBounds,
+) -> Sizing {
+    let answerable = |within: Duration| match service {
+        Some(s) if !s.is_zero() => {
+            let n = within.as_nanos() * running as u128 / s.as_nanos();
+            usize::try_from(n).unwrap_or(usize::MAX)
+        }
+        _ => b.max_queued.saturating_add(running),
+    };
+    let min_queued = b.min_queued.min(b.max_queued);
+    let queued = answerable(deadline)
+        .saturating_sub(running)
+        .clamp(min_queued, b.max_queued);
+    // Without a target shorter than the deadline the connections share
+    // the whole sized queue; never more than it holds.
+    let whole = queued.saturating_add(running);
+    let shared = if target.is_zero() || target >= deadline {
+        whole
+    } else {
+        answerable(target).min(whole)
+    };
+    let min_per = b.min_per_connection.min(b.max_per_connection);
+    let per_connection = shared
+        .div_ceil(busy_connections.max(1))
+        .clamp(min_per, b.max_per_connection);
+    Sizing {
+        queued,
+        per_connection,
+    }
 }
 
 /// Before authentication: known callers (warm token cache, verified client
@@ -211,14 +314,174 @@ mod tests {
         assert_eq!(admit(&s), want);
     }
 
-    #[test_case(0, 128, false, false ; "idle: on the worker")]
-    #[test_case(30, 128, false, false ; "one caller's closed loop of 32 in flight: on the worker")]
-    #[test_case(1, 128, true, true ; "another caller waits: off the worker")]
-    #[test_case(32, 128, false, true ; "a quarter full: off the worker")]
-    #[test_case(128, 128, false, true ; "full: off the worker")]
-    #[test_case(5, 0, true, false ; "no queue")]
-    fn sign_off_worker_table(queued: usize, max: usize, others: bool, want: bool) {
-        assert_eq!(sign_off_worker(queued, max, others), want);
+    #[test_case(0, 10, Pick::Oldest ; "fresh: first come first served")]
+    #[test_case(9, 10, Pick::Oldest ; "just under")]
+    #[test_case(10, 10, Pick::Newest ; "at the bound: newest first")]
+    #[test_case(900, 10, Pick::Newest ; "long backlog")]
+    #[test_case(0, 0, Pick::Newest ; "zero bound: always newest")]
+    fn pick_table(waited_ms: u64, lifo_after_ms: u64, want: Pick) {
+        let ms = Duration::from_millis;
+        assert_eq!(pick(ms(waited_ms), ms(lifo_after_ms)), want);
+    }
+
+    #[test_case(0, 50, None, 1, false ; "fresh")]
+    #[test_case(50, 50, None, 1, false ; "at the target")]
+    #[test_case(51, 50, None, 1, true ; "past the target")]
+    #[test_case(51, 0, None, 1, false ; "zero turns it off")]
+    #[test_case(150, 50, Some(40), 1, false ; "slow signer: four service times")]
+    #[test_case(161, 50, Some(40), 1, true ; "slow signer past four service times")]
+    #[test_case(60, 50, Some(1), 1, true ; "fast signer: the target")]
+    #[test_case(60, 50, Some(1), 40, false ; "forty callers: two rounds of 40 ms")]
+    #[test_case(81, 50, Some(1), 40, true ; "past two rounds of forty callers")]
+    #[test_case(60, 50, Some(1), 1_000_000, false ; "a huge round does not overflow")]
+    fn stale_table(waited: u64, target: u64, service: Option<u64>, callers: usize, want: bool) {
+        let ms = Duration::from_millis;
+        assert_eq!(
+            stale(ms(waited), ms(target), service.map(ms), callers, 1),
+            want
+        );
+    }
+
+    #[test]
+    fn stale_rounds_share_the_running_threads() {
+        let ms = Duration::from_millis;
+        // Forty callers on four threads: ten turns each round, floor 20 ms.
+        assert!(stale(ms(51), ms(50), Some(ms(1)), 40, 4));
+        assert!(!stale(ms(51), ms(50), Some(ms(2)), 40, 2));
+        assert!(
+            !stale(ms(51), ms(50), Some(ms(1)), 40, 0),
+            "0 threads counts as 1"
+        );
+    }
+
+    #[test_case(0, 50, true ; "arriving now")]
+    #[test_case(49, 50, true ; "arrived within the target")]
+    #[test_case(50, 50, false ; "quiet for the target: a burst's tail")]
+    #[test_case(0, 0, false ; "off")]
+    fn hold_stale_table(quiet: u64, target: u64, want: bool) {
+        let ms = Duration::from_millis;
+        assert_eq!(hold_stale(ms(quiet), ms(target)), want);
+    }
+
+    #[test]
+    fn sizing_table() {
+        let ms = |v: u64| Duration::from_millis(v);
+        let us = |v: u64| Duration::from_micros(v);
+        let b = SizingBounds {
+            min_queued: 16,
+            max_queued: 65_536,
+            min_per_connection: 4,
+            max_per_connection: 100,
+        };
+        // (service, running, deadline, busy connections, bounds, queued, per connection)
+        let cases = [
+            // Nothing measured yet: the configured maximum, each connection its max.
+            (None, 1, ms(1000), 20, b, 65_536, 100),
+            // One thread at 0.8 ms (a quarter core): 1,250 answerable in 1 s;
+            // 20 connections share them: 63 each.
+            (Some(us(800)), 1, ms(1000), 20, b, 1_249, 63),
+            // Twice as fast, or twice the threads: twice the queue.
+            (Some(us(400)), 1, ms(1000), 20, b, 2_499, 100),
+            (Some(us(800)), 2, ms(1000), 20, b, 2_498, 100),
+            // A 100 ms deadline holds a tenth.
+            (Some(us(800)), 1, ms(100), 20, b, 124, 7),
+            // 1,000 sidecars with one request each: the floor.
+            (Some(us(800)), 1, ms(1000), 1000, b, 1_249, 4),
+            // No busy connection yet counts as one.
+            (Some(us(800)), 1, ms(100), 0, b, 124, 100),
+            // Slow signer (HSM, 50 ms): 20 answerable.
+            (Some(ms(50)), 1, ms(1000), 20, b, 19, 4),
+            (Some(ms(100)), 1, ms(1000), 20, b, 16, 4),
+            // A deadline shorter than one signature: still the minimum.
+            (Some(ms(5)), 2, ms(1), 3, b, 16, 6),
+            // The configured maximum caps the sized queue.
+            (
+                Some(us(100)),
+                1,
+                ms(5000),
+                20,
+                SizingBounds {
+                    max_queued: 64,
+                    ..b
+                },
+                64,
+                4,
+            ),
+            // A floor above the advertised maximum yields to it.
+            (
+                Some(us(800)),
+                1,
+                ms(1000),
+                1000,
+                SizingBounds {
+                    min_per_connection: 500,
+                    ..b
+                },
+                1_249,
+                100,
+            ),
+            // Zero service time is "not measured".
+            (
+                Some(Duration::ZERO),
+                1,
+                ms(1000),
+                20,
+                SizingBounds {
+                    max_queued: 64,
+                    ..b
+                },
+                64,
+                4,
+            ),
+            // A huge deadline does not overflow.
+            (
+                Some(Duration::from_nanos(1)),
+                4096,
+                Duration::MAX,
+                1,
+                b,
+                65_536,
+                100,
+            ),
+        ];
+        for (i, (service, running, deadline, busy, bounds, queued, per)) in
+            cases.into_iter().enumerate()
+        {
+            assert_eq!(
+                size(service, running, deadline, Duration::ZERO, busy, bounds),
+                Sizing {
+                    queued,
+                    per_connection: per
+                },
+                "case {i}"
+            );
+        }
+    }
+
+    #[test_case(50, 20, 4 ; "a 50 ms target: 62 answerable, 20 connections")]
+    #[test_case(20, 20, 2 ; "a 20 ms target")]
+    #[test_case(5_000, 20, 63 ; "a target past the deadline: the deadline")]
+    #[test_case(0, 20, 63 ; "no target: the deadline")]
+    #[test_case(50, 1, 62 ; "one busy connection takes all")]
+    #[test_case(50, 1000, 1 ; "a thousand connections: the floor")]
+    fn sizing_shares_what_the_target_answers(target_ms: u64, busy: usize, per: usize) {
+        let b = SizingBounds {
+            min_queued: 16,
+            max_queued: 65_536,
+            min_per_connection: 1,
+            max_per_connection: 100,
+        };
+        let s = size(
+            Some(Duration::from_micros(800)),
+            1,
+            Duration::from_secs(1),
+            Duration::from_millis(target_ms),
+            busy,
+            b,
+        );
+        // The queue bound stays what the deadline answers.
+        assert_eq!(s.queued, 1_249);
+        assert_eq!(s.per_connection, per);
     }
 
     #[test_case(0, 100, true, Ok(()) ; "idle known")]

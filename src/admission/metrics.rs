@@ -1,4 +1,8 @@
-//! Metric families of admission: sheds by reason, slots in use, waiters.
+//! Metric families of admission: sheds by reason, slots in use, waiters,
+//! and the sizing of the queue and of each connection's share.
+
+use std::sync::atomic::AtomicU64;
+use std::time::Duration;
 
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -14,6 +18,12 @@ pub struct AdmissionMetrics {
     pub shed: Family<RefusalLabels, Counter>,
     pub running: Gauge,
     pub queued: Gauge,
+    /// The sized bound of the queue (`decide::size`).
+    pub sized_queue: Gauge,
+    /// The sized share of streams in progress per connection.
+    pub streams_per_connection: Gauge,
+    /// Mean wall time of one signing job (CSR verify + sign).
+    pub service_seconds: Gauge<f64, AtomicU64>,
 }
 
 impl AdmissionMetrics {
@@ -36,6 +46,21 @@ impl AdmissionMetrics {
             "Requests waiting for a signing slot",
             m.queued.clone(),
         );
+        registry.register(
+            "meshca_admission_sized_queue",
+            "Requests the admission queue holds at most now: what the signing threads can answer within the callers' typical deadline",
+            m.sized_queue.clone(),
+        );
+        registry.register(
+            "meshca_admission_streams_per_connection",
+            "Streams in progress one connection may have now (its share of the sized queue); more are refused before their message is read",
+            m.streams_per_connection.clone(),
+        );
+        registry.register(
+            "meshca_admission_service_seconds",
+            "Mean wall time of one signing job (CSR verify and sign) on a signing thread",
+            m.service_seconds.clone(),
+        );
         m
     }
 }
@@ -52,5 +77,13 @@ impl AdmissionObserver for AdmissionMetrics {
     fn occupancy(&self, running: usize, queued: usize) {
         self.running.set(running as i64);
         self.queued.set(queued as i64);
+    }
+
+    fn sizing(&self, queued: usize, per_connection: usize, service: Option<Duration>) {
+        self.sized_queue.set(queued as i64);
+        self.streams_per_connection.set(per_connection as i64);
+        if let Some(t) = service {
+            self.service_seconds.set(t.as_secs_f64());
+        }
     }
 }

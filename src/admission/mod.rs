@@ -21,20 +21,24 @@ pub mod queue;
 
 use std::collections::HashMap;
 use std::net::IpAddr;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use crate::authn::Familiarity;
 use crate::flags::ConfigError;
 use crate::ratelimit::TokenBucket;
-pub use queue::{FairQueue, Permit};
+pub use queue::{FairQueue, PoolConfig};
 
-/// What admission reports: sheds by reason, and slots in use and waiters
-/// after each change. The server's metrics implement it (`metrics` here),
-/// so admission imports none.
+/// What admission reports: sheds by reason, slots in use and waiters after
+/// each change, and the sizing before each signing job. The server's metrics
+/// implement it (`metrics` here), so admission imports none.
 pub trait AdmissionObserver: Send + Sync + std::fmt::Debug {
     fn shed(&self, reason: ShedReason);
     fn occupancy(&self, running: usize, queued: usize);
+    /// The sized queue bound, the per-connection share of streams, and the
+    /// mean service time of one signing job once measured.
+    fn sizing(&self, queued: usize, per_connection: usize, service: Option<Duration>);
 }
 
 /// Why a request was shed. Each is retryable: the caller is not at fault.
@@ -57,10 +61,13 @@ pub enum ShedReason {
     /// Checked after the CSR was verified, right before signing.
     #[error("the caller's deadline passed before its certificate was signed")]
     DeadlineBeforeSign,
+    /// Waited past the queue target while requests kept arriving.
+    #[error("waited in the signing queue past its target while newer work arrived")]
+    QueueTimeout,
 }
 
 impl ShedReason {
-    pub const ALL: [ShedReason; 8] = [
+    pub const ALL: [ShedReason; 9] = [
         Self::QueueFull,
         Self::QueueDisplaced,
         Self::DeadlineExceeded,
@@ -69,6 +76,7 @@ impl ShedReason {
         Self::IdentityCap,
         Self::IdentityCapTableFull,
         Self::DeadlineBeforeSign,
+        Self::QueueTimeout,
     ];
 
     pub fn reason(&self) -> &'static str {
@@ -81,6 +89,7 @@ impl ShedReason {
             Self::IdentityCap => "admission_identity_cap",
             Self::IdentityCapTableFull => "admission_identity_cap_table_full",
             Self::DeadlineBeforeSign => "admission_deadline_before_sign",
+            Self::QueueTimeout => "admission_queue_timeout",
         }
     }
 }
@@ -117,7 +126,29 @@ pub struct AdmissionConfig {
     pub new_caller_qps_per_ip: u32,
     pub new_caller_burst_per_ip: u32,
     pub identity_cap: Option<IdentityCap>,
+    /// A caller's oldest request waiting this long: its turns serve its
+    /// newest request first (adaptive LIFO).
+    pub lifo_after: Duration,
+    /// Niceness added to the signing threads, so that reading, classifying
+    /// and shedding requests come first under a CPU limit.
+    pub signing_nice: i32,
+    /// While requests keep arriving, a queued request that has waited
+    /// longer is shed instead of started ([`decide::stale`]).
+    pub queue_target: Duration,
+    /// Fewest streams in progress one connection is always allowed, however
+    /// small the sized share ([`decide::size`]).
+    pub min_streams_per_connection: usize,
+    /// The advertised `SETTINGS_MAX_CONCURRENT_STREAMS` (the sized share's
+    /// ceiling); set from the transport limits.
+    pub max_streams_per_connection: usize,
+    /// Longest a stream over its connection's share waits for a place
+    /// (holding only its headers) before it is refused; 0: refused at once.
+    pub stream_park: Duration,
 }
+
+/// How long after requests last waited for signing the per-connection
+/// share is still enforced.
+const PRESSURE_MEMORY: Duration = Duration::from_secs(1);
 
 /// Most entries in the per-IP and per-identity tables; beyond, stale ones
 /// are dropped first.
@@ -127,18 +158,31 @@ fn cores() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
+/// The sized queue's bound when `MESHCA_ADMISSION_MAX_QUEUED` is 0. In
+/// practice the request gate's in-flight caps bound it much lower.
+pub const MAX_SIZED_QUEUE: usize = 65_536;
+
+/// The sized queue's floor: a short burst always finds room.
+pub const MIN_SIZED_QUEUE: usize = 16;
+
 impl Default for AdmissionConfig {
     fn default() -> Self {
         let running = cores();
         Self {
             max_running: running,
-            max_queued: 64 * running,
+            max_queued: MAX_SIZED_QUEUE,
             max_wait: Duration::from_secs(5),
             deadline_margin: Duration::from_millis(10),
             pushback: Duration::from_secs(1),
             new_caller_qps_per_ip: 100,
             new_caller_burst_per_ip: 200,
             identity_cap: None,
+            lifo_after: Duration::from_millis(10),
+            signing_nice: 10,
+            queue_target: Duration::from_millis(50),
+            min_streams_per_connection: 1,
+            max_streams_per_connection: 100,
+            stream_park: Duration::from_millis(250),
         }
     }
 }
@@ -149,7 +193,8 @@ pub struct AdmissionArgs {
     /// CSR verifications and signatures at once (0: one per core).
     #[arg(long, env = "MESHCA_ADMISSION_MAX_RUNNING", default_value_t = 0)]
     pub admission_max_running: usize,
-    /// Requests waiting for a signing slot (0: 64 per running slot); beyond, shed.
+    /// Most requests waiting for a signing thread (0: as many as can be answered within the
+    /// callers' typical deadline, at most 65,536); beyond, shed.
     #[arg(long, env = "MESHCA_ADMISSION_MAX_QUEUED", default_value_t = 0)]
     pub admission_max_queued: usize,
     /// Longest wait in the queue for callers sending no grpc-timeout.
@@ -181,6 +226,27 @@ pub struct AdmissionArgs {
     /// The per-identity cap's window.
     #[arg(long, env = "MESHCA_IDENTITY_CAP_WINDOW", default_value = "1h")]
     pub identity_cap_window: String,
+    /// A caller's oldest queued request waiting this long: its turns serve its newest first.
+    #[arg(long, env = "MESHCA_ADMISSION_LIFO_AFTER", default_value = "10ms")]
+    pub admission_lifo_after: String,
+    /// While requests keep arriving, a queued request that waited longer is shed, not started
+    /// (at least two fair rounds of the waiting callers; 0s: off).
+    #[arg(long, env = "MESHCA_ADMISSION_QUEUE_TARGET", default_value = "50ms")]
+    pub admission_queue_target: String,
+    /// Niceness added to the signing threads (0-19; 0: same priority as request I/O).
+    #[arg(long, env = "MESHCA_SIGNING_NICE", default_value_t = 10)]
+    pub signing_nice: u32,
+    /// Fewest streams in progress a connection is always allowed (the sized share's floor).
+    #[arg(
+        long,
+        env = "MESHCA_ADMISSION_MIN_STREAMS_PER_CONNECTION",
+        default_value_t = 1
+    )]
+    pub admission_min_streams_per_connection: usize,
+    /// Longest a stream over its connection's share waits for a place before it is refused
+    /// (0s: refused at once; at most the request's grpc-timeout).
+    #[arg(long, env = "MESHCA_ADMISSION_STREAM_PARK", default_value = "250ms")]
+    pub admission_stream_park: String,
 }
 
 impl AdmissionArgs {
@@ -195,7 +261,7 @@ impl AdmissionArgs {
             n => crate::flags::bounded("MESHCA_ADMISSION_MAX_RUNNING", n, 1, 4096)?,
         };
         let max_queued = match self.admission_max_queued {
-            0 => 64 * max_running,
+            0 => MAX_SIZED_QUEUE,
             n => crate::flags::bounded("MESHCA_ADMISSION_MAX_QUEUED", n, 1, 1_000_000)?,
         };
         let identity_cap = match self.identity_cap {
@@ -222,7 +288,113 @@ impl AdmissionArgs {
             new_caller_qps_per_ip: self.admission_new_caller_qps_per_ip,
             new_caller_burst_per_ip: self.admission_new_caller_burst_per_ip.max(1),
             identity_cap,
+            lifo_after: dur(
+                "MESHCA_ADMISSION_LIFO_AFTER",
+                &self.admission_lifo_after,
+                true,
+            )?,
+            signing_nice: crate::flags::bounded("MESHCA_SIGNING_NICE", self.signing_nice, 0, 19)?
+                as i32,
+            queue_target: dur(
+                "MESHCA_ADMISSION_QUEUE_TARGET",
+                &self.admission_queue_target,
+                true,
+            )?,
+            min_streams_per_connection: crate::flags::bounded(
+                "MESHCA_ADMISSION_MIN_STREAMS_PER_CONNECTION",
+                self.admission_min_streams_per_connection,
+                1,
+                1_000_000,
+            )?,
+            max_streams_per_connection: AdmissionConfig::default().max_streams_per_connection,
+            stream_park: dur(
+                "MESHCA_ADMISSION_STREAM_PARK",
+                &self.admission_stream_park,
+                true,
+            )?,
         })
+    }
+}
+
+/// What the request gate and the admission queue share: the sized limit of
+/// streams in progress per connection, and how many connections have one.
+#[derive(Debug)]
+pub struct Concurrency {
+    busy_connections: AtomicUsize,
+    per_connection: AtomicUsize,
+    /// Requests waiting for a signing thread: the share is enforced only
+    /// while some do or did lately, so an unloaded server never refuses a
+    /// stream.
+    backlog: Arc<queue::Backlog>,
+    park: Duration,
+    fresh: Duration,
+    margin: Duration,
+}
+
+impl Concurrency {
+    fn new(cfg: &AdmissionConfig, backlog: Arc<queue::Backlog>) -> Arc<Self> {
+        let park = cfg.stream_park;
+        Arc::new(Self {
+            busy_connections: AtomicUsize::new(0),
+            per_connection: AtomicUsize::new(cfg.max_streams_per_connection.max(1)),
+            backlog,
+            park,
+            // Within half the queue target a waiting stream is still new
+            // work; past it, a freed place goes to newer streams.
+            fresh: match cfg.queue_target {
+                t if t.is_zero() => park,
+                t => t / 2,
+            },
+            margin: cfg.deadline_margin,
+        })
+    }
+
+    /// How long a stream over its connection's share may wait for a place:
+    /// the configured time, ending before the caller's own deadline (a
+    /// cancelled stream would count against its connection).
+    pub fn park_for(&self, timeout: Option<Duration>) -> Duration {
+        timeout.map_or(self.park, |t| {
+            self.park
+                .min(t.saturating_sub(self.margin.saturating_mul(2)))
+        })
+    }
+
+    /// A waiting stream younger than this takes a freed place; an older one
+    /// waits out its time and is refused (new work first).
+    pub fn fresh(&self) -> Duration {
+        self.fresh
+    }
+
+    /// Streams in progress one connection may have now.
+    pub fn per_connection(&self) -> usize {
+        self.per_connection.load(Ordering::Relaxed)
+    }
+
+    /// Whether a connection that had `before` streams in progress may open
+    /// one more: within its share, or while no request has waited for
+    /// signing for a second.
+    pub fn admits(&self, before: usize) -> bool {
+        before < self.per_connection() || !self.backlog.pressed(PRESSURE_MEMORY)
+    }
+
+    pub fn busy_connections(&self) -> usize {
+        self.busy_connections.load(Ordering::Relaxed)
+    }
+
+    /// A connection went from `before` streams in progress to one more.
+    pub fn opened(&self, before: usize) {
+        if before == 0 {
+            self.busy_connections.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// A connection's stream ended, leaving `after` in progress.
+    pub fn closed(&self, after: usize) {
+        if after == 0 {
+            let _ = self
+                .busy_connections
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
+        }
     }
 }
 
@@ -237,6 +409,9 @@ struct SourceBucket {
 pub struct Admission {
     cfg: AdmissionConfig,
     queue: FairQueue,
+    concurrency: Arc<Concurrency>,
+    /// Exponentially weighted mean of the callers' deadlines (ns; 0 = none yet).
+    deadline_ns: AtomicU64,
     sources: Mutex<HashMap<IpAddr, SourceBucket>>,
     caps: Mutex<HashMap<String, decide::CapWindow>>,
     metrics: Option<Arc<dyn AdmissionObserver>>,
@@ -277,8 +452,20 @@ impl Drop for CapTicket<'_> {
 
 impl Admission {
     pub fn new(cfg: AdmissionConfig, metrics: Option<Arc<dyn AdmissionObserver>>) -> Self {
+        let queue = FairQueue::new(
+            PoolConfig {
+                max_running: cfg.max_running,
+                max_queued: cfg.max_queued,
+                lifo_after: cfg.lifo_after,
+                nice: cfg.signing_nice,
+                target: cfg.queue_target,
+            },
+            metrics.clone(),
+        );
         Self {
-            queue: FairQueue::new(cfg.max_running, cfg.max_queued, metrics.clone()),
+            concurrency: Concurrency::new(&cfg, queue.backlog()),
+            queue,
+            deadline_ns: AtomicU64::new(0),
             cfg,
             sources: Mutex::new(HashMap::new()),
             caps: Mutex::new(HashMap::new()),
@@ -288,6 +475,45 @@ impl Admission {
 
     pub fn config(&self) -> &AdmissionConfig {
         &self.cfg
+    }
+
+    /// Shared with the request gate, which enforces the per-connection share.
+    pub fn concurrency(&self) -> Arc<Concurrency> {
+        self.concurrency.clone()
+    }
+
+    /// The sizing now, from the measured service time, the callers' typical
+    /// deadline and the busy connections ([`decide::size`]).
+    pub fn sizing(&self) -> decide::Sizing {
+        let deadline = match self.deadline_ns.load(Ordering::Relaxed) {
+            0 => self.cfg.max_wait,
+            ns => Duration::from_nanos(ns),
+        };
+        decide::size(
+            self.queue.effective_service(),
+            self.queue.max_running(),
+            deadline,
+            self.cfg.queue_target,
+            self.concurrency.busy_connections(),
+            decide::SizingBounds {
+                min_queued: MIN_SIZED_QUEUE,
+                max_queued: self.cfg.max_queued,
+                min_per_connection: self.cfg.min_streams_per_connection,
+                max_per_connection: self.cfg.max_streams_per_connection,
+            },
+        )
+    }
+
+    /// Applies the sizing: the queue bound and the per-connection share.
+    fn resize(&self) {
+        let s = self.sizing();
+        self.queue.set_sized_queued(s.queued);
+        self.concurrency
+            .per_connection
+            .store(s.per_connection, Ordering::Relaxed);
+        if let Some(m) = &self.metrics {
+            m.sizing(s.queued, s.per_connection, self.queue.effective_service());
+        }
     }
 
     /// A shed for `reason` now (counted, with a spread retry hint).
@@ -390,6 +616,14 @@ impl Admission {
     /// The last moment work may start for a request that arrived at
     /// `arrived` with this `grpc-timeout`.
     pub fn start_by(&self, arrived: Instant, timeout: Option<Duration>) -> Instant {
+        let seen = timeout.map_or(self.cfg.max_wait, |t| t.min(self.cfg.max_wait));
+        let seen = u64::try_from(seen.saturating_sub(self.cfg.deadline_margin).as_nanos())
+            .unwrap_or(u64::MAX);
+        let _ = self
+            .deadline_ns
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |m| {
+                Some(queue::ewma_ns(m, seen))
+            });
         decide::start_by(
             arrived,
             timeout,
@@ -398,10 +632,17 @@ impl Admission {
         )
     }
 
-    /// Waits, fairly under `key`, for a slot to do CPU-heavy work.
-    pub async fn acquire(&self, key: &str, start_by: Instant) -> Result<Permit, Shed> {
+    /// Runs the CPU-heavy `job` on a signing thread at the turn of caller
+    /// `key`, if that comes before `start_by`.
+    pub async fn run<R: Send + 'static>(
+        &self,
+        key: &str,
+        start_by: Instant,
+        job: impl FnOnce() -> R + Send + 'static,
+    ) -> Result<R, Shed> {
+        self.resize();
         self.queue
-            .acquire(key, start_by)
+            .run(key, start_by, job)
             .await
             .map_err(|r| self.shed(r, Duration::ZERO))
     }
@@ -409,12 +650,6 @@ impl Admission {
     /// (running, queued) now.
     pub fn stats(&self) -> (usize, usize) {
         self.queue.stats()
-    }
-
-    /// See [`decide::sign_off_worker`].
-    pub fn sign_off_worker(&self, caller_key: &str) -> bool {
-        let (queued, others) = self.queue.waiting_besides(caller_key);
-        decide::sign_off_worker(queued, self.queue.max_queued(), others)
     }
 }
 
@@ -492,19 +727,31 @@ mod tests {
 
     #[tokio::test]
     async fn new_callers_are_shed_first_while_busy() {
-        let a = admission(AdmissionConfig {
+        let a = Arc::new(admission(AdmissionConfig {
             max_running: 1,
             max_queued: 2,
             ..Default::default()
-        });
+        }));
         let later = Instant::now() + Duration::from_secs(60);
-        let _p = a.acquire("k", later).await.unwrap();
-        let mut w = Box::pin(a.acquire("k", later));
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let a2 = a.clone();
+        let held = tokio::spawn(async move {
+            a2.run("k", later, move || {
+                let _ = rx.recv();
+            })
+            .await
+        });
+        while a.stats().0 < 1 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let mut w = Box::pin(a.run("k", later, || ()));
         assert!(futures::poll!(w.as_mut()).is_pending());
         for f in [Familiarity::New, Familiarity::RefusedCheaply] {
             let shed = a.pre_auth(None, f).unwrap_err();
             assert_eq!(shed.reason, ShedReason::NewCallerWhileBusy);
         }
         assert!(a.pre_auth(None, Familiarity::Known).is_ok());
+        drop(tx);
+        held.await.unwrap().unwrap();
     }
 }

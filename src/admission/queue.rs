@@ -1,216 +1,597 @@
-//! The slots for CPU-heavy work and the fair, deadline-aware queue in front
-//! of them. Waiters are ordered by start-time fair queueing over caller keys
-//! ([`super::fair`]): a freed slot goes to the waiter whose caller has had
-//! the least recent service, and a full queue sheds the waiter of the
-//! caller that has had the most.
+//! The signing pool and the fair, deadline-aware queue in front of it.
+//!
+//! Requests wait as jobs in a [`FairTable`]: turns go by start-time fair
+//! queueing over caller keys ([`super::fair`]), and a full queue sheds the
+//! caller that has had the most recent service. A fixed set of signing
+//! threads takes the next job itself when it is free, so the async workers
+//! only read, classify and queue requests: signing never holds up the I/O
+//! that reads the next request, learns its deadline and sheds it. The
+//! signing threads run at a lower scheduling priority than the rest of the
+//! process (`nice`), so under a CPU limit reading and shedding come first.
+//!
+//! Under overload (a caller's oldest request has waited `lifo_after`), a
+//! caller's turn serves its newest request: answers that go out are still
+//! useful, and the oldest requests are the ones left to expire.
 
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::time::Instant;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
 
-use super::decide::{admit, Admit, QueueState};
-use super::fair::{FairTable, Place};
+use super::decide::{admit, hold_stale, pick, stale, Admit, QueueState};
+use super::fair::{Entry, FairTable};
 use super::ShedReason;
 
-/// What a waiter is told.
-#[derive(Debug)]
-enum Grant {
-    Run(Permit),
-    Shed(ShedReason),
-}
+/// A queued job: called once, with `Ok` to run it or the reason it was shed.
+type Job = Box<dyn FnOnce(Result<(), ShedReason>) + Send>;
 
-#[derive(Debug)]
 struct Waiter {
     start_by: Instant,
-    tx: oneshot::Sender<Grant>,
+    since: Instant,
+    job: Job,
+}
+
+impl std::fmt::Debug for Waiter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Waiter")
+            .field("start_by", &self.start_by)
+            .field("since", &self.since)
+            .finish_non_exhaustive()
+    }
 }
 
 #[derive(Debug, Default)]
 struct State {
     running: usize,
+    /// Signing threads waiting for work.
+    idle: usize,
+    /// When the last request was queued.
+    last_arrival: Option<Instant>,
+    closed: bool,
+    drain: DrainMeter,
     table: FairTable<Waiter>,
+}
+
+/// How the pool is set up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PoolConfig {
+    /// Signing threads (jobs running at once).
+    pub max_running: usize,
+    /// Jobs waiting, at most (the sized bound is applied below it).
+    pub max_queued: usize,
+    /// A caller's oldest request waiting this long: its turns serve its newest.
+    pub lifo_after: Duration,
+    /// Niceness added to the signing threads (0: same priority as the rest).
+    pub nice: i32,
+    /// Queue target: while requests keep arriving, a job that has waited
+    /// longer is not started ([`super::decide::stale`]; zero: never).
+    pub target: Duration,
 }
 
 #[derive(Debug)]
 struct Inner {
     max_running: usize,
     max_queued: usize,
+    /// The queue bound in force (at most `max_queued`), set from measured
+    /// service times by the sizing in `super::Admission`.
+    sized_queued: AtomicUsize,
+    lifo_after: Duration,
+    target: Duration,
     state: Mutex<State>,
+    work: Condvar,
+    /// Exponentially weighted mean wall time of a job, in ns (0: none yet).
+    service_ns: AtomicU64,
+    /// Mean time between completions while jobs wait (ns; 0: none yet): the
+    /// pool's real throughput, CPU quota and neighbours included.
+    drain_ns: AtomicU64,
+    /// When `drain_ns` was last sampled (ms since `started`).
+    drained_at_ms: AtomicU64,
+    started: Instant,
+    /// Jobs waiting now and when some last did, readable without the lock.
+    backlog: Arc<Backlog>,
+    completed: AtomicU64,
     metrics: Option<Arc<dyn super::AdmissionObserver>>,
 }
 
-/// Shared handle to the slots and queue.
-#[derive(Debug, Clone)]
-pub struct FairQueue(Arc<Inner>);
-
-/// A slot for CPU-heavy work; handed to the next waiter when dropped.
+/// Closes the pool (its threads end) when the last handle is dropped.
 #[derive(Debug)]
-pub struct Permit {
-    queue: Arc<Inner>,
-    armed: bool,
-}
+struct Handle(Arc<Inner>);
 
-impl Drop for Permit {
+impl Drop for Handle {
     fn drop(&mut self) {
-        if self.armed {
-            self.armed = false;
-            FairQueue(self.queue.clone()).release();
-        }
+        let mut s = self.0.lock();
+        s.closed = true;
+        // Waiting jobs are dropped: their callers see the queue gone.
+        s.table = FairTable::default();
+        drop(s);
+        self.0.work.notify_all();
     }
 }
 
-/// Removes a waiter that gave up (timeout, or its request was dropped).
+/// Shared handle to the pool and its queue.
+#[derive(Debug, Clone)]
+pub struct FairQueue(Arc<Handle>);
+
+/// Takes a job out of the queue if its caller gives up (timeout, or its
+/// request was dropped) before a signing thread took it.
 struct WaitGuard<'a> {
-    queue: &'a FairQueue,
-    place: Place,
-    /// Still in the queue (false once granted or shed).
+    queue: &'a Inner,
+    entry: Entry,
     waiting: bool,
+}
+
+impl WaitGuard<'_> {
+    /// Whether the job was still waiting (and is now removed).
+    fn leave(&mut self) -> bool {
+        if !self.waiting {
+            return false;
+        }
+        self.waiting = false;
+        let mut s = self.queue.lock();
+        let removed = s.table.remove(&self.entry);
+        self.queue.gauges(&s);
+        drop(s);
+        // Dropped outside the lock: the job owns the caller's channel.
+        removed.is_some()
+    }
 }
 
 impl Drop for WaitGuard<'_> {
     fn drop(&mut self) {
-        if !self.waiting {
-            return;
-        }
-        let mut s = self.queue.lock();
-        s.table.remove(self.place);
-        self.queue.gauges(&s);
+        self.leave();
     }
 }
 
-impl FairQueue {
-    pub fn new(
-        max_running: usize,
-        max_queued: usize,
-        metrics: Option<Arc<dyn super::AdmissionObserver>>,
-    ) -> Self {
-        Self(Arc::new(Inner {
-            max_running: max_running.max(1),
-            max_queued,
-            state: Mutex::new(State::default()),
-            metrics,
-        }))
+/// How many jobs wait now, and when some last did.
+#[derive(Debug)]
+pub struct Backlog {
+    waiting: AtomicUsize,
+    epoch: Instant,
+    /// When jobs last waited (ms since `epoch`, plus one; 0: never).
+    last_ms: AtomicU64,
+}
+
+impl Backlog {
+    fn new() -> Self {
+        Self {
+            waiting: AtomicUsize::new(0),
+            epoch: Instant::now(),
+            last_ms: AtomicU64::new(0),
+        }
     }
 
+    fn set(&self, waiting: usize) {
+        self.waiting.store(waiting, Ordering::Relaxed);
+        if waiting > 0 {
+            let ms = u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX);
+            self.last_ms.store(ms.saturating_add(1), Ordering::Relaxed);
+        }
+    }
+
+    /// Whether jobs wait now or did within `within`: a queue that empties
+    /// between two CPU-quota periods is still under pressure.
+    pub fn pressed(&self, within: Duration) -> bool {
+        if self.waiting.load(Ordering::Relaxed) > 0 {
+            return true;
+        }
+        match self.last_ms.load(Ordering::Relaxed) {
+            0 => false,
+            ms => {
+                let last = Duration::from_millis(ms - 1);
+                self.epoch.elapsed().saturating_sub(last) < within
+            }
+        }
+    }
+}
+
+/// Completions counted while the queue stays backlogged, for the pool's
+/// throughput. Idle time between bursts is not counted.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct DrainMeter {
+    since: Option<Instant>,
+    done: u32,
+}
+
+/// A throughput sample covers at least this long, so that CPU-quota
+/// periods (where the pool runs, then waits) average out.
+const DRAIN_WINDOW: Duration = Duration::from_millis(100);
+
+/// A throughput sample needs at least this many completions.
+const DRAIN_MIN_DONE: u32 = 8;
+
+/// A throughput sample older than this no longer sizes anything.
+const DRAIN_FRESH: Duration = Duration::from_secs(10);
+
+impl DrainMeter {
+    /// A job completed at `now`, with jobs still waiting (`backlogged`) or
+    /// not. Returns the time per completion once a window is full.
+    pub fn completed(&mut self, now: Instant, backlogged: bool) -> Option<Duration> {
+        if !backlogged {
+            *self = Self::default();
+            return None;
+        }
+        let Some(since) = self.since else {
+            self.since = Some(now);
+            return None;
+        };
+        self.done = self.done.saturating_add(1);
+        let spent = now.saturating_duration_since(since);
+        if spent < DRAIN_WINDOW || self.done < DRAIN_MIN_DONE {
+            return None;
+        }
+        let per = spent / self.done;
+        *self = Self {
+            since: Some(now),
+            done: 0,
+        };
+        Some(per)
+    }
+}
+
+/// Weight of a new sample in the mean service time (1/16).
+const EWMA_SHIFT: u32 = 4;
+
+/// The new exponentially weighted mean after a sample (ns; 0 = none yet).
+/// A sample counts for at most four times the mean, so one stall (a job
+/// preempted for a whole CPU-quota period, a blocking call) moves it little,
+/// while a lasting change still shows within a few dozen samples.
+pub fn ewma_ns(mean: u64, sample: u64) -> u64 {
+    if mean == 0 {
+        return sample.max(1);
+    }
+    let m = i128::from(mean);
+    let sample = i128::from(sample).min(m.saturating_mul(4));
+    let next = m + ((sample - m) >> EWMA_SHIFT);
+    u64::try_from(next.max(1)).unwrap_or(u64::MAX)
+}
+
+impl Inner {
     fn lock(&self) -> MutexGuard<'_, State> {
-        self.0.state.lock().unwrap_or_else(PoisonError::into_inner)
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     fn gauges(&self, s: &State) {
-        if let Some(m) = &self.0.metrics {
+        self.backlog.set(s.table.len());
+        if let Some(m) = &self.metrics {
             m.occupancy(s.running, s.table.len());
         }
     }
 
+    fn bound(&self) -> usize {
+        self.sized_queued
+            .load(Ordering::Relaxed)
+            .min(self.max_queued)
+    }
+
+    /// A signing thread: takes the next live job in fair order until closed.
+    fn serve(&self) {
+        let mut passed = Vec::new();
+        let mut s = self.lock();
+        loop {
+            if s.closed {
+                return;
+            }
+            let now = Instant::now();
+            let (lifo_after, target) = (self.lifo_after, self.target);
+            // A job's own time: the floor of staleness is a few jobs' work,
+            // not the pool's throttled rate (which sizes the queue instead).
+            let service = self.service_time();
+            // Requests keep arriving: a stale request is not started (it is
+            // shed at its deadline) while fresh ones come; a burst's tail,
+            // with nothing arriving, is served however old.
+            let quiet = s
+                .last_arrival
+                .map_or(Duration::MAX, |t| now.saturating_duration_since(t));
+            let arriving = hold_stale(quiet, target);
+            let callers = s.table.callers_waiting();
+            let running = self.max_running;
+            let is_stale = |w: &Waiter| {
+                stale(
+                    now.saturating_duration_since(w.since),
+                    target,
+                    service,
+                    callers,
+                    running,
+                )
+            };
+            let next = s.table.pop_next_into(
+                |w| w.start_by > now && !(arriving && is_stale(w)),
+                |oldest| pick(now.saturating_duration_since(oldest.since), lifo_after),
+                |_| true,
+                1,
+                false,
+                &mut passed,
+            );
+            if !passed.is_empty() {
+                self.gauges(&s);
+                drop(s);
+                // Past their start-by time (their callers' own timers
+                // usually got there first), or stale while newer work
+                // arrives: shed.
+                for w in passed.drain(..) {
+                    let why = if w.start_by > now {
+                        ShedReason::QueueTimeout
+                    } else {
+                        ShedReason::DeadlineExceeded
+                    };
+                    (w.job)(Err(why));
+                }
+                s = self.lock();
+                if let Some(w) = next {
+                    s.running += 1;
+                    self.gauges(&s);
+                    drop(s);
+                    self.run_job(w);
+                    s = self.lock();
+                    s.running -= 1;
+                    self.drained(&mut s);
+                }
+                continue;
+            }
+            let Some(w) = next else {
+                self.gauges(&s);
+                s.idle += 1;
+                s = if arriving && !s.table.is_empty() {
+                    // Only stale work: wait for a fresh request, or until
+                    // arrivals stop and the stale ones are served.
+                    let wait = target.saturating_sub(quiet).max(Duration::from_millis(1));
+                    self.work
+                        .wait_timeout(s, wait)
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .0
+                } else {
+                    self.work.wait(s).unwrap_or_else(PoisonError::into_inner)
+                };
+                s.idle -= 1;
+                continue;
+            };
+            s.running += 1;
+            self.gauges(&s);
+            drop(s);
+            self.run_job(w);
+            s = self.lock();
+            s.running -= 1;
+            self.drained(&mut s);
+        }
+    }
+
+    /// Feeds a completion to the throughput meter (lock held).
+    fn drained(&self, s: &mut State) {
+        let now = Instant::now();
+        let backlogged = !s.table.is_empty();
+        if let Some(per) = s.drain.completed(now, backlogged) {
+            let per = u64::try_from(per.as_nanos()).unwrap_or(u64::MAX);
+            let at = u64::try_from(now.saturating_duration_since(self.started).as_millis())
+                .unwrap_or(u64::MAX);
+            let _ = self
+                .drain_ns
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |m| {
+                    // Each sample already averages a window: weight 1/4.
+                    Some(if m == 0 { per } else { m - m / 4 + per / 4 }.max(1))
+                });
+            self.drained_at_ms.store(at, Ordering::Relaxed);
+        }
+    }
+
+    /// A signing thread's time per request as its callers see it: the
+    /// measured time per completion while backlogged times the threads,
+    /// which counts CPU-quota throttling and neighbours between jobs, when
+    /// sampled lately; else a job's own wall time.
+    fn effective_service(&self) -> Option<Duration> {
+        let threads = u32::try_from(self.max_running).unwrap_or(u32::MAX);
+        self.drain_time()
+            .map(|per| per.saturating_mul(threads))
+            .or_else(|| self.service_time())
+    }
+
+    /// Time per completion while backlogged, if sampled recently.
+    fn drain_time(&self) -> Option<Duration> {
+        let ns = self.drain_ns.load(Ordering::Relaxed);
+        if ns == 0 {
+            return None;
+        }
+        let at = Duration::from_millis(self.drained_at_ms.load(Ordering::Relaxed));
+        let age = self.started.elapsed().saturating_sub(at);
+        (age <= DRAIN_FRESH).then(|| Duration::from_nanos(ns))
+    }
+
+    fn service_time(&self) -> Option<Duration> {
+        match self.service_ns.load(Ordering::Relaxed) {
+            0 => None,
+            ns => Some(Duration::from_nanos(ns)),
+        }
+    }
+
+    fn run_job(&self, w: Waiter) {
+        let t0 = Instant::now();
+        (w.job)(Ok(()));
+        let took = u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        let _ = self
+            .service_ns
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |m| {
+                Some(ewma_ns(m, took))
+            });
+        self.completed.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// Lowers the calling thread's scheduling priority by `nice` (Linux: the
+/// niceness of one thread). Best effort: a failure is logged once per thread.
+fn lower_priority(nice: i32) {
+    if nice == 0 {
+        return;
+    }
+    let tid = rustix::thread::gettid();
+    let now = rustix::process::getpriority_process(Some(tid)).unwrap_or(0);
+    if let Err(e) = rustix::process::setpriority_process(Some(tid), (now + nice).min(19)) {
+        tracing::warn!(error = %e, nice, "could not lower the signing thread's priority");
+    }
+}
+
+impl FairQueue {
+    pub fn new(cfg: PoolConfig, metrics: Option<Arc<dyn super::AdmissionObserver>>) -> Self {
+        let max_running = cfg.max_running.max(1);
+        let inner = Arc::new(Inner {
+            max_running,
+            max_queued: cfg.max_queued,
+            sized_queued: AtomicUsize::new(cfg.max_queued),
+            lifo_after: cfg.lifo_after,
+            target: cfg.target,
+            state: Mutex::new(State::default()),
+            work: Condvar::new(),
+            service_ns: AtomicU64::new(0),
+            drain_ns: AtomicU64::new(0),
+            drained_at_ms: AtomicU64::new(0),
+            started: Instant::now(),
+            backlog: Arc::new(Backlog::new()),
+            completed: AtomicU64::new(0),
+            metrics,
+        });
+        for i in 0..max_running {
+            let inner = inner.clone();
+            let nice = cfg.nice;
+            let spawned = std::thread::Builder::new()
+                .name(format!("meshca-sign-{i}"))
+                .spawn(move || {
+                    lower_priority(nice);
+                    inner.serve();
+                });
+            if let Err(e) = spawned {
+                tracing::error!(error = %e, "could not start a signing thread");
+            }
+        }
+        Self(Arc::new(Handle(inner)))
+    }
+
+    fn inner(&self) -> &Inner {
+        &self.0 .0
+    }
+
     /// (running, queued) now.
     pub fn stats(&self) -> (usize, usize) {
-        let s = self.lock();
+        let s = self.inner().lock();
         (s.running, s.table.len())
     }
 
+    /// (callers with requests waiting, queued) now.
+    pub fn callers(&self) -> (usize, usize) {
+        let s = self.inner().lock();
+        (s.table.callers_waiting(), s.table.len())
+    }
+
+    pub fn max_running(&self) -> usize {
+        self.inner().max_running
+    }
+
+    /// The queue bound in force.
     pub fn max_queued(&self) -> usize {
-        self.0.max_queued
+        self.inner().bound()
     }
 
-    /// (waiters, whether a caller other than `key` is among them), under one lock.
-    pub fn waiting_besides(&self, key: &str) -> (usize, bool) {
-        let s = self.lock();
-        (s.table.len(), s.table.others_waiting(key))
+    /// Sets the queue bound (at most the configured maximum, at least 1).
+    pub fn set_sized_queued(&self, n: usize) {
+        self.inner().sized_queued.store(n.max(1), Ordering::Relaxed);
     }
 
-    fn permit(&self) -> Permit {
-        Permit {
-            queue: self.0.clone(),
-            armed: true,
-        }
+    /// Mean wall time of a job, once one has run.
+    pub fn service_time(&self) -> Option<Duration> {
+        self.inner().service_time()
     }
 
-    /// Hands the slot to the next waiter, or frees it.
-    fn release(&self) {
-        loop {
-            let next = {
-                let mut s = self.lock();
-                let now = Instant::now();
-                // Waiters whose start-by time passed are dropped on the way
-                // (their receiver sees the sender gone: deadline).
-                let next = s.table.pop_next(|w| w.start_by > now);
-                if next.is_none() {
-                    s.running -= 1;
-                }
-                self.gauges(&s);
-                next
-            };
-            let Some(w) = next else { return };
-            match w.tx.send(Grant::Run(self.permit())) {
-                Ok(()) => return,
-                // The waiter is gone: the slot goes to the next one.
-                Err(Grant::Run(mut p)) => p.armed = false,
-                Err(Grant::Shed(_)) => return,
-            }
-        }
+    /// A signing thread's time per request, throttling included
+    /// (`Inner::effective_service`).
+    pub fn effective_service(&self) -> Option<Duration> {
+        self.inner().effective_service()
     }
 
-    /// Waits for a slot under caller `key` until `start_by`. Dropping the
-    /// returned future (the caller cancelled) leaves the queue at once.
-    pub async fn acquire(&self, key: &str, start_by: Instant) -> Result<Permit, ShedReason> {
+    /// Jobs waiting, lock-free (shared with the request gate).
+    pub fn backlog(&self) -> Arc<Backlog> {
+        self.inner().backlog.clone()
+    }
+
+    /// Jobs run to completion so far.
+    pub fn completed(&self) -> u64 {
+        self.inner().completed.load(Ordering::Relaxed)
+    }
+
+    /// Runs `f` on a signing thread when it is the turn of caller `key`, if
+    /// that comes before `start_by`. Dropping the returned future (the
+    /// caller cancelled) takes the job out of the queue if it has not
+    /// started; a started job always runs to its end.
+    pub async fn run<R: Send + 'static>(
+        &self,
+        key: &str,
+        start_by: Instant,
+        f: impl FnOnce() -> R + Send + 'static,
+    ) -> Result<R, ShedReason> {
         let now = Instant::now();
         if now >= start_by {
             return Err(ShedReason::DeadlineExceeded);
         }
-        let (place, mut rx, evicted) = {
-            let mut s = self.lock();
+        let inner = self.inner();
+        let (tx, mut rx) = oneshot::channel::<Result<R, ShedReason>>();
+        let job: Job = Box::new(move |go| {
+            let _ = tx.send(go.map(|()| f()));
+        });
+        let (entry, evicted) = {
+            let mut s = inner.lock();
+            if s.closed {
+                return Err(ShedReason::QueueFull);
+            }
             let verdict = admit(&QueueState {
                 running: s.running,
-                max_running: self.0.max_running,
+                max_running: inner.max_running,
                 queued: s.table.len(),
-                max_queued: self.0.max_queued,
+                max_queued: inner.bound(),
                 tag: s.table.tag(key),
                 last_tag: s.table.last_tag(),
             });
             let evicted = match verdict {
-                Admit::Run => {
-                    s.table.start_now(&Arc::from(key));
-                    s.running += 1;
-                    self.gauges(&s);
-                    return Ok(self.permit());
-                }
                 Admit::Shed(r) => return Err(r),
-                Admit::Enqueue => None,
+                Admit::Run | Admit::Enqueue => None,
                 Admit::EnqueueEvicting => s.table.pop_last().map(|(_, w)| w),
             };
-            let (tx, rx) = oneshot::channel();
-            let place = s.table.push(Arc::from(key), Waiter { start_by, tx });
-            self.gauges(&s);
-            (place, rx, evicted)
+            let entry = s.table.push(
+                Arc::from(key),
+                Waiter {
+                    start_by,
+                    since: now,
+                    job,
+                },
+            );
+            s.last_arrival = Some(now);
+            inner.gauges(&s);
+            if s.idle > 0 {
+                inner.work.notify_one();
+            }
+            (entry, evicted)
         };
         if let Some(w) = evicted {
-            let _ = w.tx.send(Grant::Shed(ShedReason::QueueDisplaced));
+            (w.job)(Err(ShedReason::QueueDisplaced));
         }
         let mut guard = WaitGuard {
-            queue: self,
-            place,
+            queue: inner,
+            entry,
             waiting: true,
         };
-        let granted = tokio::select! {
-            g = &mut rx => g,
+        let got = tokio::select! {
+            r = &mut rx => r,
             _ = tokio::time::sleep_until(start_by.into()) => {
-                drop(guard);
-                // A grant may have landed just before the guard left the
-                // queue; the permit then goes straight back (it is dropped).
-                return Err(rx.try_recv().ok().map_or(ShedReason::DeadlineExceeded, |g| match g {
-                    Grant::Shed(r) => r,
-                    Grant::Run(_) => ShedReason::DeadlineExceeded,
-                }));
+                if guard.leave() {
+                    return Err(ShedReason::DeadlineExceeded);
+                }
+                // A signing thread took it before its start-by time: the
+                // job runs to its end (its own last check is the deadline
+                // before the signature).
+                (&mut rx).await
             }
         };
-        // Granted or shed: the waiter already left the queue.
+        // Taken by a signing thread or shed: it already left the queue.
         guard.waiting = false;
-        match granted {
-            Ok(Grant::Run(p)) if Instant::now() < start_by => Ok(p),
-            Ok(Grant::Run(_)) => Err(ShedReason::DeadlineExceeded),
-            Ok(Grant::Shed(r)) => Err(r),
-            // Dropped from the queue as expired.
+        match got {
+            Ok(r) => r,
+            // Dropped from the queue as expired (or the pool closed).
             Err(_) => Err(ShedReason::DeadlineExceeded),
         }
     }
@@ -219,46 +600,119 @@ impl FairQueue {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::time::Duration;
+    use std::sync::mpsc;
 
     fn later() -> Instant {
         Instant::now() + Duration::from_secs(60)
     }
 
-    #[tokio::test]
-    async fn slots_bound_running_work_and_pass_on_release() {
-        let q = FairQueue::new(2, 8, None);
-        let a = q.acquire("a", later()).await.unwrap();
-        let _b = q.acquire("b", later()).await.unwrap();
-        let mut c = Box::pin(q.acquire("c", later()));
-        assert!(futures::poll!(c.as_mut()).is_pending());
-        assert_eq!(q.stats(), (2, 1));
-        drop(a);
-        let _c = c.await.unwrap();
-        assert_eq!(q.stats(), (2, 0));
+    fn pool(running: usize, queued: usize) -> FairQueue {
+        FairQueue::new(
+            PoolConfig {
+                max_running: running,
+                max_queued: queued,
+                lifo_after: Duration::from_secs(3600),
+                nice: 0,
+                target: Duration::ZERO,
+            },
+            None,
+        )
+    }
+
+    /// Occupies the `n` signing threads of `q` until the returned senders
+    /// are dropped; returns once all of them run.
+    async fn hold(
+        q: &FairQueue,
+        n: usize,
+    ) -> (Vec<mpsc::Sender<()>>, Vec<tokio::task::JoinHandle<()>>) {
+        let mut gates = Vec::new();
+        let mut tasks = Vec::new();
+        for i in 0..n {
+            let (tx, rx) = mpsc::channel::<()>();
+            gates.push(tx);
+            let q2 = q.clone();
+            tasks.push(tokio::spawn(async move {
+                q2.run(&format!("hold{i}"), later(), move || {
+                    let _ = rx.recv();
+                })
+                .await
+                .unwrap();
+            }));
+        }
+        while q.stats().0 < n {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        (gates, tasks)
+    }
+
+    async fn until_queued(q: &FairQueue, n: usize) {
+        while q.stats().1 < n {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
     }
 
     #[tokio::test]
-    async fn round_robin_over_callers() {
-        let q = FairQueue::new(1, 64, None);
-        let hold = q.acquire("x", later()).await.unwrap();
+    async fn jobs_run_on_the_signing_threads_and_report_their_time() {
+        let q = pool(2, 8);
+        let here = std::thread::current().id();
+        let (there, name) = q
+            .run("a", later(), || {
+                let t = std::thread::current();
+                (t.id(), t.name().map(str::to_string))
+            })
+            .await
+            .unwrap();
+        assert_ne!(there, here);
+        assert_eq!(
+            name.as_deref().map(|n| n.starts_with("meshca-sign-")),
+            Some(true)
+        );
+        assert!(q.service_time().is_some());
+        assert_eq!(q.completed(), 1);
+    }
+
+    #[tokio::test]
+    async fn threads_bound_running_work_and_take_the_queue_in_turn() {
+        let q = pool(2, 8);
+        let (gates, held) = hold(&q, 2).await;
+        let c = tokio::spawn({
+            let q = q.clone();
+            async move { q.run("c", later(), || 7).await }
+        });
+        until_queued(&q, 1).await;
+        assert_eq!(q.stats(), (2, 1));
+        drop(gates);
+        assert_eq!(c.await.unwrap(), Ok(7));
+        for t in held {
+            t.await.unwrap();
+        }
+        // A thread counts its job done just after the job answered.
+        for _ in 0..5_000 {
+            if q.stats() == (0, 0) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        assert_eq!(q.stats(), (0, 0));
+    }
+
+    #[tokio::test]
+    async fn turns_alternate_over_callers() {
+        let q = pool(1, 64);
+        let (gates, _held) = hold(&q, 1).await;
         let served = Arc::new(Mutex::new(Vec::new()));
         let mut tasks = Vec::new();
         // "greedy" queues 6 before "polite" queues 2.
-        for key in ["greedy"; 6].into_iter().chain(["polite"; 2]) {
+        for (n, key) in ["greedy"; 6].into_iter().chain(["polite"; 2]).enumerate() {
             let (q2, served) = (q.clone(), served.clone());
             tasks.push(tokio::spawn(async move {
-                let p = q2.acquire(key, later()).await.unwrap();
-                served.lock().unwrap().push(key);
-                tokio::task::yield_now().await;
-                drop(p);
+                q2.run(key, later(), move || served.lock().unwrap().push(key))
+                    .await
+                    .unwrap();
             }));
-            // Enqueue in this exact order.
-            while q.stats().1 < tasks.len() {
-                tokio::task::yield_now().await;
-            }
+            until_queued(&q, n + 1).await;
         }
-        drop(hold);
+        drop(gates);
         for t in tasks {
             t.await.unwrap();
         }
@@ -271,20 +725,51 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn under_overload_a_callers_newest_request_goes_first() {
+        let q = FairQueue::new(
+            PoolConfig {
+                max_running: 1,
+                max_queued: 64,
+                lifo_after: Duration::ZERO,
+                nice: 0,
+                target: Duration::ZERO,
+            },
+            None,
+        );
+        let (gates, _held) = hold(&q, 1).await;
+        let served = Arc::new(Mutex::new(Vec::new()));
+        let mut tasks = Vec::new();
+        for i in 0..4u32 {
+            let (q2, served) = (q.clone(), served.clone());
+            tasks.push(tokio::spawn(async move {
+                q2.run("a", later(), move || served.lock().unwrap().push(i))
+                    .await
+                    .unwrap();
+            }));
+            until_queued(&q, i as usize + 1).await;
+        }
+        drop(gates);
+        for t in tasks {
+            t.await.unwrap();
+        }
+        assert_eq!(*served.lock().unwrap(), vec![3, 2, 1, 0]);
+    }
+
+    #[tokio::test]
     async fn a_full_queue_displaces_the_greediest_caller() {
-        let q = FairQueue::new(1, 3, None);
-        let _hold = q.acquire("x", later()).await.unwrap();
+        let q = pool(1, 3);
+        let (_gates, _held) = hold(&q, 1).await;
         let mut greedy: Vec<_> = (0..3)
-            .map(|_| Box::pin(q.acquire("greedy", later())))
+            .map(|_| Box::pin(q.run("greedy", later(), || ())))
             .collect();
         for g in &mut greedy {
             assert!(futures::poll!(g.as_mut()).is_pending());
         }
-        let mut polite = Box::pin(q.acquire("polite", later()));
+        let mut polite = Box::pin(q.run("polite", later(), || ()));
         assert!(futures::poll!(polite.as_mut()).is_pending());
-        // The greedy caller's newest waiter was shed; the others still wait.
+        // The greedy caller's oldest waiter was shed; the others still wait.
         assert_eq!(
-            greedy.pop().unwrap().await.unwrap_err(),
+            greedy.remove(0).await.unwrap_err(),
             ShedReason::QueueDisplaced
         );
         for g in &mut greedy {
@@ -292,37 +777,200 @@ mod tests {
         }
         // A third caller finds two callers holding 2 and 1 places: it may
         // still displace one of greedy's (2 > 0 + 1).
-        let mut third = Box::pin(q.acquire("third", later()));
+        let mut third = Box::pin(q.run("third", later(), || ()));
         assert!(futures::poll!(third.as_mut()).is_pending());
         // Now every caller holds one place: a fourth is shed.
         assert_eq!(
-            q.acquire("fourth", later()).await.unwrap_err(),
+            q.run("fourth", later(), || ()).await.unwrap_err(),
             ShedReason::QueueFull
         );
     }
 
     #[tokio::test]
-    async fn expired_and_cancelled_waiters_never_get_a_slot() {
-        let q = FairQueue::new(1, 8, None);
-        let hold = q.acquire("x", later()).await.unwrap();
+    async fn expired_and_cancelled_waiters_never_run() {
+        let q = pool(1, 8);
+        let (gates, held) = hold(&q, 1).await;
+        let ran = Arc::new(AtomicUsize::new(0));
+        let job = |ran: &Arc<AtomicUsize>| {
+            let ran = ran.clone();
+            move || {
+                ran.fetch_add(1, Ordering::SeqCst);
+            }
+        };
         // Already past its start-by time: refused without queueing.
         assert_eq!(
-            q.acquire("late", Instant::now()).await.unwrap_err(),
+            q.run("late", Instant::now(), job(&ran)).await.unwrap_err(),
             ShedReason::DeadlineExceeded
         );
         // Times out while waiting.
         let short = Instant::now() + Duration::from_millis(20);
         assert_eq!(
-            q.acquire("short", short).await.unwrap_err(),
+            q.run("short", short, job(&ran)).await.unwrap_err(),
             ShedReason::DeadlineExceeded
         );
         // Cancelled while waiting: leaves the queue at once.
-        let mut cancelled = Box::pin(q.acquire("gone", later()));
+        let mut cancelled = Box::pin(q.run("gone", later(), job(&ran)));
         assert!(futures::poll!(cancelled.as_mut()).is_pending());
         assert_eq!(q.stats(), (1, 1));
         drop(cancelled);
         assert_eq!(q.stats(), (1, 0));
-        drop(hold);
-        assert_eq!(q.stats(), (0, 0), "the slot is free, nobody took it");
+        drop(gates);
+        for t in held {
+            t.await.unwrap();
+        }
+        // The slot is free and nothing else ran.
+        while q.stats() != (0, 0) {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        assert_eq!(ran.load(Ordering::SeqCst), 0);
+    }
+
+    #[tokio::test]
+    async fn a_job_due_while_its_caller_waits_to_start_is_dropped_unrun() {
+        // The thread is busy past the waiter's start-by time: when it comes
+        // back, the expired waiter is skipped, not run.
+        let q = pool(1, 8);
+        let (gates, held) = hold(&q, 1).await;
+        let ran = Arc::new(AtomicUsize::new(0));
+        let r2 = ran.clone();
+        let start_by = Instant::now() + Duration::from_millis(30);
+        let waiter = tokio::spawn({
+            let q = q.clone();
+            async move {
+                q.run("a", start_by, move || {
+                    r2.fetch_add(1, Ordering::SeqCst);
+                })
+                .await
+            }
+        });
+        assert_eq!(waiter.await.unwrap(), Err(ShedReason::DeadlineExceeded));
+        drop(gates);
+        for t in held {
+            t.await.unwrap();
+        }
+        assert_eq!(q.run("b", later(), || 1).await, Ok(1));
+        assert_eq!(ran.load(Ordering::SeqCst), 0);
+    }
+
+    fn with_target(target: Duration) -> FairQueue {
+        FairQueue::new(
+            PoolConfig {
+                max_running: 1,
+                max_queued: 64,
+                lifo_after: Duration::ZERO,
+                nice: 0,
+                target,
+            },
+            None,
+        )
+    }
+
+    #[tokio::test]
+    async fn while_requests_arrive_stale_work_is_shed() {
+        let target = Duration::from_millis(60);
+        let q = with_target(target);
+        // A measured service time far below the target.
+        for _ in 0..20 {
+            q.run("warm", later(), || ()).await.unwrap();
+        }
+        let (gates, _held) = hold(&q, 1).await;
+        let ran = Arc::new(Mutex::new(Vec::new()));
+        let job = |name: &'static str| {
+            let ran = ran.clone();
+            move || ran.lock().unwrap().push(name)
+        };
+        let old = tokio::spawn({
+            let (q, j) = (q.clone(), job("old"));
+            async move { q.run("a", later(), j).await }
+        });
+        until_queued(&q, 1).await;
+        tokio::time::sleep(target + Duration::from_millis(20)).await;
+        // "old" is stale now; a fresh request of another caller arrives.
+        let fresh = tokio::spawn({
+            let (q, j) = (q.clone(), job("fresh"));
+            async move { q.run("b", later(), j).await }
+        });
+        until_queued(&q, 2).await;
+        drop(gates);
+        assert_eq!(fresh.await.unwrap(), Ok(()));
+        assert_eq!(old.await.unwrap(), Err(ShedReason::QueueTimeout));
+        assert_eq!(*ran.lock().unwrap(), ["fresh"]);
+    }
+
+    #[tokio::test]
+    async fn a_burst_tail_is_served_however_old_once_arrivals_stop() {
+        let target = Duration::from_millis(30);
+        let q = with_target(target);
+        for _ in 0..20 {
+            q.run("warm", later(), || ()).await.unwrap();
+        }
+        let (gates, _held) = hold(&q, 1).await;
+        let tail = tokio::spawn({
+            let q = q.clone();
+            async move { q.run("a", later(), || 5).await }
+        });
+        until_queued(&q, 1).await;
+        // Stale, and nothing else arrives: it is served, not shed.
+        tokio::time::sleep(target * 3).await;
+        drop(gates);
+        assert_eq!(tail.await.unwrap(), Ok(5));
+    }
+
+    #[tokio::test]
+    async fn without_a_target_stale_work_goes_in_turn() {
+        let q = pool(1, 64);
+        let (gates, _held) = hold(&q, 1).await;
+        let served = Arc::new(Mutex::new(Vec::new()));
+        let mut tasks = Vec::new();
+        for key in ["a", "b"] {
+            let (q2, served) = (q.clone(), served.clone());
+            tasks.push(tokio::spawn(async move {
+                q2.run(key, later(), move || served.lock().unwrap().push(key))
+                    .await
+                    .unwrap();
+            }));
+            until_queued(&q, tasks.len()).await;
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        drop(gates);
+        for t in tasks {
+            t.await.unwrap();
+        }
+        assert_eq!(*served.lock().unwrap(), vec!["a", "b"]);
+    }
+
+    #[test]
+    fn ewma_table() {
+        // (mean, sample, want)
+        let cases = [
+            (0, 1000, 1000),
+            (0, 0, 1),
+            (1600, 1600, 1600),
+            (1600, 3200, 1700),
+            (1600, 0, 1500),
+            (1, 0, 1),
+            (u64::MAX, u64::MAX, u64::MAX),
+            // An outlier counts as four times the mean.
+            (1600, 1_000_000, 1600 + 4800 / 16),
+            (1600, 6400, 1600 + 4800 / 16),
+        ];
+        for (mean, sample, want) in cases {
+            assert_eq!(ewma_ns(mean, sample), want, "{mean} {sample}");
+        }
+    }
+
+    #[test]
+    fn dropping_the_last_handle_ends_the_threads() {
+        let q = pool(2, 4);
+        let weak = Arc::downgrade(&q.0 .0);
+        drop(q);
+        let t0 = Instant::now();
+        while weak.strong_count() > 0 {
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "threads still hold the pool"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
 }

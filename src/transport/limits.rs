@@ -170,6 +170,8 @@ pub enum Refusal {
     AdminTimeout,
     #[error("connection cancelled too many streams")]
     StreamResetFlood,
+    #[error("the connection has its share of requests in progress")]
+    ConnectionStreamLimit,
 }
 
 impl Refusal {
@@ -189,11 +191,12 @@ impl Refusal {
             Self::AdminPerIpLimit => "admin_connection_limit_per_ip",
             Self::AdminTimeout => "admin_timeout",
             Self::StreamResetFlood => "stream_reset_flood",
+            Self::ConnectionStreamLimit => "connection_stream_limit",
         }
     }
 
     /// Every refusal, for tests and metric pre-registration.
-    pub const ALL: [Refusal; 14] = [
+    pub const ALL: [Refusal; 15] = [
         Self::ConnectionLimit,
         Self::PerIpLimit,
         Self::HandshakeLimit,
@@ -208,6 +211,7 @@ impl Refusal {
         Self::AdminPerIpLimit,
         Self::AdminTimeout,
         Self::StreamResetFlood,
+        Self::ConnectionStreamLimit,
     ];
 }
 

@@ -46,6 +46,10 @@ pub struct ConnControl {
     waker: futures::task::AtomicWaker,
     cancels: Mutex<limits::CancelWindow>,
     max_cancels_per_sec: u32,
+    /// Requests in progress on this connection (the request gate counts them).
+    streams: std::sync::atomic::AtomicUsize,
+    /// Woken when one of them ends, for streams waiting for a place.
+    freed: tokio::sync::Notify,
 }
 
 impl ConnControl {
@@ -59,7 +63,42 @@ impl ConnControl {
                 count: 0,
             }),
             max_cancels_per_sec,
+            streams: Default::default(),
+            freed: tokio::sync::Notify::new(),
         })
+    }
+
+    /// One more request in progress; returns how many there were before.
+    pub fn stream_started(&self) -> usize {
+        self.streams
+            .fetch_add(1, std::sync::atomic::Ordering::AcqRel)
+    }
+
+    /// One more request in progress if `admit` allows it given how many
+    /// there are; returns how many there were before.
+    pub fn try_stream_start(&self, admit: impl Fn(usize) -> bool) -> Option<usize> {
+        use std::sync::atomic::Ordering;
+        self.streams
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                admit(n).then_some(n + 1)
+            })
+            .ok()
+    }
+
+    /// A request ended; returns how many are left in progress.
+    pub fn stream_ended(&self) -> usize {
+        let left = self
+            .streams
+            .fetch_sub(1, std::sync::atomic::Ordering::AcqRel)
+            .saturating_sub(1);
+        self.freed.notify_waiters();
+        left
+    }
+
+    /// Resolves when one of this connection's requests ends after the
+    /// returned future was first polled or enabled.
+    pub fn freed(&self) -> tokio::sync::futures::Notified<'_> {
+        self.freed.notified()
     }
 
     /// Makes the connection's next read or write fail, which ends it.
