@@ -374,18 +374,22 @@ struct InProgress {
 
 impl InProgress {
     /// Takes a place among the connection's streams in progress, or `None`
-    /// after `wait`. Over the connection's share the stream waits, holding
-    /// only its headers: while fresh it takes a place another stream frees
-    /// (new work first); once stale it waits out its time and is refused,
-    /// because an answer invites the client's next request at once while a
-    /// waiting stream costs nothing.
+    /// when it waited `limit`. Over the connection's share the stream waits,
+    /// holding only its headers, for a place another of its streams frees.
+    /// While the signing queue sheds work (overload), a stream that waited
+    /// past the fresh age leaves that place to newer streams (new work
+    /// first) and is refused once it has waited the park time, rather than
+    /// at once: an answer invites the client's next request at once, while
+    /// a waiting stream costs nothing. Without overload (a burst the server
+    /// works through in time) it waits its turn up to `limit`.
     async fn enter(
         control: Arc<crate::transport::ConnControl>,
         concurrency: Arc<crate::admission::Concurrency>,
-        wait: Duration,
+        limit: Duration,
     ) -> Option<Self> {
         let start = tokio::time::Instant::now();
-        let end = start + wait;
+        let end = start + limit;
+        let park_end = start + concurrency.park().min(limit);
         let before = loop {
             let freed = control.freed();
             tokio::pin!(freed);
@@ -393,13 +397,28 @@ impl InProgress {
             if let Some(before) = control.try_stream_start(|n| concurrency.admits(n)) {
                 break before;
             }
-            if start.elapsed() >= concurrency.fresh() {
-                tokio::time::sleep_until(end).await;
+            if limit.is_zero() || concurrency.park().is_zero() {
                 return None;
             }
-            if tokio::time::timeout_at(end, freed).await.is_err() {
+            let now = tokio::time::Instant::now();
+            let overloaded = concurrency.overloaded();
+            if overloaded && now >= park_end {
                 return None;
             }
+            if overloaded && now.duration_since(start) >= concurrency.fresh() {
+                tokio::time::sleep_until(park_end).await;
+                return None;
+            }
+            if now >= end {
+                return None;
+            }
+            // Look again at least every park time: overload may begin.
+            let until = if overloaded {
+                park_end
+            } else {
+                end.min(now + concurrency.park())
+            };
+            let _ = tokio::time::timeout_at(until, freed).await;
         };
         concurrency.opened(before);
         Some(Self {
@@ -481,7 +500,7 @@ where
                     .get("grpc-timeout")
                     .and_then(|v| v.to_str().ok())
                     .and_then(crate::admission::decide::parse_grpc_timeout);
-                Some((conn.control.clone(), c.clone(), c.park_for(timeout)))
+                Some((conn.control.clone(), c.clone(), c.wait_limit(timeout)))
             }
             _ => None,
         };

@@ -87,7 +87,10 @@ pub fn pick(oldest_waited: Duration, lifo_after: Duration) -> Pick {
 /// target, which is at least four service times (so a slow signer, an HSM,
 /// with a short queue is not taken for overload) and at least two fair
 /// rounds of the `callers` waiting over the `running` signing threads (a
-/// request waiting its fair turn is not stale). Zero turns it off.
+/// request waiting its fair turn is not stale). A caller alone in the
+/// queue is never stale: its newest requests go first anyway (adaptive
+/// LIFO), and shedding its older ones would serve no one else (a node
+/// proxy's burst after a restart). Zero turns it off.
 pub fn stale(
     waited: Duration,
     target: Duration,
@@ -95,7 +98,7 @@ pub fn stale(
     callers: usize,
     running: usize,
 ) -> bool {
-    if target.is_zero() {
+    if target.is_zero() || callers < 2 {
         return false;
     }
     let rounds = (callers.saturating_mul(2) / running.max(1)).max(4);
@@ -326,11 +329,12 @@ mod tests {
 
     #[test_case(0, 50, None, 1, false ; "fresh")]
     #[test_case(50, 50, None, 1, false ; "at the target")]
-    #[test_case(51, 50, None, 1, true ; "past the target")]
+    #[test_case(51, 50, None, 2, true ; "past the target")]
     #[test_case(51, 0, None, 1, false ; "zero turns it off")]
     #[test_case(150, 50, Some(40), 1, false ; "slow signer: four service times")]
-    #[test_case(161, 50, Some(40), 1, true ; "slow signer past four service times")]
-    #[test_case(60, 50, Some(1), 1, true ; "fast signer: the target")]
+    #[test_case(161, 50, Some(40), 2, true ; "slow signer past four service times")]
+    #[test_case(60, 50, Some(1), 2, true ; "fast signer: the target")]
+    #[test_case(5_000, 50, Some(1), 1, false ; "a caller alone is never stale")]
     #[test_case(60, 50, Some(1), 40, false ; "forty callers: two rounds of 40 ms")]
     #[test_case(81, 50, Some(1), 40, true ; "past two rounds of forty callers")]
     #[test_case(60, 50, Some(1), 1_000_000, false ; "a huge round does not overflow")]

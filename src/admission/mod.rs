@@ -329,6 +329,7 @@ pub struct Concurrency {
     park: Duration,
     fresh: Duration,
     margin: Duration,
+    max_wait: Duration,
 }
 
 impl Concurrency {
@@ -339,6 +340,7 @@ impl Concurrency {
             per_connection: AtomicUsize::new(cfg.max_streams_per_connection.max(1)),
             backlog,
             park,
+            max_wait: cfg.max_wait,
             // Within half the queue target a waiting stream is still new
             // work; past it, a freed place goes to newer streams.
             fresh: match cfg.queue_target {
@@ -349,20 +351,31 @@ impl Concurrency {
         })
     }
 
-    /// How long a stream over its connection's share may wait for a place:
-    /// the configured time, ending before the caller's own deadline (a
-    /// cancelled stream would count against its connection).
-    pub fn park_for(&self, timeout: Option<Duration>) -> Duration {
-        timeout.map_or(self.park, |t| {
-            self.park
-                .min(t.saturating_sub(self.margin.saturating_mul(2)))
-        })
+    /// Longest a stream over its connection's share may wait for a place:
+    /// until shortly before the caller's own deadline (a cancelled stream
+    /// would count against its connection), or `max_wait` without one.
+    pub fn wait_limit(&self, timeout: Option<Duration>) -> Duration {
+        timeout
+            .map_or(self.max_wait, |t| t.min(self.max_wait))
+            .saturating_sub(self.margin.saturating_mul(2))
     }
 
     /// A waiting stream younger than this takes a freed place; an older one
     /// waits out its time and is refused (new work first).
     pub fn fresh(&self) -> Duration {
         self.fresh
+    }
+
+    /// The configured wait of a stream over its share under overload.
+    pub fn park(&self) -> Duration {
+        self.park
+    }
+
+    /// Whether the signing queue shed work lately: more arrives than is
+    /// answered in time. Without that (a burst the server works through
+    /// in time) a stream over its share waits for a place however old.
+    pub fn overloaded(&self) -> bool {
+        self.backlog.shedding(PRESSURE_MEMORY)
     }
 
     /// Streams in progress one connection may have now.
@@ -493,7 +506,15 @@ impl Admission {
             self.queue.effective_service(),
             self.queue.max_running(),
             deadline,
-            self.cfg.queue_target,
+            // Connections share what the queue target answers only under
+            // overload (the queue shed work within the last second): a
+            // burst the server works through in time keeps the deadline's
+            // share and waits in the queue instead of at the gate.
+            if self.queue.backlog().shedding(PRESSURE_MEMORY) {
+                self.cfg.queue_target
+            } else {
+                Duration::ZERO
+            },
             self.concurrency.busy_connections(),
             decide::SizingBounds {
                 min_queued: MIN_SIZED_QUEUE,

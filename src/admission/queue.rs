@@ -150,6 +150,8 @@ pub struct Backlog {
     epoch: Instant,
     /// When jobs last waited (ms since `epoch`, plus one; 0: never).
     last_ms: AtomicU64,
+    /// When the queue last shed work (stale, full or displaced), likewise.
+    shed_ms: AtomicU64,
 }
 
 impl Backlog {
@@ -158,30 +160,47 @@ impl Backlog {
             waiting: AtomicUsize::new(0),
             epoch: Instant::now(),
             last_ms: AtomicU64::new(0),
+            shed_ms: AtomicU64::new(0),
         }
     }
 
-    fn set(&self, waiting: usize) {
-        self.waiting.store(waiting, Ordering::Relaxed);
-        if waiting > 0 {
-            let ms = u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX);
-            self.last_ms.store(ms.saturating_add(1), Ordering::Relaxed);
-        }
+    fn now_mark(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_millis())
+            .unwrap_or(u64::MAX)
+            .saturating_add(1)
     }
 
-    /// Whether jobs wait now or did within `within`: a queue that empties
-    /// between two CPU-quota periods is still under pressure.
-    pub fn pressed(&self, within: Duration) -> bool {
-        if self.waiting.load(Ordering::Relaxed) > 0 {
-            return true;
-        }
-        match self.last_ms.load(Ordering::Relaxed) {
+    fn within(&self, mark: &AtomicU64, within: Duration) -> bool {
+        match mark.load(Ordering::Relaxed) {
             0 => false,
             ms => {
                 let last = Duration::from_millis(ms - 1);
                 self.epoch.elapsed().saturating_sub(last) < within
             }
         }
+    }
+
+    fn set(&self, waiting: usize) {
+        self.waiting.store(waiting, Ordering::Relaxed);
+        if waiting > 0 {
+            self.last_ms.store(self.now_mark(), Ordering::Relaxed);
+        }
+    }
+
+    fn shed(&self) {
+        self.shed_ms.store(self.now_mark(), Ordering::Relaxed);
+    }
+
+    /// Whether the queue shed work (stale, full or displaced) within
+    /// `within`: more arrives than the signing threads answer in time.
+    pub fn shedding(&self, within: Duration) -> bool {
+        self.within(&self.shed_ms, within)
+    }
+
+    /// Whether jobs wait now or did within `within`: a queue that empties
+    /// between two CPU-quota periods is still under pressure.
+    pub fn pressed(&self, within: Duration) -> bool {
+        self.waiting.load(Ordering::Relaxed) > 0 || self.within(&self.last_ms, within)
     }
 }
 
@@ -306,6 +325,7 @@ impl Inner {
             if !passed.is_empty() {
                 self.gauges(&s);
                 drop(s);
+                self.backlog.shed();
                 // Past their start-by time (their callers' own timers
                 // usually got there first), or stale while newer work
                 // arrives: shed.
@@ -548,7 +568,10 @@ impl FairQueue {
                 last_tag: s.table.last_tag(),
             });
             let evicted = match verdict {
-                Admit::Shed(r) => return Err(r),
+                Admit::Shed(r) => {
+                    inner.backlog.shed();
+                    return Err(r);
+                }
                 Admit::Run | Admit::Enqueue => None,
                 Admit::EnqueueEvicting => s.table.pop_last().map(|(_, w)| w),
             };
@@ -568,6 +591,7 @@ impl FairQueue {
             (entry, evicted)
         };
         if let Some(w) = evicted {
+            inner.backlog.shed();
             (w.job)(Err(ShedReason::QueueDisplaced));
         }
         let mut guard = WaitGuard {
