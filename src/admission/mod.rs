@@ -510,7 +510,7 @@ impl Admission {
             // overload (the queue shed work within the last second): a
             // burst the server works through in time keeps the deadline's
             // share and waits in the queue instead of at the gate.
-            if self.queue.backlog().shedding(PRESSURE_MEMORY) {
+            if self.concurrency.overloaded() {
                 self.cfg.queue_target
             } else {
                 Duration::ZERO

@@ -68,12 +68,6 @@ impl ConnControl {
         })
     }
 
-    /// One more request in progress; returns how many there were before.
-    pub fn stream_started(&self) -> usize {
-        self.streams
-            .fetch_add(1, std::sync::atomic::Ordering::AcqRel)
-    }
-
     /// One more request in progress if `admit` allows it given how many
     /// there are; returns how many there were before.
     pub fn try_stream_start(&self, admit: impl Fn(usize) -> bool) -> Option<usize> {
