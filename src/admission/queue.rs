@@ -426,6 +426,11 @@ impl Inner {
     fn run_job(&self, w: Waiter) {
         let t0 = Instant::now();
         (w.job)(Ok(()));
+        self.timed(t0);
+    }
+
+    /// Counts a job that started at `t0` as done now.
+    fn timed(&self, t0: Instant) {
         let took = u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX);
         let _ = self
             .service_ns
@@ -876,8 +881,10 @@ mod tests {
         assert_eq!(ran.load(Ordering::SeqCst), 0);
     }
 
-    fn with_target(target: Duration) -> FairQueue {
-        FairQueue::new(
+    /// One signing thread with queue target `target`, its service time
+    /// measured (far below the target), and its thread held busy.
+    async fn busy_with_target(target: Duration) -> (FairQueue, Vec<mpsc::Sender<()>>) {
+        let q = FairQueue::new(
             PoolConfig {
                 max_running: 1,
                 max_queued: 64,
@@ -886,18 +893,18 @@ mod tests {
                 target,
             },
             None,
-        )
+        );
+        for _ in 0..20 {
+            q.run("warm", later(), || ()).await.unwrap();
+        }
+        let (gates, _held) = hold(&q, 1).await;
+        (q, gates)
     }
 
     #[tokio::test]
     async fn while_requests_arrive_stale_work_is_shed() {
         let target = Duration::from_millis(60);
-        let q = with_target(target);
-        // A measured service time far below the target.
-        for _ in 0..20 {
-            q.run("warm", later(), || ()).await.unwrap();
-        }
-        let (gates, _held) = hold(&q, 1).await;
+        let (q, gates) = busy_with_target(target).await;
         let ran = Arc::new(Mutex::new(Vec::new()));
         let job = |name: &'static str| {
             let ran = ran.clone();
@@ -924,11 +931,7 @@ mod tests {
     #[tokio::test]
     async fn a_burst_tail_is_served_however_old_once_arrivals_stop() {
         let target = Duration::from_millis(30);
-        let q = with_target(target);
-        for _ in 0..20 {
-            q.run("warm", later(), || ()).await.unwrap();
-        }
-        let (gates, _held) = hold(&q, 1).await;
+        let (q, gates) = busy_with_target(target).await;
         let tail = tokio::spawn({
             let q = q.clone();
             async move { q.run("a", later(), || 5).await }
