@@ -11,7 +11,7 @@ use std::sync::atomic::AtomicU64;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
-use prometheus_client::registry::Registry;
+use prometheus_client::registry::{Metric, Registry};
 
 pub mod labels;
 
@@ -69,19 +69,43 @@ pub const MAX_NODE_LABELS: usize = 4096;
 /// The `node` label once [`MAX_NODE_LABELS`] nodes have been seen.
 pub const OVERFLOW_NODE: &str = "overflow";
 
-/// Registers a counter family labelled by one reason (or result) and
-/// creates each of `reasons`' series at zero, so a rate() sees the first one.
-pub fn register_reasons<L>(
-    registry: &mut Registry,
-    name: &str,
-    help: &str,
-    family: &Family<L, Counter>,
-    reasons: impl IntoIterator<Item = &'static str>,
-) where
-    L: From<&'static str> + EncodeLabelSet + Clone + Hash + Eq + Debug + Send + Sync + 'static,
-{
-    registry.register(name, help, family.clone());
-    pre_create(family, reasons);
+/// Registration that hands back what it registered. prometheus-client's
+/// metrics are shared handles (the registry's clone counts into the same
+/// series), so a domain builds its metrics value field by field from these
+/// calls: each family is registered where it is made, in the order written,
+/// and a field cannot be left unregistered.
+pub trait Register {
+    /// Registers a new `M` under `name`.
+    fn metric<M: Metric + Clone + Default>(&mut self, name: &str, help: &str) -> M {
+        self.metric_with(name, help, M::default())
+    }
+
+    /// Registers `metric`, one made otherwise than by `Default` (a histogram
+    /// and its buckets).
+    fn metric_with<M: Metric + Clone>(&mut self, name: &str, help: &str, metric: M) -> M;
+
+    /// Registers a counter family labelled by one reason (or result) with
+    /// each of `reasons`' series at zero, so a rate() sees the first one.
+    fn reasons<L>(
+        &mut self,
+        name: &str,
+        help: &str,
+        reasons: impl IntoIterator<Item = &'static str>,
+    ) -> Family<L, Counter>
+    where
+        L: From<&'static str> + EncodeLabelSet + Clone + Hash + Eq + Debug + Send + Sync + 'static,
+    {
+        let family = self.metric(name, help);
+        pre_create(&family, reasons);
+        family
+    }
+}
+
+impl Register for Registry {
+    fn metric_with<M: Metric + Clone>(&mut self, name: &str, help: &str, metric: M) -> M {
+        self.register(name, help, metric.clone());
+        metric
+    }
 }
 
 /// Creates each of `reasons`' series at zero (a family registered earlier,
@@ -119,13 +143,13 @@ pub struct NodeRefusalMetrics {
 
 impl NodeRefusalMetrics {
     pub fn register(registry: &mut Registry) -> Self {
-        let m = Self::default();
-        registry.register(
-            "meshca_node_refusals",
-            "Security refusals (impersonation, denylist, revoked certificate, identity cap, CSR for another identity) of callers whose node is known, by node and reason",
-            m.refusals.clone(),
-        );
-        m
+        Self {
+            refusals: registry.metric(
+                "meshca_node_refusals",
+                "Security refusals (impersonation, denylist, revoked certificate, identity cap, CSR for another identity) of callers whose node is known, by node and reason",
+            ),
+            nodes: Default::default(),
+        }
     }
 
     /// Counts one refusal of a caller on `node` (ignored unless it is a security refusal).

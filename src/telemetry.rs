@@ -25,7 +25,7 @@ use crate::ca::metrics::CaMetrics;
 use crate::cluster::metrics::ClusterMetrics;
 pub use crate::metrics::Snapshot;
 use crate::metrics::{
-    Citadel, Decision, DecisionLabels, ErrorClass, LatencyLabels, NodeRefusalMetrics,
+    Citadel, Decision, DecisionLabels, ErrorClass, LatencyLabels, NodeRefusalMetrics, Register,
 };
 use crate::outcome::{Outcome, OutcomeObserver};
 use crate::podcert::metrics::PodCertMetrics;
@@ -107,27 +107,19 @@ impl Default for Metrics {
 impl Metrics {
     pub fn new() -> Self {
         let mut registry = Registry::default();
-        let decisions = Family::<DecisionLabels, Counter>::default();
-        registry.register(
-            "meshca_decisions",
-            "CreateCertificate decisions by reason",
-            decisions.clone(),
-        );
-        let request_duration = Family::<LatencyLabels, Histogram>::new_with_constructor(|| {
-            Histogram::new(exponential_buckets(0.0001, 2.0, 16))
-        });
-        registry.register(
+        let decisions =
+            registry.metric("meshca_decisions", "CreateCertificate decisions by reason");
+        let request_duration: Family<LatencyLabels, Histogram> = registry.metric_with(
             "meshca_request_duration_seconds",
             "CreateCertificate latency",
-            request_duration.clone(),
+            Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.0001, 2.0, 16))),
         );
         let token_reviews = Arc::new(TokenReviewMetrics::register(&mut registry));
         let ca = Arc::new(CaMetrics::register(&mut registry));
         let audit = Arc::new(AuditMetrics::register(&mut registry));
-        let transport = Arc::new(TransportMetrics::default());
-        transport.register_limits(&mut registry);
-        let admission = Arc::new(AdmissionMetrics::register(&mut registry));
-        transport.register_rejects(&mut registry);
+        let (transport, admission) =
+            TransportMetrics::register(&mut registry, AdmissionMetrics::register);
+        let (transport, admission) = (Arc::new(transport), Arc::new(admission));
         let node_refusals = NodeRefusalMetrics::register(&mut registry);
         let kill_switch = Arc::new(KillSwitchMetrics::register(&mut registry));
         let token_paths = Arc::new(TokenPathMetrics::register(&mut registry));
@@ -371,6 +363,17 @@ impl Metrics {
 /// A shared handle.
 pub type SharedMetrics = Arc<Metrics>;
 
+/// Asserts that each of `lines` is a whole line of the exposition `text`.
+#[cfg(test)]
+fn assert_lines(text: &str, lines: &[&str]) {
+    for line in lines {
+        assert!(
+            text.lines().any(|l| l == *line),
+            "missing {line:?} in\n{text}"
+        );
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -399,22 +402,20 @@ mod tests {
             },
             1000,
         );
-        for line in [
-            "citadel_server_csr_count 4",
-            "citadel_server_authentication_failure_count 1",
-            "citadel_server_csr_sign_err_count{error=\"CSR_ERROR\"} 1",
-            "citadel_server_csr_sign_err_count{error=\"TTL_ERROR\"} 1",
-            "citadel_server_success_cert_issuance_count 1",
-            "citadel_server_csr_parsing_err_count 1",
-            "citadel_server_root_cert_expiry_timestamp 2000",
-            "citadel_server_root_cert_expiry_seconds 1000",
-            "meshca_decisions_total{decision=\"deny\",reason=\"ttl_too_long\"} 1",
-        ] {
-            assert!(
-                text.lines().any(|l| l == line),
-                "missing {line:?} in\n{text}"
-            );
-        }
+        assert_lines(
+            &text,
+            &[
+                "citadel_server_csr_count 4",
+                "citadel_server_authentication_failure_count 1",
+                "citadel_server_csr_sign_err_count{error=\"CSR_ERROR\"} 1",
+                "citadel_server_csr_sign_err_count{error=\"TTL_ERROR\"} 1",
+                "citadel_server_success_cert_issuance_count 1",
+                "citadel_server_csr_parsing_err_count 1",
+                "citadel_server_root_cert_expiry_timestamp 2000",
+                "citadel_server_root_cert_expiry_seconds 1000",
+                "meshca_decisions_total{decision=\"deny\",reason=\"ttl_too_long\"} 1",
+            ],
+        );
         assert!(!text.contains("citadel_server_csr_count_total"));
         assert!(!text.contains("# EOF"));
     }
@@ -434,16 +435,14 @@ mod cluster_tests {
         m.clusters.count(Some("attacker-chosen-2"), Decision::Deny);
         m.clusters.set_clusters("primary", &["primary".into()]);
         let text = m.render(&Snapshot::default(), 0);
-        for line in [
-            "meshca_cluster_requests_total{cluster=\"east\",decision=\"allow\"} 1",
-            "meshca_cluster_requests_total{cluster=\"unknown\",decision=\"deny\"} 2",
-            "meshca_clusters{cluster=\"primary\"} 1",
-        ] {
-            assert!(
-                text.lines().any(|l| l == line),
-                "missing {line:?} in\n{text}"
-            );
-        }
+        assert_lines(
+            &text,
+            &[
+                "meshca_cluster_requests_total{cluster=\"east\",decision=\"allow\"} 1",
+                "meshca_cluster_requests_total{cluster=\"unknown\",decision=\"deny\"} 2",
+                "meshca_clusters{cluster=\"primary\"} 1",
+            ],
+        );
         assert!(!text.contains("attacker-chosen"));
         assert!(
             !text.contains("meshca_clusters{cluster=\"east\"}"),
@@ -493,31 +492,27 @@ mod ops_tests {
         m.audit.anchor_pending(at(100));
         m.audit.anchor_written(Some("audit_anchor_write_failed"));
         let text = m.render(&Snapshot::default(), 400);
-        for line in [
-            "meshca_audit_anchor_interval_seconds 60",
-            "meshca_audit_anchor_pending_seconds 300",
-            "meshca_audit_anchor_writes_total{result=\"written\"} 0",
-            "meshca_audit_anchor_writes_total{result=\"audit_anchor_write_failed\"} 1",
-            "meshca_audit_anchor_writes_total{result=\"audit_anchor_conflict\"} 0",
-        ] {
-            assert!(
-                text.lines().any(|l| l == line),
-                "missing {line:?} in\n{text}"
-            );
-        }
+        assert_lines(
+            &text,
+            &[
+                "meshca_audit_anchor_interval_seconds 60",
+                "meshca_audit_anchor_pending_seconds 300",
+                "meshca_audit_anchor_writes_total{result=\"written\"} 0",
+                "meshca_audit_anchor_writes_total{result=\"audit_anchor_write_failed\"} 1",
+                "meshca_audit_anchor_writes_total{result=\"audit_anchor_conflict\"} 0",
+            ],
+        );
         m.audit.anchor_written(None);
         m.audit.anchor_pending(None);
         m.audit.anchor_coalesced(3);
         let text = m.render(&Snapshot::default(), 500);
-        for line in [
-            "meshca_audit_anchor_pending_seconds 0",
-            "meshca_audit_anchor_writes_total{result=\"written\"} 1",
-            "meshca_audit_anchor_coalesced_total 3",
-        ] {
-            assert!(
-                text.lines().any(|l| l == line),
-                "missing {line:?} in\n{text}"
-            );
-        }
+        assert_lines(
+            &text,
+            &[
+                "meshca_audit_anchor_pending_seconds 0",
+                "meshca_audit_anchor_writes_total{result=\"written\"} 1",
+                "meshca_audit_anchor_coalesced_total 3",
+            ],
+        );
     }
 }

@@ -11,7 +11,7 @@ use prometheus_client::registry::Registry;
 
 use super::{AdmissionObserver, ShedReason};
 use crate::metrics::labels::RefusalLabels;
-use crate::metrics::register_reasons;
+use crate::metrics::Register;
 
 #[derive(Debug, Default)]
 pub struct AdmissionMetrics {
@@ -28,40 +28,33 @@ pub struct AdmissionMetrics {
 
 impl AdmissionMetrics {
     pub fn register(registry: &mut Registry) -> Self {
-        let m = Self::default();
-        register_reasons(
-            registry,
-            "meshca_admission_shed",
-            "Requests shed by admission before any signing work, by reason",
-            &m.shed,
-            ShedReason::ALL.iter().map(ShedReason::reason),
-        );
-        registry.register(
-            "meshca_admission_running",
-            "CSR verifications and signatures running",
-            m.running.clone(),
-        );
-        registry.register(
-            "meshca_admission_queued",
-            "Requests waiting for a signing slot",
-            m.queued.clone(),
-        );
-        registry.register(
-            "meshca_admission_sized_queue",
-            "Requests the admission queue holds at most now: what the signing threads can answer within the callers' typical deadline",
-            m.sized_queue.clone(),
-        );
-        registry.register(
-            "meshca_admission_streams_per_connection",
-            "Streams in progress one connection may have now (its share of the sized queue); more are refused before their message is read",
-            m.streams_per_connection.clone(),
-        );
-        registry.register(
-            "meshca_admission_service_seconds",
-            "Mean wall time of one signing job (CSR verify and sign) on a signing thread",
-            m.service_seconds.clone(),
-        );
-        m
+        Self {
+            shed: registry.reasons(
+                "meshca_admission_shed",
+                "Requests shed by admission before any signing work, by reason",
+                ShedReason::ALL.iter().map(ShedReason::reason),
+            ),
+            running: registry.metric(
+                "meshca_admission_running",
+                "CSR verifications and signatures running",
+            ),
+            queued: registry.metric(
+                "meshca_admission_queued",
+                "Requests waiting for a signing slot",
+            ),
+            sized_queue: registry.metric(
+                "meshca_admission_sized_queue",
+                "Requests the admission queue holds at most now: what the signing threads can answer within the callers' typical deadline",
+            ),
+            streams_per_connection: registry.metric(
+                "meshca_admission_streams_per_connection",
+                "Streams in progress one connection may have now (its share of the sized queue); more are refused before their message is read",
+            ),
+            service_seconds: registry.metric(
+                "meshca_admission_service_seconds",
+                "Mean wall time of one signing job (CSR verify and sign) on a signing thread",
+            ),
+        }
     }
 }
 

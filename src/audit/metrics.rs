@@ -14,7 +14,7 @@ use prometheus_client::registry::Registry;
 use super::anchor::{AnchorMetrics, WRITE_RESULTS};
 use super::writer::SHED_REASONS;
 use crate::metrics::labels::{RefusalLabels, ResultLabels};
-use crate::metrics::register_reasons;
+use crate::metrics::Register;
 
 #[derive(Debug, Default)]
 pub struct AuditMetrics {
@@ -31,30 +31,26 @@ pub struct AuditMetrics {
 
 impl AuditMetrics {
     pub fn register(registry: &mut Registry) -> Self {
-        let m = Self::default();
-        registry.register(
-            "meshca_audit_write_errors",
-            "Audit records that could not be written",
-            m.audit_write_errors.clone(),
-        );
-        register_reasons(
-            registry,
-            "meshca_audit_shed",
-            "Requests refused because the audit writer could not take their record, by reason",
-            &m.audit_shed,
-            SHED_REASONS,
-        );
-        registry.register(
-            "meshca_audit_anchor_writes",
-            "Attempts at writing an audit checkpoint anchor, by result (written, or the failure's reason)",
-            m.audit_anchor_writes.clone(),
-        );
-        registry.register(
-            "meshca_audit_anchor_coalesced",
-            "Periodic audit checkpoints not anchored because a newer one replaced them within the anchor interval",
-            m.audit_anchor_coalesced.clone(),
-        );
-        m
+        Self {
+            audit_write_errors: registry.metric(
+                "meshca_audit_write_errors",
+                "Audit records that could not be written",
+            ),
+            audit_shed: registry.reasons(
+                "meshca_audit_shed",
+                "Requests refused because the audit writer could not take their record, by reason",
+                SHED_REASONS,
+            ),
+            audit_anchor_writes: registry.metric(
+                "meshca_audit_anchor_writes",
+                "Attempts at writing an audit checkpoint anchor, by result (written, or the failure's reason)",
+            ),
+            audit_anchor_coalesced: registry.metric(
+                "meshca_audit_anchor_coalesced",
+                "Periodic audit checkpoints not anchored because a newer one replaced them within the anchor interval",
+            ),
+            anchor: AnchorStats::default(),
+        }
     }
 
     /// Counts one request shed because the writer could not take its record.

@@ -9,7 +9,7 @@ use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
 use crate::metrics::labels::{ReasonLabels, RefusalLabels, ResultLabels};
-use crate::metrics::register_reasons;
+use crate::metrics::Register;
 
 /// `meshca_tokenreview_refused` reason: the TokenReview budget is spent.
 pub const REASON_BUDGET: &str = "tokenreview_budget_exhausted";
@@ -38,28 +38,24 @@ pub struct TokenPathMetrics {
 
 impl TokenPathMetrics {
     pub fn register(registry: &mut Registry) -> Self {
-        let m = Self::default();
-        registry.register(
-            "meshca_token_verifications",
-            "Bearer token verifications by path (local, review) and result",
-            m.verifications.clone(),
-        );
-        registry.register(
-            "meshca_token_local_outcomes",
-            "Tokens local verification refused or handed to TokenReview, by reason",
-            m.local_outcomes.clone(),
-        );
-        registry.register(
-            "meshca_jwks_fetches",
-            "ServiceAccount issuer key fetches (OIDC discovery) by result",
-            m.jwks_fetches.clone(),
-        );
-        registry.register(
-            "meshca_jwks_keys",
-            "Keys in the last good ServiceAccount issuer key set",
-            m.jwks_keys.clone(),
-        );
-        m
+        Self {
+            verifications: registry.metric(
+                "meshca_token_verifications",
+                "Bearer token verifications by path (local, review) and result",
+            ),
+            local_outcomes: registry.metric(
+                "meshca_token_local_outcomes",
+                "Tokens local verification refused or handed to TokenReview, by reason",
+            ),
+            jwks_fetches: registry.metric(
+                "meshca_jwks_fetches",
+                "ServiceAccount issuer key fetches (OIDC discovery) by result",
+            ),
+            jwks_keys: registry.metric(
+                "meshca_jwks_keys",
+                "Keys in the last good ServiceAccount issuer key set",
+            ),
+        }
     }
 }
 
@@ -78,66 +74,43 @@ pub struct TokenReviewMetrics {
     pub tokenreview_inflight: Gauge,
 }
 
-impl Default for TokenReviewMetrics {
-    fn default() -> Self {
-        Self {
-            tokenreview_duration: Histogram::new(exponential_buckets(0.0005, 2.0, 14)),
-            tokenreview_errors: Counter::default(),
-            tokenreviews: Family::default(),
-            tokenreview_coalesced: Counter::default(),
-            tokenreview_negative_cache_hits: Counter::default(),
-            tokenreview_precheck_rejected: Family::default(),
-            tokenreview_refused: Family::default(),
-            tokenreview_inflight: Gauge::default(),
-        }
-    }
-}
-
 impl TokenReviewMetrics {
     pub fn register(registry: &mut Registry) -> Self {
-        let m = Self::default();
-        registry.register(
-            "meshca_tokenreview_duration_seconds",
-            "TokenReview round trip to the API server",
-            m.tokenreview_duration.clone(),
-        );
-        registry.register(
-            "meshca_tokenreview_errors",
-            "TokenReviews that could not be made (timeout, API error)",
-            m.tokenreview_errors.clone(),
-        );
-        registry.register(
-            "meshca_tokenreviews",
-            "TokenReviews sent to the API server, by result (authenticated, rejected, error)",
-            m.tokenreviews.clone(),
-        );
-        registry.register(
-            "meshca_tokenreview_coalesced",
-            "Requests that joined a TokenReview already in flight for the same token",
-            m.tokenreview_coalesced.clone(),
-        );
-        registry.register(
-            "meshca_tokenreview_negative_cache_hits",
-            "Requests refused from the cache of tokens the API server rejected",
-            m.tokenreview_negative_cache_hits.clone(),
-        );
-        registry.register(
-            "meshca_tokenreview_precheck_rejected",
-            "Tokens dropped by the pre-check (not a JWT, expired) before any review",
-            m.tokenreview_precheck_rejected.clone(),
-        );
-        register_reasons(
-            registry,
-            "meshca_tokenreview_refused",
-            "Requests refused by the TokenReview budget, by reason",
-            &m.tokenreview_refused,
-            [REASON_BUDGET, REASON_INFLIGHT],
-        );
-        registry.register(
-            "meshca_tokenreview_inflight",
-            "TokenReviews outstanding at the API server",
-            m.tokenreview_inflight.clone(),
-        );
-        m
+        Self {
+            tokenreview_duration: registry.metric_with(
+                "meshca_tokenreview_duration_seconds",
+                "TokenReview round trip to the API server",
+                Histogram::new(exponential_buckets(0.0005, 2.0, 14)),
+            ),
+            tokenreview_errors: registry.metric(
+                "meshca_tokenreview_errors",
+                "TokenReviews that could not be made (timeout, API error)",
+            ),
+            tokenreviews: registry.metric(
+                "meshca_tokenreviews",
+                "TokenReviews sent to the API server, by result (authenticated, rejected, error)",
+            ),
+            tokenreview_coalesced: registry.metric(
+                "meshca_tokenreview_coalesced",
+                "Requests that joined a TokenReview already in flight for the same token",
+            ),
+            tokenreview_negative_cache_hits: registry.metric(
+                "meshca_tokenreview_negative_cache_hits",
+                "Requests refused from the cache of tokens the API server rejected",
+            ),
+            tokenreview_precheck_rejected: registry.metric(
+                "meshca_tokenreview_precheck_rejected",
+                "Tokens dropped by the pre-check (not a JWT, expired) before any review",
+            ),
+            tokenreview_refused: registry.reasons(
+                "meshca_tokenreview_refused",
+                "Requests refused by the TokenReview budget, by reason",
+                [REASON_BUDGET, REASON_INFLIGHT],
+            ),
+            tokenreview_inflight: registry.metric(
+                "meshca_tokenreview_inflight",
+                "TokenReviews outstanding at the API server",
+            ),
+        }
     }
 }

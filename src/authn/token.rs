@@ -938,7 +938,9 @@ mod tests {
         KubeTokenAuthenticator,
         Arc<crate::authn::metrics::TokenReviewMetrics>,
     ) {
-        let metrics = Arc::new(crate::authn::metrics::TokenReviewMetrics::default());
+        let metrics = Arc::new(crate::authn::metrics::TokenReviewMetrics::register(
+            &mut prometheus_client::registry::Registry::default(),
+        ));
         let settings = TokenReviewSettings {
             audiences: vec!["istio-ca".into()],
             trust_domain: TrustDomain::new("cluster.local").unwrap(),

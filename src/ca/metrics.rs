@@ -6,6 +6,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
 
 use crate::metrics::labels::ResultLabels;
+use crate::metrics::Register;
 
 #[derive(Debug, Default)]
 pub struct CaMetrics {
@@ -14,12 +15,11 @@ pub struct CaMetrics {
 
 impl CaMetrics {
     pub fn register(registry: &mut Registry) -> Self {
-        let m = Self::default();
-        registry.register(
-            "meshca_ca_reloads",
-            "CA material reload attempts that found a change",
-            m.ca_reloads.clone(),
-        );
-        m
+        Self {
+            ca_reloads: registry.metric(
+                "meshca_ca_reloads",
+                "CA material reload attempts that found a change",
+            ),
+        }
     }
 }

@@ -7,7 +7,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
 use crate::metrics::labels::RefusalLabels;
-use crate::metrics::register_reasons;
+use crate::metrics::Register;
 use crate::outcome::Decision;
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -40,30 +40,26 @@ pub const UNKNOWN_CLUSTER: &str = "unknown";
 
 impl ClusterMetrics {
     pub fn register(registry: &mut Registry) -> Self {
-        let m = Self::default();
-        registry.register(
-            "meshca_cluster_requests",
-            "CreateCertificate decisions by the caller's cluster (registered ids, else unknown)",
-            m.requests.clone(),
-        );
-        registry.register(
-            "meshca_clusters",
-            "Clusters in the registry (1 per registered id)",
-            m.registered.clone(),
-        );
-        registry.register(
-            "meshca_cluster_synced",
-            "1 once a registered cluster's pod index has synced (its impersonations get Unavailable until then)",
-            m.synced.clone(),
-        );
-        register_reasons(
-            registry,
-            "meshca_remote_kubeconfig_refused",
-            "Remote secret kubeconfigs refused, by reason",
-            &m.kubeconfig_refused,
-            super::kubeconfig::KubeconfigError::REASONS.iter().copied(),
-        );
-        m
+        Self {
+            names: Default::default(),
+            requests: registry.metric(
+                "meshca_cluster_requests",
+                "CreateCertificate decisions by the caller's cluster (registered ids, else unknown)",
+            ),
+            registered: registry.metric(
+                "meshca_clusters",
+                "Clusters in the registry (1 per registered id)",
+            ),
+            synced: registry.metric(
+                "meshca_cluster_synced",
+                "1 once a registered cluster's pod index has synced (its impersonations get Unavailable until then)",
+            ),
+            kubeconfig_refused: registry.reasons(
+                "meshca_remote_kubeconfig_refused",
+                "Remote secret kubeconfigs refused, by reason",
+                super::kubeconfig::KubeconfigError::REASONS.iter().copied(),
+            ),
+        }
     }
 
     /// Sets the registered ids (called on every registry change).

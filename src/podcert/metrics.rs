@@ -6,6 +6,8 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
+use crate::metrics::Register;
+
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ConditionLabels {
     /// `Issued`, `Denied` or `Failed`.
@@ -32,26 +34,20 @@ pub struct PodCertMetrics {
 
 impl PodCertMetrics {
     pub fn register(registry: &mut Registry) -> Self {
-        let m = Self {
-            decisions: Family::default(),
-            status_writes: Family::default(),
-            decision_seconds: Histogram::new(exponential_buckets(0.005, 2.0, 14)),
-        };
-        registry.register(
-            "meshca_pod_certificate_decisions",
-            "PodCertificateRequest decisions by condition (Issued, Denied, Failed) and reason",
-            m.decisions.clone(),
-        );
-        registry.register(
-            "meshca_pod_certificate_status_writes",
-            "PodCertificateRequest status writes by result",
-            m.status_writes.clone(),
-        );
-        registry.register(
-            "meshca_pod_certificate_decision_seconds",
-            "Time from first seeing a PodCertificateRequest to its status written",
-            m.decision_seconds.clone(),
-        );
-        m
+        Self {
+            decisions: registry.metric(
+                "meshca_pod_certificate_decisions",
+                "PodCertificateRequest decisions by condition (Issued, Denied, Failed) and reason",
+            ),
+            status_writes: registry.metric(
+                "meshca_pod_certificate_status_writes",
+                "PodCertificateRequest status writes by result",
+            ),
+            decision_seconds: registry.metric_with(
+                "meshca_pod_certificate_decision_seconds",
+                "Time from first seeing a PodCertificateRequest to its status written",
+                Histogram::new(exponential_buckets(0.005, 2.0, 14)),
+            ),
+        }
     }
 }

@@ -6,7 +6,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
 use crate::metrics::labels::{ReasonLabels, ResultLabels, SourceResultLabels};
-use crate::metrics::register_reasons;
+use crate::metrics::Register;
 
 /// The kill switch's own families: denylist hits by reason, denylist
 /// reloads by source and result, and CRLs signed.
@@ -24,40 +24,29 @@ pub struct KillSwitchMetrics {
 
 impl KillSwitchMetrics {
     pub fn register(registry: &mut Registry) -> Self {
-        let m = Self::default();
-        register_reasons(
-            registry,
-            "meshca_denylist_hits",
-            "Requests refused by the denylist, by reason",
-            &m.denylist_hits,
-            [
-                "denylist_identity",
-                "denylist_node",
-                "denylist_pod",
-                "denylist_service_account",
-                "denylist_token_key",
-            ],
-        );
-        registry.register(
-            "meshca_denylist_reloads",
-            "Denylist reload attempts, by source (file, configmap) and result",
-            m.denylist_reloads.clone(),
-        );
-        registry.register(
-            "meshca_crl_signed",
-            "CRLs signed, by result",
-            m.crl_signed.clone(),
-        );
-        registry.register(
-            "meshca_revoked_serials",
-            "Serials in the CRL in force",
-            m.revoked_serials.clone(),
-        );
-        registry.register(
-            "meshca_revocation_events",
-            "Revocation store changes applied or refused, by reason",
-            m.revocation_events.clone(),
-        );
-        m
+        Self {
+            denylist_hits: registry.reasons(
+                "meshca_denylist_hits",
+                "Requests refused by the denylist, by reason",
+                [
+                    "denylist_identity",
+                    "denylist_node",
+                    "denylist_pod",
+                    "denylist_service_account",
+                    "denylist_token_key",
+                ],
+            ),
+            denylist_reloads: registry.metric(
+                "meshca_denylist_reloads",
+                "Denylist reload attempts, by source (file, configmap) and result",
+            ),
+            crl_signed: registry.metric("meshca_crl_signed", "CRLs signed, by result"),
+            revoked_serials: registry
+                .metric("meshca_revoked_serials", "Serials in the CRL in force"),
+            revocation_events: registry.metric(
+                "meshca_revocation_events",
+                "Revocation store changes applied or refused, by reason",
+            ),
+        }
     }
 }

@@ -8,7 +8,7 @@ use prometheus_client::registry::Registry;
 
 use super::limits::Refusal;
 use crate::metrics::labels::RefusalLabels;
-use crate::metrics::register_reasons;
+use crate::metrics::Register;
 
 #[derive(Debug, Default)]
 pub struct TransportMetrics {
@@ -22,46 +22,45 @@ pub struct TransportMetrics {
     pub handshake_rejects_overflow: Counter,
 }
 
-/// Registered in two groups ([`Self::register_limits`],
-/// [`Self::register_rejects`]): the wiring puts admission's families between
-/// them, where the exposition has always had them.
 impl TransportMetrics {
-    /// The limit families, every refusal reason exported from the start
-    /// so a rate() sees the first refusal.
-    pub fn register_limits(&self, registry: &mut Registry) {
-        register_reasons(
-            registry,
+    /// Registers the limit families (every refusal reason from zero, so a
+    /// rate() sees the first refusal), then what `between` registers, then
+    /// the rejected-handshake families. The wiring passes admission's
+    /// `register` as `between`: its families sit there in the exposition, as
+    /// they always have.
+    pub fn register<T>(
+        registry: &mut Registry,
+        between: impl FnOnce(&mut Registry) -> T,
+    ) -> (Self, T) {
+        let transport_refusals = registry.reasons(
             "meshca_transport_refusals",
             "Connections and requests refused by a transport limit, by reason",
-            &self.transport_refusals,
             Refusal::ALL.iter().map(Refusal::reason),
         );
-        registry.register(
+        let open_connections = registry.metric(
             "meshca_open_connections",
             "Admitted gRPC connections (handshaking or established)",
-            self.open_connections.clone(),
         );
-        registry.register(
+        let pending_handshakes = registry.metric(
             "meshca_pending_tls_handshakes",
             "TLS handshakes in progress on the gRPC port",
-            self.pending_handshakes.clone(),
         );
-    }
-
-    /// The rejected-handshake families.
-    pub fn register_rejects(&self, registry: &mut Registry) {
-        register_reasons(
-            registry,
-            "meshca_tls_handshake_rejects",
-            "TLS handshakes on the gRPC port that failed or timed out, by reason (each is in an aggregated audit record)",
-            &self.handshake_rejects,
-            super::rejects::KNOWN_REASONS,
-        );
-        registry.register(
-            "meshca_tls_handshake_rejects_overflow",
-            "Rejected handshakes the audit log could only count under the peer `overflow` (the per-interval source table was full)",
-            self.handshake_rejects_overflow.clone(),
-        );
+        let between = between(registry);
+        let m = Self {
+            transport_refusals,
+            open_connections,
+            pending_handshakes,
+            handshake_rejects: registry.reasons(
+                "meshca_tls_handshake_rejects",
+                "TLS handshakes on the gRPC port that failed or timed out, by reason (each is in an aggregated audit record)",
+                super::rejects::KNOWN_REASONS,
+            ),
+            handshake_rejects_overflow: registry.metric(
+                "meshca_tls_handshake_rejects_overflow",
+                "Rejected handshakes the audit log could only count under the peer `overflow` (the per-interval source table was full)",
+            ),
+        };
+        (m, between)
     }
 
     /// Counts a connection or request refused by a transport limit.
