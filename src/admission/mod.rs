@@ -144,6 +144,9 @@ pub struct AdmissionConfig {
     /// Longest a stream over its connection's share waits for a place
     /// (holding only its headers) before it is refused; 0: refused at once.
     pub stream_park: Duration,
+    /// With a signing thread free and nothing waiting lately, sign on the
+    /// request's own worker: no hand-off to a thread and back.
+    pub sign_inline: bool,
 }
 
 /// How long after requests last waited for signing the per-connection
@@ -183,6 +186,7 @@ impl Default for AdmissionConfig {
             min_streams_per_connection: 1,
             max_streams_per_connection: 100,
             stream_park: Duration::from_millis(250),
+            sign_inline: true,
         }
     }
 }
@@ -247,6 +251,10 @@ pub struct AdmissionArgs {
     /// (0s: refused at once; at most the request's grpc-timeout).
     #[arg(long, env = "MESHCA_ADMISSION_STREAM_PARK", default_value = "250ms")]
     pub admission_stream_park: String,
+    /// Sign on the request's own worker while no request has waited for a signing thread within
+    /// the last second (false: always hand off to a signing thread).
+    #[arg(long, env = "MESHCA_ADMISSION_SIGN_INLINE", default_value_t = true, action = clap::ArgAction::Set)]
+    pub admission_sign_inline: bool,
 }
 
 impl AdmissionArgs {
@@ -312,6 +320,7 @@ impl AdmissionArgs {
                 &self.admission_stream_park,
                 true,
             )?,
+            sign_inline: self.admission_sign_inline,
         })
     }
 }
@@ -472,6 +481,7 @@ impl Admission {
                 lifo_after: cfg.lifo_after,
                 nice: cfg.signing_nice,
                 target: cfg.queue_target,
+                inline: cfg.sign_inline.then_some(PRESSURE_MEMORY),
             },
             metrics.clone(),
         );
@@ -751,6 +761,8 @@ mod tests {
         let a = Arc::new(admission(AdmissionConfig {
             max_running: 1,
             max_queued: 2,
+            // The held job blocks: on the test's one thread it must not run inline.
+            sign_inline: false,
             ..Default::default()
         }));
         let later = Instant::now() + Duration::from_secs(60);

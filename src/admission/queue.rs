@@ -67,6 +67,12 @@ pub struct PoolConfig {
     /// Queue target: while requests keep arriving, a job that has waited
     /// longer is not started ([`super::decide::stale`]; zero: never).
     pub target: Duration,
+    /// A job that could start at once runs on the caller's own thread
+    /// when no job has waited within this long (`None`: never). Below
+    /// overload this saves two thread hand-offs per request; once jobs
+    /// wait, every job goes through the niced signing threads, so reading
+    /// and shedding keep their priority.
+    pub inline: Option<Duration>,
 }
 
 #[derive(Debug)]
@@ -78,6 +84,7 @@ struct Inner {
     sized_queued: AtomicUsize,
     lifo_after: Duration,
     target: Duration,
+    inline: Option<Duration>,
     state: Mutex<State>,
     work: Condvar,
     /// Exponentially weighted mean wall time of a job, in ns (0: none yet).
@@ -423,6 +430,25 @@ impl Inner {
         }
     }
 
+    /// Runs `f` here, in a slot the caller took (`running` counts it; the
+    /// slot is given back even if `f` panics).
+    fn run_inline<R>(&self, f: impl FnOnce() -> R) -> R {
+        struct Slot<'a>(&'a Inner);
+        impl Drop for Slot<'_> {
+            fn drop(&mut self) {
+                let mut s = self.0.lock();
+                s.running -= 1;
+                self.0.drained(&mut s);
+                self.0.gauges(&s);
+            }
+        }
+        let _slot = Slot(self);
+        let t0 = Instant::now();
+        let r = f();
+        self.timed(t0);
+        r
+    }
+
     fn run_job(&self, w: Waiter) {
         let t0 = Instant::now();
         (w.job)(Ok(()));
@@ -463,6 +489,7 @@ impl FairQueue {
             sized_queued: AtomicUsize::new(cfg.max_queued),
             lifo_after: cfg.lifo_after,
             target: cfg.target,
+            inline: cfg.inline,
             state: Mutex::new(State::default()),
             work: Condvar::new(),
             service_ns: AtomicU64::new(0),
@@ -556,9 +583,6 @@ impl FairQueue {
         }
         let inner = self.inner();
         let (tx, mut rx) = oneshot::channel::<Result<R, ShedReason>>();
-        let job: Job = Box::new(move |go| {
-            let _ = tx.send(go.map(|()| f()));
-        });
         let (entry, evicted) = {
             let mut s = inner.lock();
             if s.closed {
@@ -577,9 +601,22 @@ impl FairQueue {
                     inner.backlog.shed();
                     return Err(r);
                 }
+                Admit::Run
+                    if inner
+                        .inline
+                        .is_some_and(|quiet| !inner.backlog.pressed(quiet)) =>
+                {
+                    s.running += 1;
+                    inner.gauges(&s);
+                    drop(s);
+                    return Ok(inner.run_inline(f));
+                }
                 Admit::Run | Admit::Enqueue => None,
                 Admit::EnqueueEvicting => s.table.pop_last().map(|(_, w)| w),
             };
+            let job: Job = Box::new(move |go| {
+                let _ = tx.send(go.map(|()| f()));
+            });
             let entry = s.table.push(
                 Arc::from(key),
                 Waiter {
@@ -635,14 +672,22 @@ mod tests {
         Instant::now() + Duration::from_secs(60)
     }
 
+    fn pool_config(running: usize) -> PoolConfig {
+        PoolConfig {
+            max_running: running,
+            max_queued: 8,
+            lifo_after: Duration::from_secs(3600),
+            nice: 0,
+            inline: None,
+            target: Duration::ZERO,
+        }
+    }
+
     fn pool(running: usize, queued: usize) -> FairQueue {
         FairQueue::new(
             PoolConfig {
-                max_running: running,
                 max_queued: queued,
-                lifo_after: Duration::from_secs(3600),
-                nice: 0,
-                target: Duration::ZERO,
+                ..pool_config(running)
             },
             None,
         )
@@ -698,6 +743,69 @@ mod tests {
         );
         assert!(q.service_time().is_some());
         assert_eq!(q.completed(), 1);
+    }
+
+    fn inline_pool(running: usize) -> FairQueue {
+        FairQueue::new(
+            PoolConfig {
+                inline: Some(Duration::from_secs(60)),
+                ..pool_config(running)
+            },
+            None,
+        )
+    }
+
+    fn on_signing_thread() -> bool {
+        std::thread::current()
+            .name()
+            .is_some_and(|n| n.starts_with("meshca-sign-"))
+    }
+
+    #[tokio::test]
+    async fn an_unpressed_pool_signs_on_the_callers_thread_and_counts_it() {
+        let q = inline_pool(2);
+        let here = std::thread::current().id();
+        let there = q
+            .run("a", later(), || std::thread::current().id())
+            .await
+            .unwrap();
+        assert_eq!(there, here);
+        assert_eq!(q.completed(), 1);
+        assert!(q.service_time().is_some());
+        assert_eq!(q.stats(), (0, 0), "the slot is given back");
+        // A job that panics gives its slot back too.
+        let q2 = q.clone();
+        let panicked = tokio::spawn(async move { q2.run("a", later(), || panic!("boom")).await });
+        assert!(panicked.await.is_err());
+        assert_eq!(q.stats(), (0, 0));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn once_a_job_waited_every_job_goes_to_the_signing_threads() {
+        let q = inline_pool(1);
+        // The one slot is held by a job running inline on a worker ...
+        let (tx, rx) = mpsc::channel::<()>();
+        let first = tokio::spawn({
+            let q = q.clone();
+            let job = move || {
+                let _ = rx.recv();
+                on_signing_thread()
+            };
+            async move { q.run("a", later(), job).await }
+        });
+        while q.stats().0 < 1 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        // ... so the next one is queued, and a signing thread takes it.
+        assert_eq!(q.run("b", later(), on_signing_thread).await, Ok(true));
+        drop(tx);
+        assert_eq!(first.await.unwrap(), Ok(false), "the first ran inline");
+        // The pool is idle again, but a job waited within the window: still
+        // the signing threads.
+        while q.stats() != (0, 0) {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        assert_eq!(q.run("c", later(), on_signing_thread).await, Ok(true));
     }
 
     #[tokio::test]
@@ -761,6 +869,7 @@ mod tests {
                 max_queued: 64,
                 lifo_after: Duration::ZERO,
                 nice: 0,
+                inline: None,
                 target: Duration::ZERO,
             },
             None,
@@ -890,6 +999,7 @@ mod tests {
                 max_queued: 64,
                 lifo_after: Duration::ZERO,
                 nice: 0,
+                inline: None,
                 target,
             },
             None,
