@@ -184,6 +184,13 @@ impl App {
         // The per-connection share is capped by the advertised stream limit.
         let mut admission_cfg = cfg.admission;
         admission_cfg.max_streams_per_connection = cfg.transport.max_concurrent_streams as usize;
+        let admission = Arc::new(crate::admission::Admission::new(
+            admission_cfg,
+            Some(started.metrics.admission.clone()),
+        ));
+        if let Some(watch) = admission.lag_watch() {
+            started.background.push(tokio::spawn(watch));
+        }
         let issuer = Arc::new(CertificateIssuer {
             ca: started.ca.clone(),
             ttl: cfg.ttl,
@@ -192,10 +199,7 @@ impl App {
             node_authz: deps.node_authz,
             audit,
             metrics: Some(started.metrics.issue_metrics()),
-            admission: Some(Arc::new(crate::admission::Admission::new(
-                admission_cfg,
-                Some(started.metrics.admission.clone()),
-            ))),
+            admission: Some(admission.clone()),
             guards: started.guards.clone(),
         });
         // Without a writer thread (a sink supplied by the caller), folded

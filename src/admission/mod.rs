@@ -153,6 +153,12 @@ pub struct AdmissionConfig {
 /// share is still enforced.
 const PRESSURE_MEMORY: Duration = Duration::from_secs(1);
 
+/// How often the async workers' lag is probed while signing may run inline.
+const LAG_PROBE: Duration = Duration::from_millis(20);
+
+/// A probe this late means work is waiting for the async workers.
+const LAG_LIMIT: Duration = Duration::from_millis(10);
+
 /// Most entries in the per-IP and per-identity tables; beyond, stale ones
 /// are dropped first.
 const MAX_TABLE: usize = 100_000;
@@ -681,6 +687,14 @@ impl Admission {
     /// (running, queued) now.
     pub fn stats(&self) -> (usize, usize) {
         self.queue.stats()
+    }
+
+    /// The lag watch that stops inline signing under overload
+    /// ([`FairQueue::watch_lag`]); `None` when jobs never run inline.
+    pub fn lag_watch(&self) -> Option<impl std::future::Future<Output = ()> + Send + 'static> {
+        self.cfg
+            .sign_inline
+            .then(|| self.queue.clone().watch_lag(LAG_PROBE, LAG_LIMIT))
     }
 }
 

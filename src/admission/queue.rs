@@ -159,6 +159,8 @@ pub struct Backlog {
     last_ms: AtomicU64,
     /// When the queue last shed work (stale, full or displaced), likewise.
     shed_ms: AtomicU64,
+    /// When the async workers were last seen late ([`FairQueue::watch_lag`]), likewise.
+    lag_ms: AtomicU64,
 }
 
 impl Backlog {
@@ -168,6 +170,7 @@ impl Backlog {
             epoch: Instant::now(),
             last_ms: AtomicU64::new(0),
             shed_ms: AtomicU64::new(0),
+            lag_ms: AtomicU64::new(0),
         }
     }
 
@@ -202,6 +205,13 @@ impl Backlog {
     /// `within`: more arrives than the signing threads answer in time.
     pub fn shedding(&self, within: Duration) -> bool {
         self.within(&self.shed_ms, within)
+    }
+
+    /// Whether the async workers ran late within `within`: work waits in
+    /// front of them (sockets, streams not yet read), where the queue cannot
+    /// see it.
+    pub fn lagged(&self, within: Duration) -> bool {
+        self.within(&self.lag_ms, within)
     }
 
     /// Whether jobs wait now or did within `within`: a queue that empties
@@ -520,6 +530,24 @@ impl FairQueue {
         &self.0 .0
     }
 
+    /// Marks the async workers late whenever a timer of `period` fires more
+    /// than `late` after it was due. Signing inline takes a worker away from
+    /// reading; under overload the backlog builds in front of the workers,
+    /// where the queue never sees it, so this is the signal that sends every
+    /// job to the signing threads. Runs until the pool is dropped.
+    pub async fn watch_lag(self, period: Duration, late: Duration) {
+        let backlog = self.backlog();
+        let weak = Arc::downgrade(&self.0);
+        drop(self);
+        while weak.strong_count() > 0 {
+            let due = Instant::now() + period;
+            tokio::time::sleep_until(due.into()).await;
+            if due.elapsed() > late {
+                backlog.lag_ms.store(backlog.now_mark(), Ordering::Relaxed);
+            }
+        }
+    }
+
     /// (running, queued) now.
     pub fn stats(&self) -> (usize, usize) {
         let s = self.inner().lock();
@@ -602,9 +630,9 @@ impl FairQueue {
                     return Err(r);
                 }
                 Admit::Run
-                    if inner
-                        .inline
-                        .is_some_and(|quiet| !inner.backlog.pressed(quiet)) =>
+                    if inner.inline.is_some_and(|quiet| {
+                        !inner.backlog.pressed(quiet) && !inner.backlog.lagged(quiet)
+                    }) =>
                 {
                     s.running += 1;
                     inner.gauges(&s);
@@ -806,6 +834,27 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
         assert_eq!(q.run("c", later(), on_signing_thread).await, Ok(true));
+    }
+
+    #[tokio::test]
+    async fn a_late_worker_sends_jobs_to_the_signing_threads() {
+        let q = inline_pool(2);
+        assert_eq!(q.run("a", later(), on_signing_thread).await, Ok(false));
+        let watch = tokio::spawn(
+            q.clone()
+                .watch_lag(Duration::from_millis(5), Duration::from_millis(20)),
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        // The only worker is held (as by work waiting in front of it) well
+        // past the probe's limit.
+        std::thread::sleep(Duration::from_millis(100));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        assert!(q.backlog().lagged(Duration::from_secs(60)));
+        assert_eq!(q.run("a", later(), on_signing_thread).await, Ok(true));
+        // The watch ends with the pool.
+        drop(q);
+        let ended = tokio::time::timeout(Duration::from_secs(10), watch).await;
+        assert!(matches!(ended, Ok(Ok(()))), "{ended:?}");
     }
 
     #[tokio::test]
