@@ -24,6 +24,10 @@ pub struct AdmissionMetrics {
     pub streams_per_connection: Gauge,
     /// Mean wall time of one signing job (CSR verify + sign).
     pub service_seconds: Gauge<f64, AtomicU64>,
+    /// Signing jobs run to their end.
+    pub jobs: Counter,
+    /// Of those, the ones run on the caller's own worker.
+    pub inline_jobs: Counter,
 }
 
 impl AdmissionMetrics {
@@ -54,6 +58,14 @@ impl AdmissionMetrics {
                 "meshca_admission_service_seconds",
                 "Mean wall time of one signing job (CSR verify and sign) on a signing thread",
             ),
+            jobs: registry.metric(
+                "meshca_admission_jobs",
+                "Signing jobs (CSR verify and sign) run to their end, whether or not their caller still waited",
+            ),
+            inline_jobs: registry.metric(
+                "meshca_admission_inline_jobs",
+                "Signing jobs run on the request's own worker, not handed to a signing thread (--admission-sign-inline, below overload)",
+            ),
         }
     }
 }
@@ -70,6 +82,13 @@ impl AdmissionObserver for AdmissionMetrics {
     fn occupancy(&self, running: usize, queued: usize) {
         self.running.set(running as i64);
         self.queued.set(queued as i64);
+    }
+
+    fn job_done(&self, inline: bool) {
+        self.jobs.inc();
+        if inline {
+            self.inline_jobs.inc();
+        }
     }
 
     fn sizing(&self, queued: usize, per_connection: usize, service: Option<Duration>) {

@@ -39,6 +39,9 @@ pub trait AdmissionObserver: Send + Sync + std::fmt::Debug {
     /// The sized queue bound, the per-connection share of streams, and the
     /// mean service time of one signing job once measured.
     fn sizing(&self, queued: usize, per_connection: usize, service: Option<Duration>);
+    /// A signing job ran to its end, on the caller's own worker (`inline`)
+    /// or on a signing thread.
+    fn job_done(&self, inline: bool);
 }
 
 /// Why a request was shed. Each is retryable: the caller is not at fault.

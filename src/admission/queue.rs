@@ -356,13 +356,7 @@ impl Inner {
                 }
                 s = self.lock();
                 if let Some(w) = next {
-                    s.running += 1;
-                    self.gauges(&s);
-                    drop(s);
-                    self.run_job(w);
-                    s = self.lock();
-                    s.running -= 1;
-                    self.drained(&mut s);
+                    s = self.run_one(s, w);
                 }
                 continue;
             }
@@ -383,13 +377,7 @@ impl Inner {
                 s.idle -= 1;
                 continue;
             };
-            s.running += 1;
-            self.gauges(&s);
-            drop(s);
-            self.run_job(w);
-            s = self.lock();
-            s.running -= 1;
-            self.drained(&mut s);
+            s = self.run_one(s, w);
         }
     }
 
@@ -440,33 +428,38 @@ impl Inner {
         }
     }
 
-    /// Runs `f` here, in a slot the caller took (`running` counts it; the
-    /// slot is given back even if `f` panics).
-    fn run_inline<R>(&self, f: impl FnOnce() -> R) -> R {
-        struct Slot<'a>(&'a Inner);
-        impl Drop for Slot<'_> {
-            fn drop(&mut self) {
-                let mut s = self.0.lock();
-                s.running -= 1;
-                self.0.drained(&mut s);
-                self.0.gauges(&s);
-            }
+    /// Takes a place among the running jobs (lock held).
+    fn take_slot(&self, s: &mut State) -> Slot<'_> {
+        s.running += 1;
+        self.gauges(s);
+        Slot {
+            pool: self,
+            held: true,
         }
-        let _slot = Slot(self);
+    }
+
+    /// Gives a running job's place back and meters its completion; returns
+    /// the lock.
+    fn release(&self) -> MutexGuard<'_, State> {
+        let mut s = self.lock();
+        s.running -= 1;
+        self.drained(&mut s);
+        self.gauges(&s);
+        s
+    }
+
+    /// Runs a queued job on this signing thread and takes the lock back.
+    fn run_one<'a>(&'a self, mut s: MutexGuard<'a, State>, w: Waiter) -> MutexGuard<'a, State> {
+        let slot = self.take_slot(&mut s);
+        drop(s);
+        self.timed(false, || (w.job)(Ok(())));
+        slot.give_back()
+    }
+
+    /// Runs `f`, counting it and its wall time as a completed job.
+    fn timed<R>(&self, inline: bool, f: impl FnOnce() -> R) -> R {
         let t0 = Instant::now();
         let r = f();
-        self.timed(t0);
-        r
-    }
-
-    fn run_job(&self, w: Waiter) {
-        let t0 = Instant::now();
-        (w.job)(Ok(()));
-        self.timed(t0);
-    }
-
-    /// Counts a job that started at `t0` as done now.
-    fn timed(&self, t0: Instant) {
         let took = u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX);
         let _ = self
             .service_ns
@@ -474,6 +467,32 @@ impl Inner {
                 Some(ewma_ns(m, took))
             });
         self.completed.fetch_add(1, Ordering::Relaxed);
+        if let Some(m) = &self.metrics {
+            m.job_done(inline);
+        }
+        r
+    }
+}
+
+/// A running job's place in the pool, given back when the job ends, even
+/// if it panics.
+struct Slot<'a> {
+    pool: &'a Inner,
+    held: bool,
+}
+
+impl<'a> Slot<'a> {
+    fn give_back(mut self) -> MutexGuard<'a, State> {
+        self.held = false;
+        self.pool.release()
+    }
+}
+
+impl Drop for Slot<'_> {
+    fn drop(&mut self) {
+        if self.held {
+            drop(self.pool.release());
+        }
     }
 }
 
@@ -634,10 +653,12 @@ impl FairQueue {
                         !inner.backlog.pressed(quiet) && !inner.backlog.lagged(quiet)
                     }) =>
                 {
-                    s.running += 1;
-                    inner.gauges(&s);
+                    // On the caller's own worker, in a slot of the pool.
+                    let slot = inner.take_slot(&mut s);
                     drop(s);
-                    return Ok(inner.run_inline(f));
+                    let r = inner.timed(true, f);
+                    drop(slot.give_back());
+                    return Ok(r);
                 }
                 Admit::Run | Admit::Enqueue => None,
                 Admit::EnqueueEvicting => s.table.pop_last().map(|(_, w)| w),

@@ -202,30 +202,31 @@ impl AuditArgs {
             true,
             Duration::from_secs(1),
         )?;
-        bounded("MESHCA_AUDIT_QUEUE", self.audit_queue, 1, 1 << 20)?;
-        let handshake_interval = duration_between(
+        // Entries held in memory at once.
+        for (name, n) in [
+            ("MESHCA_AUDIT_QUEUE", self.audit_queue),
+            (
+                "MESHCA_AUDIT_HANDSHAKE_MAX_SOURCES",
+                self.audit_handshake_max_sources,
+            ),
+            (
+                "MESHCA_AUDIT_AGGREGATE_MAX_KEYS",
+                self.audit_aggregate_max_keys,
+            ),
+        ] {
+            bounded(name, n, 1, 1 << 20)?;
+        }
+        // How often folded refusals are written: at most hourly.
+        let fold = |name, v: &str, min| duration_between(name, v, min, Duration::from_secs(3600));
+        let handshake_interval = fold(
             "MESHCA_AUDIT_HANDSHAKE_INTERVAL",
             &self.audit_handshake_interval,
             Duration::from_secs(1),
-            Duration::from_secs(3600),
         )?;
-        bounded(
-            "MESHCA_AUDIT_HANDSHAKE_MAX_SOURCES",
-            self.audit_handshake_max_sources,
-            1,
-            1 << 20,
-        )?;
-        let aggregate_interval = duration_between(
+        let aggregate_interval = fold(
             "MESHCA_AUDIT_AGGREGATE_INTERVAL",
             &self.audit_aggregate_interval,
             Duration::from_millis(100),
-            Duration::from_secs(3600),
-        )?;
-        bounded(
-            "MESHCA_AUDIT_AGGREGATE_MAX_KEYS",
-            self.audit_aggregate_max_keys,
-            1,
-            1 << 20,
         )?;
         if self.audit_sink == AuditSinkKind::Null && !self.audit_null_for_benchmarks {
             return Err(err(

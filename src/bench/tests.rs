@@ -56,14 +56,28 @@ fn args(ca_dir: PathBuf, target: SocketAddr, mode: Mode) -> BenchArgs {
 /// A tiny storm against an in-process server: every request the clients
 /// saw succeed is one the server issued, and the server's own counters
 /// are read (no timing is asserted).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn storm_smoke_run() {
+/// An in-process server with its audit records, and a generator's
+/// arguments against it.
+async fn serving(
+    mode: Mode,
+) -> (
+    crate::testing::TestPki,
+    crate::app::App,
+    std::sync::Arc<crate::audit::MemorySink>,
+    BenchArgs,
+) {
     let pki = crate::testing::TestPki::new(KeyType::EcdsaP256);
     let cfg = crate::testing::test_config(pki.path_buf());
     let (app, audit) = crate::testing::start_server(&cfg, Default::default()).await;
-    let mut a = args(pki.path_buf(), app.addr, Mode::Storm);
-    a.pods = 6;
+    let mut a = args(pki.path_buf(), app.addr, mode);
     a.admin_target = app.admin_addr;
+    (pki, app, audit, a)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn storm_smoke_run() {
+    let (_pki, _app, audit, mut a) = serving(Mode::Storm).await;
+    a.pods = 6;
     let r = storm::execute(&a).await.unwrap();
     assert_eq!(r.proxies, 6);
     let ok = r.outcomes.get("Ok").copied().unwrap_or(0);
@@ -82,10 +96,7 @@ async fn storm_smoke_run() {
 /// memory read (here the test process's own).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_connections_smoke_run() {
-    let pki = crate::testing::TestPki::new(KeyType::EcdsaP256);
-    let cfg = crate::testing::test_config(pki.path_buf());
-    let (app, audit) = crate::testing::start_server(&cfg, Default::default()).await;
-    let mut a = args(pki.path_buf(), app.addr, Mode::IdleConnections);
+    let (_pki, _app, audit, mut a) = serving(Mode::IdleConnections).await;
     a.connections = 4;
     a.max_seconds = 0.1;
     a.server_pid = Some(std::process::id());
@@ -102,10 +113,7 @@ async fn idle_connections_smoke_run() {
 /// every request succeeds and is counted once (no timing is asserted).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn smoke_run_against_in_process_server() {
-    let pki = crate::testing::TestPki::new(KeyType::EcdsaP256);
-    let cfg = crate::testing::test_config(pki.path_buf());
-    let (app, audit) = crate::testing::start_server(&cfg, Default::default()).await;
-    let mut a = args(pki.path_buf(), app.addr, Mode::MtlsRenewal);
+    let (_pki, _app, audit, mut a) = serving(Mode::MtlsRenewal).await;
     let r = execute(&a).await.expect("bench runs");
     assert_eq!((r.requests, r.ok), (40, 40), "{:?}", r.errors);
     assert!(r.errors.is_empty());
