@@ -935,12 +935,9 @@ mod tests {
     async fn under_overload_a_callers_newest_request_goes_first() {
         let q = FairQueue::new(
             PoolConfig {
-                max_running: 1,
                 max_queued: 64,
                 lifo_after: Duration::ZERO,
-                nice: 0,
-                inline: None,
-                target: Duration::ZERO,
+                ..pool_config(1)
             },
             None,
         );
@@ -1065,12 +1062,10 @@ mod tests {
     async fn busy_with_target(target: Duration) -> (FairQueue, Vec<mpsc::Sender<()>>) {
         let q = FairQueue::new(
             PoolConfig {
-                max_running: 1,
                 max_queued: 64,
                 lifo_after: Duration::ZERO,
-                nice: 0,
-                inline: None,
                 target,
+                ..pool_config(1)
             },
             None,
         );
