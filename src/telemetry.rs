@@ -207,27 +207,17 @@ impl Metrics {
                 v.load(Ordering::Relaxed)
             );
         };
-        // istiod's families, in istiod's order; the sign-error family is
-        // labelled by error.
-        let plain = |names: &[(&str, &str, &AtomicU64)], out: &mut String| {
-            for (name, help, v) in names {
-                counter(out, name, help, v);
-            }
-        };
-        plain(
-            &[
-                (
-                    "citadel_server_csr_count",
-                    "The number of CSRs received by Citadel server.",
-                    &c.csr_count,
-                ),
-                (
-                    "citadel_server_authentication_failure_count",
-                    "The number of authentication failures.",
-                    &c.authentication_failure_count,
-                ),
-            ],
+        counter(
             &mut out,
+            "citadel_server_csr_count",
+            "The number of CSRs received by Citadel server.",
+            &c.csr_count,
+        );
+        counter(
+            &mut out,
+            "citadel_server_authentication_failure_count",
+            "The number of authentication failures.",
+            &c.authentication_failure_count,
         );
         let _ = writeln!(out, "# HELP citadel_server_csr_sign_err_count The number of errors occurred when signing the CSR.\n# TYPE citadel_server_csr_sign_err_count counter");
         for (label, v) in [
@@ -242,25 +232,23 @@ impl Metrics {
                 v.load(Ordering::Relaxed)
             );
         }
-        plain(
-            &[
-                (
-                    "citadel_server_success_cert_issuance_count",
-                    "The number of certificates issuances that have succeeded.",
-                    &c.success_cert_issuance_count,
-                ),
-                (
-                    "citadel_server_csr_parsing_err_count",
-                    "The number of errors occurred when parsing the CSR.",
-                    &c.csr_parsing_err_count,
-                ),
-                (
-                    "citadel_server_id_extraction_err_count",
-                    "The number of errors occurred when extracting the ID from CSR.",
-                    &c.id_extraction_err_count,
-                ),
-            ],
+        counter(
             &mut out,
+            "citadel_server_success_cert_issuance_count",
+            "The number of certificates issuances that have succeeded.",
+            &c.success_cert_issuance_count,
+        );
+        counter(
+            &mut out,
+            "citadel_server_csr_parsing_err_count",
+            "The number of errors occurred when parsing the CSR.",
+            &c.csr_parsing_err_count,
+        );
+        counter(
+            &mut out,
+            "citadel_server_id_extraction_err_count",
+            "The number of errors occurred when extracting the ID from CSR.",
+            &c.id_extraction_err_count,
         );
         let gauge = |out: &mut String, name: &str, help: &str, v: i64| {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
