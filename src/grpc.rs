@@ -376,40 +376,48 @@ impl InProgress {
     /// Takes a place among the connection's streams in progress, or `None`
     /// when it waited `limit`. Over the connection's share the stream waits,
     /// holding only its headers, for a place another of its streams frees.
-    /// While the signing queue sheds work (overload), a stream that waited
-    /// past the fresh age leaves that place to newer streams (new work
-    /// first) and is refused once it has waited the park time, rather than
-    /// at once: an answer invites the client's next request at once, while
-    /// a waiting stream costs nothing. Without overload (a burst the server
-    /// works through in time) it waits its turn up to `limit`.
+    /// Under overload (the signing queue sheds work) only a stream younger
+    /// than the fresh age takes a freed place; an older one waits out the
+    /// park time and is refused ([`crate::admission::decide::park_step`]).
+    /// Without overload (a burst the server works through in time) it waits
+    /// its turn up to `limit`.
     async fn enter(
         control: Arc<crate::transport::ConnControl>,
         concurrency: Arc<crate::admission::Concurrency>,
         limit: Duration,
     ) -> Option<Self> {
+        use crate::admission::decide::{park_step, ParkStep};
         let start = tokio::time::Instant::now();
         let end = start + limit;
         let park_end = start + concurrency.park().min(limit);
+        let mut first_look = true;
         let before = loop {
             let freed = control.freed();
             tokio::pin!(freed);
             freed.as_mut().enable();
-            if let Some(before) = control.try_stream_start(|n| concurrency.admits(n)) {
-                break before;
+            let now = tokio::time::Instant::now();
+            let overloaded = concurrency.overloaded();
+            match park_step(
+                now.duration_since(start),
+                first_look,
+                overloaded,
+                concurrency.fresh(),
+            ) {
+                ParkStep::WaitOut => {
+                    tokio::time::sleep_until(park_end).await;
+                    return None;
+                }
+                ParkStep::TryPlace => {
+                    if let Some(before) = control.try_stream_start(|n| concurrency.admits(n)) {
+                        break before;
+                    }
+                }
             }
+            first_look = false;
             if limit.is_zero() || concurrency.park().is_zero() {
                 return None;
             }
-            let now = tokio::time::Instant::now();
-            let overloaded = concurrency.overloaded();
-            if overloaded && now >= park_end {
-                return None;
-            }
-            if overloaded && now.duration_since(start) >= concurrency.fresh() {
-                tokio::time::sleep_until(park_end).await;
-                return None;
-            }
-            if now >= end {
+            if (overloaded && now >= park_end) || now >= end {
                 return None;
             }
             // Look again at least every park time: overload may begin.

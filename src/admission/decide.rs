@@ -188,6 +188,37 @@ pub fn size(
     }
 }
 
+/// What a stream over its connection's share does when it looks for a
+/// place at the request gate (on arrival, and each time one of its
+/// connection's streams ends).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ParkStep {
+    /// Takes a free place if there is one, else waits on.
+    TryPlace,
+    /// Takes no place: it is refused when its park time ends.
+    WaitOut,
+}
+
+/// New work first at the gate: under overload a stream that has waited
+/// `fresh` or longer takes no freed place (a younger stream of its
+/// connection does), so a stream's wait there stays within `fresh` and the
+/// queue target behind it still holds. It is not refused at once: an
+/// answer brings the client's next request at once, a waiting stream
+/// costs only its headers. Without overload (a burst worked through in
+/// time) every stream waits its turn. The first look always tries.
+pub fn park_step(
+    waited: Duration,
+    first_look: bool,
+    overloaded: bool,
+    fresh: Duration,
+) -> ParkStep {
+    if !first_look && overloaded && waited >= fresh {
+        ParkStep::WaitOut
+    } else {
+        ParkStep::TryPlace
+    }
+}
+
 /// Before authentication: known callers (warm token cache, verified client
 /// certificate) go on; new ones are shed while busy. Costs nothing: no CSR
 /// parse, no TokenReview.
@@ -486,6 +517,19 @@ mod tests {
         // The queue bound stays what the deadline answers.
         assert_eq!(s.queued, 1_249);
         assert_eq!(s.per_connection, per);
+    }
+
+    #[test_case(0, true, true, 0, ParkStep::TryPlace ; "first look always tries, even with no fresh age")]
+    #[test_case(24, false, true, 25, ParkStep::TryPlace ; "overloaded, still fresh")]
+    #[test_case(25, false, true, 25, ParkStep::WaitOut ; "overloaded, at the fresh age: waits out")]
+    #[test_case(400, false, false, 25, ParkStep::TryPlace ; "no overload: waits its turn however old")]
+    #[test_case(400, true, true, 25, ParkStep::TryPlace ; "first look of a stream stamped late")]
+    fn park_steps(waited_ms: u64, first: bool, overloaded: bool, fresh_ms: u64, step: ParkStep) {
+        let ms = Duration::from_millis;
+        assert_eq!(
+            park_step(ms(waited_ms), first, overloaded, ms(fresh_ms)),
+            step
+        );
     }
 
     #[test_case(0, 100, true, Ok(()) ; "idle known")]
