@@ -798,6 +798,13 @@ pub fn run_binary(
 ) -> anyhow::Result<()> {
     init_tracing(log_format);
     tokio::runtime::Builder::new_multi_thread()
+        // Tasks woken from other threads (a signed job's result, the audit
+        // writer's acknowledgement) wait in the runtime's shared queue; by
+        // default a worker looks there only every few dozen polls of its own
+        // queue, which under overload is full of new streams. Looking first
+        // on every poll lets started work finish before new work is read:
+        // measured under a CPU quota (docs/BENCHMARKS.md, renewal storm).
+        .global_queue_interval(1)
         .enable_all()
         .build()?
         .block_on(main)

@@ -503,7 +503,8 @@ impl CertificateIssuer {
         let mut out = match &admitting {
             Some((a, key)) => {
                 let start_by = a.start_by(timing.arrived, timing.timeout);
-                a.run(key, start_by, move || job.run()).await?
+                a.run(key, timing.arrived, start_by, move || job.run())
+                    .await?
             }
             None => job.run(),
         };

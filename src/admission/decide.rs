@@ -83,7 +83,8 @@ pub fn pick(oldest_waited: Duration, lifo_after: Duration) -> Pick {
     }
 }
 
-/// Whether a request that has waited `waited` is stale: past the queue
+/// Whether a request that has waited `waited` (since it arrived at the
+/// server, its wait at the request gate included) is stale: past the queue
 /// target, which is at least four service times (so a slow signer, an HSM,
 /// with a short queue is not taken for overload) and at least two fair
 /// rounds of the `callers` waiting over the `running` signing threads (a

@@ -64,8 +64,9 @@ pub enum ShedReason {
     /// Checked after the CSR was verified, right before signing.
     #[error("the caller's deadline passed before its certificate was signed")]
     DeadlineBeforeSign,
-    /// Waited past the queue target while requests kept arriving.
-    #[error("waited in the signing queue past its target while newer work arrived")]
+    /// Waited past the queue target (since its headers arrived) while
+    /// requests kept arriving.
+    #[error("waited for the signing queue past its target while newer work arrived")]
     QueueTimeout,
 }
 
@@ -673,16 +674,18 @@ impl Admission {
     }
 
     /// Runs the CPU-heavy `job` on a signing thread at the turn of caller
-    /// `key`, if that comes before `start_by`.
+    /// `key`, if that comes before `start_by`, for a request that arrived at
+    /// `arrived` (its wait before the queue counts toward the queue target).
     pub async fn run<R: Send + 'static>(
         &self,
         key: &str,
+        arrived: Instant,
         start_by: Instant,
         job: impl FnOnce() -> R + Send + 'static,
     ) -> Result<R, Shed> {
         self.resize();
         self.queue
-            .run(key, start_by, job)
+            .run_arrived(key, arrived, start_by, job)
             .await
             .map_err(|r| self.shed(r, Duration::ZERO))
     }
@@ -786,7 +789,7 @@ mod tests {
         let (tx, rx) = std::sync::mpsc::channel::<()>();
         let a2 = a.clone();
         let held = tokio::spawn(async move {
-            a2.run("k", later, move || {
+            a2.run("k", Instant::now(), later, move || {
                 let _ = rx.recv();
             })
             .await
@@ -794,7 +797,7 @@ mod tests {
         while a.stats().0 < 1 {
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
-        let mut w = Box::pin(a.run("k", later, || ()));
+        let mut w = Box::pin(a.run("k", Instant::now(), later, || ()));
         assert!(futures::poll!(w.as_mut()).is_pending());
         for f in [Familiarity::New, Familiarity::RefusedCheaply] {
             let shed = a.pre_auth(None, f).unwrap_err();

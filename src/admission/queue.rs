@@ -28,7 +28,12 @@ type Job = Box<dyn FnOnce(Result<(), ShedReason>) + Send>;
 
 struct Waiter {
     start_by: Instant,
+    /// When it entered the queue (adaptive LIFO looks at this).
     since: Instant,
+    /// When its request arrived at the server, at or before `since`: the
+    /// queue target bounds the whole wait before signing, the request
+    /// gate's included.
+    arrived: Instant,
     job: Job,
 }
 
@@ -37,6 +42,7 @@ impl std::fmt::Debug for Waiter {
         f.debug_struct("Waiter")
             .field("start_by", &self.start_by)
             .field("since", &self.since)
+            .field("arrived", &self.arrived)
             .finish_non_exhaustive()
     }
 }
@@ -324,7 +330,7 @@ impl Inner {
             let running = self.max_running;
             let is_stale = |w: &Waiter| {
                 stale(
-                    now.saturating_duration_since(w.since),
+                    now.saturating_duration_since(w.arrived),
                     target,
                     service,
                     callers,
@@ -624,6 +630,19 @@ impl FairQueue {
         start_by: Instant,
         f: impl FnOnce() -> R + Send + 'static,
     ) -> Result<R, ShedReason> {
+        self.run_arrived(key, Instant::now(), start_by, f).await
+    }
+
+    /// [`Self::run`] for a request that arrived at the server at `arrived`
+    /// (its headers): the time it spent before the queue counts toward the
+    /// queue target.
+    pub async fn run_arrived<R: Send + 'static>(
+        &self,
+        key: &str,
+        arrived: Instant,
+        start_by: Instant,
+        f: impl FnOnce() -> R + Send + 'static,
+    ) -> Result<R, ShedReason> {
         let now = Instant::now();
         if now >= start_by {
             return Err(ShedReason::DeadlineExceeded);
@@ -671,6 +690,7 @@ impl FairQueue {
                 Waiter {
                     start_by,
                     since: now,
+                    arrived: arrived.min(now),
                     job,
                 },
             );
@@ -1101,6 +1121,48 @@ mod tests {
         assert_eq!(fresh.await.unwrap(), Ok(()));
         assert_eq!(old.await.unwrap(), Err(ShedReason::QueueTimeout));
         assert_eq!(*ran.lock().unwrap(), ["fresh"]);
+    }
+
+    /// The target bounds a request's whole wait before signing: one that
+    /// spent most of it before the queue (parked at the request gate) is
+    /// stale after a short time in the queue, while one that arrived later
+    /// with the same time in the queue is served.
+    #[tokio::test]
+    async fn time_before_the_queue_counts_toward_the_target() {
+        let target = Duration::from_millis(200);
+        let (q, gates) = busy_with_target(target).await;
+        let ran = Arc::new(Mutex::new(Vec::new()));
+        let job = |name: &'static str| {
+            let ran = ran.clone();
+            move || ran.lock().unwrap().push(name)
+        };
+        let arrived_early = Instant::now()
+            .checked_sub(target - Duration::from_millis(10))
+            .unwrap();
+        let parked = tokio::spawn({
+            let (q, j) = (q.clone(), job("parked"));
+            async move { q.run_arrived("a", arrived_early, later(), j).await }
+        });
+        let direct = tokio::spawn({
+            let (q, j) = (q.clone(), job("direct"));
+            async move { q.run_arrived("b", Instant::now(), later(), j).await }
+        });
+        until_queued(&q, 2).await;
+        // Both have been queued 30 ms: "parked" is 220 ms past its arrival,
+        // "direct" 30 ms (far from the target on a loaded machine too).
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        let fresh = tokio::spawn({
+            let (q, j) = (q.clone(), job("fresh"));
+            async move { q.run("c", later(), j).await }
+        });
+        until_queued(&q, 3).await;
+        drop(gates);
+        assert_eq!(parked.await.unwrap(), Err(ShedReason::QueueTimeout));
+        assert_eq!(direct.await.unwrap(), Ok(()));
+        assert_eq!(fresh.await.unwrap(), Ok(()));
+        let ran = ran.lock().unwrap();
+        assert!(!ran.contains(&"parked"), "{ran:?}");
+        assert_eq!(ran.len(), 2, "{ran:?}");
     }
 
     #[tokio::test]
