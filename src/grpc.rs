@@ -710,4 +710,94 @@ mod tests {
             .unwrap_err();
         assert_eq!(err.reason(), "authn_clusterid_too_large");
     }
+
+    /// The request gate's park under overload, on its own code path (real
+    /// admission queue, real connection counter, real clock): a stream over
+    /// its connection's share takes a place freed within the fresh age, and
+    /// one past the fresh age takes none and is refused at the end of its
+    /// park time (new work first).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn under_overload_a_parked_stream_past_the_fresh_age_takes_no_freed_place() {
+        use crate::admission::{Admission, AdmissionConfig, ShedReason};
+        use std::time::Instant;
+        let a = Arc::new(Admission::new(
+            AdmissionConfig {
+                max_running: 1,
+                max_queued: 1,
+                sign_inline: false,
+                // Fresh age: half the target, 500 ms.
+                queue_target: Duration::from_secs(1),
+                stream_park: Duration::from_millis(1500),
+                max_streams_per_connection: 1,
+                ..Default::default()
+            },
+            None,
+        ));
+        let later = Instant::now() + Duration::from_secs(60);
+        // Overload: the one signing thread held, one request waiting, the next shed.
+        let (release, rx) = std::sync::mpsc::channel::<()>();
+        let held = tokio::spawn({
+            let a = a.clone();
+            async move {
+                a.run("held", Instant::now(), later, move || {
+                    let _ = rx.recv();
+                })
+                .await
+            }
+        });
+        while a.stats().0 < 1 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let waiting = tokio::spawn({
+            let a = a.clone();
+            async move { a.run("waiting", Instant::now(), later, || ()).await }
+        });
+        while a.stats().1 < 1 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let shed = || async {
+            let r = a.run("shed", Instant::now(), later, || ()).await;
+            assert_eq!(r.err().map(|s| s.reason), Some(ShedReason::QueueFull));
+        };
+        shed().await;
+        let c = a.concurrency();
+        assert!(c.overloaded());
+        assert_eq!(c.fresh(), Duration::from_millis(500));
+
+        let conn = crate::transport::ConnControl::new(200);
+        let limit = Duration::from_secs(5);
+        // Within the fresh age: the place its connection frees is taken.
+        let first = InProgress::enter(conn.clone(), c.clone(), limit)
+            .await
+            .expect("a free place");
+        let parked = tokio::spawn(InProgress::enter(conn.clone(), c.clone(), limit));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!parked.is_finished(), "over its share, the stream waits");
+        drop(first);
+        let second = parked
+            .await
+            .unwrap()
+            .expect("a place freed within the fresh age is taken");
+
+        // Past the fresh age: the freed place is left to newer work.
+        let started = Instant::now();
+        let parked = tokio::spawn(InProgress::enter(conn.clone(), c.clone(), limit));
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        shed().await; // still overloaded when the place is freed
+        drop(second);
+        let got = parked.await.unwrap();
+        assert!(
+            got.is_none(),
+            "a stream past the fresh age took a freed place under overload"
+        );
+        assert!(started.elapsed() >= Duration::from_millis(1500));
+        // The place it did not take is free for a new stream.
+        assert!(InProgress::enter(conn.clone(), c.clone(), limit)
+            .await
+            .is_some());
+
+        drop(release);
+        assert!(held.await.unwrap().is_ok());
+        assert!(waiting.await.unwrap().is_ok());
+    }
 }
