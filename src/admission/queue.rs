@@ -1096,26 +1096,36 @@ mod tests {
         (q, gates)
     }
 
+    type Ran = Arc<Mutex<Vec<&'static str>>>;
+
+    /// Queues, for caller `key` whose request arrived at `arrived`, a job
+    /// that notes `name` in `ran` when it runs.
+    fn spawn_noted(
+        q: &FairQueue,
+        key: &'static str,
+        arrived: Instant,
+        ran: &Ran,
+        name: &'static str,
+    ) -> tokio::task::JoinHandle<Result<(), ShedReason>> {
+        let (q, ran) = (q.clone(), ran.clone());
+        tokio::spawn(async move {
+            q.run_arrived(key, arrived, later(), move || {
+                ran.lock().unwrap().push(name)
+            })
+            .await
+        })
+    }
+
     #[tokio::test]
     async fn while_requests_arrive_stale_work_is_shed() {
         let target = Duration::from_millis(60);
         let (q, gates) = busy_with_target(target).await;
-        let ran = Arc::new(Mutex::new(Vec::new()));
-        let job = |name: &'static str| {
-            let ran = ran.clone();
-            move || ran.lock().unwrap().push(name)
-        };
-        let old = tokio::spawn({
-            let (q, j) = (q.clone(), job("old"));
-            async move { q.run("a", later(), j).await }
-        });
+        let ran = Ran::default();
+        let old = spawn_noted(&q, "a", Instant::now(), &ran, "old");
         until_queued(&q, 1).await;
         tokio::time::sleep(target + Duration::from_millis(20)).await;
         // "old" is stale now; a fresh request of another caller arrives.
-        let fresh = tokio::spawn({
-            let (q, j) = (q.clone(), job("fresh"));
-            async move { q.run("b", later(), j).await }
-        });
+        let fresh = spawn_noted(&q, "b", Instant::now(), &ran, "fresh");
         until_queued(&q, 2).await;
         drop(gates);
         assert_eq!(fresh.await.unwrap(), Ok(()));
@@ -1131,30 +1141,17 @@ mod tests {
     async fn time_before_the_queue_counts_toward_the_target() {
         let target = Duration::from_millis(200);
         let (q, gates) = busy_with_target(target).await;
-        let ran = Arc::new(Mutex::new(Vec::new()));
-        let job = |name: &'static str| {
-            let ran = ran.clone();
-            move || ran.lock().unwrap().push(name)
-        };
+        let ran = Ran::default();
         let arrived_early = Instant::now()
             .checked_sub(target - Duration::from_millis(10))
             .unwrap();
-        let parked = tokio::spawn({
-            let (q, j) = (q.clone(), job("parked"));
-            async move { q.run_arrived("a", arrived_early, later(), j).await }
-        });
-        let direct = tokio::spawn({
-            let (q, j) = (q.clone(), job("direct"));
-            async move { q.run_arrived("b", Instant::now(), later(), j).await }
-        });
+        let parked = spawn_noted(&q, "a", arrived_early, &ran, "parked");
+        let direct = spawn_noted(&q, "b", Instant::now(), &ran, "direct");
         until_queued(&q, 2).await;
         // Both have been queued 30 ms: "parked" is 220 ms past its arrival,
         // "direct" 30 ms (far from the target on a loaded machine too).
         tokio::time::sleep(Duration::from_millis(30)).await;
-        let fresh = tokio::spawn({
-            let (q, j) = (q.clone(), job("fresh"));
-            async move { q.run("c", later(), j).await }
-        });
+        let fresh = spawn_noted(&q, "c", Instant::now(), &ran, "fresh");
         until_queued(&q, 3).await;
         drop(gates);
         assert_eq!(parked.await.unwrap(), Err(ShedReason::QueueTimeout));
