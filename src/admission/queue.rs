@@ -620,10 +620,9 @@ impl FairQueue {
         self.inner().completed.load(Ordering::Relaxed)
     }
 
-    /// Runs `f` on a signing thread when it is the turn of caller `key`, if
-    /// that comes before `start_by`. Dropping the returned future (the
-    /// caller cancelled) takes the job out of the queue if it has not
-    /// started; a started job always runs to its end.
+    /// Tests' shorthand: [`Self::run_arrived`] for a request that arrives
+    /// as it is queued.
+    #[cfg(test)]
     pub async fn run<R: Send + 'static>(
         &self,
         key: &str,
@@ -633,9 +632,12 @@ impl FairQueue {
         self.run_arrived(key, Instant::now(), start_by, f).await
     }
 
-    /// [`Self::run`] for a request that arrived at the server at `arrived`
-    /// (its headers): the time it spent before the queue counts toward the
-    /// queue target.
+    /// Runs `f` on a signing thread when it is the turn of caller `key`, if
+    /// that comes before `start_by`, for a request that arrived at the
+    /// server at `arrived` (its headers): the time it spent before the
+    /// queue counts toward the queue target. Dropping the returned future
+    /// (the caller cancelled) takes the job out of the queue if it has not
+    /// started; a started job always runs to its end.
     pub async fn run_arrived<R: Send + 'static>(
         &self,
         key: &str,
