@@ -10,7 +10,7 @@
 //! registry.
 
 use std::fmt::Write as _;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use prometheus_client::metrics::counter::Counter;
@@ -200,25 +200,40 @@ impl Metrics {
     pub fn render(&self, snap: &Snapshot, now_unix: i64) -> String {
         let mut out = String::new();
         let c = &self.citadel;
-        let counter = |out: &mut String, name: &str, help: &str, v: &AtomicU64| {
+        // istiod's counters, then its sign-error family (one label per class).
+        for (name, help, v) in [
+            (
+                "citadel_server_csr_count",
+                "The number of CSRs received by Citadel server.",
+                &c.csr_count,
+            ),
+            (
+                "citadel_server_authentication_failure_count",
+                "The number of authentication failures.",
+                &c.authentication_failure_count,
+            ),
+            (
+                "citadel_server_success_cert_issuance_count",
+                "The number of certificates issuances that have succeeded.",
+                &c.success_cert_issuance_count,
+            ),
+            (
+                "citadel_server_csr_parsing_err_count",
+                "The number of errors occurred when parsing the CSR.",
+                &c.csr_parsing_err_count,
+            ),
+            (
+                "citadel_server_id_extraction_err_count",
+                "The number of errors occurred when extracting the ID from CSR.",
+                &c.id_extraction_err_count,
+            ),
+        ] {
             let _ = writeln!(
                 out,
                 "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}",
                 v.load(Ordering::Relaxed)
             );
-        };
-        counter(
-            &mut out,
-            "citadel_server_csr_count",
-            "The number of CSRs received by Citadel server.",
-            &c.csr_count,
-        );
-        counter(
-            &mut out,
-            "citadel_server_authentication_failure_count",
-            "The number of authentication failures.",
-            &c.authentication_failure_count,
-        );
+        }
         let _ = writeln!(out, "# HELP citadel_server_csr_sign_err_count The number of errors occurred when signing the CSR.\n# TYPE citadel_server_csr_sign_err_count counter");
         for (label, v) in [
             ("CA_NOT_READY", &c.sign_err_ca_not_ready),
@@ -232,24 +247,6 @@ impl Metrics {
                 v.load(Ordering::Relaxed)
             );
         }
-        counter(
-            &mut out,
-            "citadel_server_success_cert_issuance_count",
-            "The number of certificates issuances that have succeeded.",
-            &c.success_cert_issuance_count,
-        );
-        counter(
-            &mut out,
-            "citadel_server_csr_parsing_err_count",
-            "The number of errors occurred when parsing the CSR.",
-            &c.csr_parsing_err_count,
-        );
-        counter(
-            &mut out,
-            "citadel_server_id_extraction_err_count",
-            "The number of errors occurred when extracting the ID from CSR.",
-            &c.id_extraction_err_count,
-        );
         let gauge = |out: &mut String, name: &str, help: &str, v: i64| {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
         };

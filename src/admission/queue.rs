@@ -23,6 +23,21 @@ use super::decide::{admit, hold_stale, pick, stale, Admit, QueueState};
 use super::fair::{Entry, FairTable};
 use super::ShedReason;
 
+/// How a job's caller gets its answer ([`FairQueue::run_deferred`]).
+#[derive(Debug)]
+pub struct Reply<R, S>(oneshot::Sender<Result<R, (ShedReason, S)>>);
+
+impl<R, S> Reply<R, S> {
+    pub fn send(self, r: R) {
+        let _ = self.0.send(Ok(r));
+    }
+
+    /// The caller stopped waiting (it cancelled).
+    pub fn is_closed(&self) -> bool {
+        self.0.is_closed()
+    }
+}
+
 /// A queued job: called once, with `Ok` to run it or the reason it was shed.
 type Job = Box<dyn FnOnce(Result<(), ShedReason>) + Send>;
 
@@ -135,24 +150,25 @@ struct WaitGuard<'a> {
 }
 
 impl WaitGuard<'_> {
-    /// Whether the job was still waiting (and is now removed).
-    fn leave(&mut self) -> bool {
+    /// The job, if it was still waiting (and is now removed).
+    fn leave(&mut self) -> Option<Waiter> {
         if !self.waiting {
-            return false;
+            return None;
         }
         self.waiting = false;
         let mut s = self.queue.lock();
         let removed = s.table.remove(&self.entry);
         self.queue.gauges(&s);
         drop(s);
-        // Dropped outside the lock: the job owns the caller's channel.
-        removed.is_some()
+        removed
     }
 }
 
 impl Drop for WaitGuard<'_> {
     fn drop(&mut self) {
-        self.leave();
+        // Dropped outside the lock: the job owns the caller's channel and
+        // state.
+        drop(self.leave());
     }
 }
 
@@ -620,8 +636,9 @@ impl FairQueue {
         self.inner().completed.load(Ordering::Relaxed)
     }
 
-    /// Tests' shorthand: [`Self::run_arrived`] for a request that arrives
-    /// as it is queued.
+    /// Tests' shorthand: [`Self::run_deferred`] for a job that carries
+    /// nothing and answers when it returns, for a request that arrives as
+    /// it is queued.
     #[cfg(test)]
     pub async fn run<R: Send + 'static>(
         &self,
@@ -629,32 +646,43 @@ impl FairQueue {
         start_by: Instant,
         f: impl FnOnce() -> R + Send + 'static,
     ) -> Result<R, ShedReason> {
-        self.run_arrived(key, Instant::now(), start_by, f).await
+        self.run_deferred(key, Instant::now(), start_by, (), |(), reply| {
+            reply.send(f())
+        })
+        .await
+        .map_err(|(why, _)| why)
     }
 
-    /// Runs `f` on a signing thread when it is the turn of caller `key`, if
-    /// that comes before `start_by`, for a request that arrived at the
-    /// server at `arrived` (its headers): the time it spent before the
-    /// queue counts toward the queue target. Dropping the returned future
-    /// (the caller cancelled) takes the job out of the queue if it has not
-    /// started; a started job always runs to its end.
-    pub async fn run_arrived<R: Send + 'static>(
+    /// Runs `f(state, reply)` on a signing thread when it is the turn of
+    /// caller `key`, if that comes before `start_by`, for a request that
+    /// arrived at the server at `arrived` (its headers): the time it spent
+    /// before the queue counts toward the queue target. The job answers
+    /// through `reply`, when it returns or later from another thread (the
+    /// audit writer answers once the certificate's record is acknowledged),
+    /// so the waiting task is woken once, by the answer; a reply dropped
+    /// unsent counts as a lost job. A shed job hands `state` back with the
+    /// reason (`None` only if the job was lost: the pool closed, or it
+    /// panicked). Dropping the returned future (the caller cancelled) takes
+    /// the job out of the queue, and drops `state`, if it has not started;
+    /// a started job always runs to its end.
+    pub async fn run_deferred<S: Send + 'static, R: Send + 'static>(
         &self,
         key: &str,
         arrived: Instant,
         start_by: Instant,
-        f: impl FnOnce() -> R + Send + 'static,
-    ) -> Result<R, ShedReason> {
+        state: S,
+        f: impl FnOnce(S, Reply<R, S>) + Send + 'static,
+    ) -> Result<R, (ShedReason, Option<S>)> {
         let now = Instant::now();
         if now >= start_by {
-            return Err(ShedReason::DeadlineExceeded);
+            return Err((ShedReason::DeadlineExceeded, Some(state)));
         }
         let inner = self.inner();
-        let (tx, mut rx) = oneshot::channel::<Result<R, ShedReason>>();
-        let (entry, evicted) = {
+        let (tx, mut rx) = oneshot::channel::<Result<R, (ShedReason, S)>>();
+        let placed = 'placed: {
             let mut s = inner.lock();
             if s.closed {
-                return Err(ShedReason::QueueFull);
+                return Err((ShedReason::QueueFull, Some(state)));
             }
             let verdict = admit(&QueueState {
                 running: s.running,
@@ -667,7 +695,7 @@ impl FairQueue {
             let evicted = match verdict {
                 Admit::Shed(r) => {
                     inner.backlog.shed();
-                    return Err(r);
+                    return Err((r, Some(state)));
                 }
                 Admit::Run
                     if inner.inline.is_some_and(|quiet| {
@@ -677,15 +705,18 @@ impl FairQueue {
                     // On the caller's own worker, in a slot of the pool.
                     let slot = inner.take_slot(&mut s);
                     drop(s);
-                    let r = inner.timed(true, f);
+                    inner.timed(true, || f(state, Reply(tx)));
                     drop(slot.give_back());
-                    return Ok(r);
+                    break 'placed None;
                 }
                 Admit::Run | Admit::Enqueue => None,
                 Admit::EnqueueEvicting => s.table.pop_last().map(|(_, w)| w),
             };
-            let job: Job = Box::new(move |go| {
-                let _ = tx.send(go.map(|()| f()));
+            let job: Job = Box::new(move |go| match go {
+                Ok(()) => f(state, Reply(tx)),
+                Err(why) => {
+                    let _ = tx.send(Err((why, state)));
+                }
             });
             let entry = s.table.push(
                 Arc::from(key),
@@ -701,7 +732,14 @@ impl FairQueue {
             if s.idle > 0 {
                 inner.work.notify_one();
             }
-            (entry, evicted)
+            Some((entry, evicted))
+        };
+        let Some((entry, evicted)) = placed else {
+            // Ran inline; its answer may still come from another thread.
+            return rx
+                .await
+                .map_err(|_| (ShedReason::DeadlineExceeded, None))?
+                .map_err(|(why, state)| (why, Some(state)));
         };
         if let Some(w) = evicted {
             inner.backlog.shed();
@@ -715,21 +753,22 @@ impl FairQueue {
         let got = tokio::select! {
             r = &mut rx => r,
             _ = tokio::time::sleep_until(start_by.into()) => {
-                if guard.leave() {
-                    return Err(ShedReason::DeadlineExceeded);
+                if let Some(w) = guard.leave() {
+                    // Its state comes back through the channel.
+                    (w.job)(Err(ShedReason::DeadlineExceeded));
                 }
-                // A signing thread took it before its start-by time: the
-                // job runs to its end (its own last check is the deadline
-                // before the signature).
+                // Either shed just now, or a signing thread took it before
+                // its start-by time: the job runs to its end (its own last
+                // check is the deadline before the signature).
                 (&mut rx).await
             }
         };
         // Taken by a signing thread or shed: it already left the queue.
         guard.waiting = false;
         match got {
-            Ok(r) => r,
-            // Dropped from the queue as expired (or the pool closed).
-            Err(_) => Err(ShedReason::DeadlineExceeded),
+            Ok(r) => r.map_err(|(why, state)| (why, Some(state))),
+            // The job was dropped unrun (the pool closed) or panicked.
+            Err(_) => Err((ShedReason::DeadlineExceeded, None)),
         }
     }
 }
@@ -814,6 +853,66 @@ mod tests {
         );
         assert!(q.service_time().is_some());
         assert_eq!(q.completed(), 1);
+    }
+
+    type Parked = (
+        tokio::task::JoinHandle<Result<u32, (ShedReason, Option<()>)>>,
+        Reply<u32, ()>,
+    );
+
+    /// Queues a deferred job that parks its reply, unanswered, with the
+    /// test: the waiting task, and the reply once the job has run.
+    async fn park_reply(q: &FairQueue) -> Parked {
+        let (park, parked) = std::sync::mpsc::channel::<Reply<u32, ()>>();
+        let waiter = tokio::spawn({
+            let q = q.clone();
+            async move {
+                q.run_deferred("a", Instant::now(), later(), (), move |(), reply| {
+                    park.send(reply).unwrap()
+                })
+                .await
+            }
+        });
+        let reply = tokio::task::spawn_blocking(move || parked.recv().unwrap())
+            .await
+            .unwrap();
+        (waiter, reply)
+    }
+
+    /// A deferred job frees its signing thread when it returns and answers
+    /// later from another thread; its reply sees a caller that cancelled;
+    /// and a shed hands the job's state back.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_deferred_job_answers_from_elsewhere_and_sees_its_caller_leave() {
+        for q in [pool(1, 4), inline_pool(1)] {
+            let (waiter, reply) = park_reply(&q).await;
+            // The job has returned: its slot is free while its answer waits.
+            assert_eq!(q.run("b", later(), || 2).await, Ok(2));
+            assert!(!waiter.is_finished());
+            assert!(!reply.is_closed());
+            std::thread::spawn(move || reply.send(7)).join().unwrap();
+            assert_eq!(waiter.await.unwrap().ok(), Some(7));
+        }
+        // A caller that leaves while its job runs: the reply says so.
+        let q = pool(1, 4);
+        let (waiter, reply) = park_reply(&q).await;
+        waiter.abort();
+        let _ = waiter.await;
+        assert!(reply.is_closed());
+        // Shed while it waits (its start-by time passes behind a held
+        // slot): the state comes back with the reason.
+        let (gates, held) = hold(&q, 1).await;
+        let start_by = Instant::now() + Duration::from_millis(50);
+        let shed = q
+            .run_deferred("c", Instant::now(), start_by, 5u8, |_, _: Reply<(), u8>| {
+                unreachable!("shed before it runs")
+            })
+            .await;
+        assert!(matches!(shed, Err((ShedReason::DeadlineExceeded, Some(5)))));
+        drop(gates);
+        for t in held {
+            t.await.unwrap();
+        }
     }
 
     fn inline_pool(running: usize) -> FairQueue {
@@ -1111,10 +1210,12 @@ mod tests {
     ) -> tokio::task::JoinHandle<Result<(), ShedReason>> {
         let (q, ran) = (q.clone(), ran.clone());
         tokio::spawn(async move {
-            q.run_arrived(key, arrived, later(), move || {
-                ran.lock().unwrap().push(name)
+            q.run_deferred(key, arrived, later(), (), move |(), reply| {
+                ran.lock().unwrap().push(name);
+                reply.send(())
             })
             .await
+            .map_err(|(why, _)| why)
         })
     }
 
