@@ -739,9 +739,8 @@ mod tests {
         let held = tokio::spawn({
             let a = a.clone();
             async move {
-                a.run_deferred("held", Instant::now(), later, (), move |(), reply| {
+                a.run("held", Instant::now(), later, move || {
                     let _ = rx.recv();
-                    reply.send(());
                 })
                 .await
             }
@@ -751,19 +750,14 @@ mod tests {
         }
         let waiting = tokio::spawn({
             let a = a.clone();
-            async move {
-                a.run_deferred("waiting", Instant::now(), later, (), |(), r| r.send(()))
-                    .await
-            }
+            async move { a.run("waiting", Instant::now(), later, || ()).await }
         });
         while a.stats().1 < 1 {
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
         let shed = || async {
-            let r = a
-                .run_deferred("shed", Instant::now(), later, (), |(), r| r.send(()))
-                .await;
-            assert_eq!(r.err().map(|(s, _)| s.reason), Some(ShedReason::QueueFull));
+            let r = a.run("shed", Instant::now(), later, || ()).await;
+            assert_eq!(r.err().map(|s| s.reason), Some(ShedReason::QueueFull));
         };
         shed().await;
         let c = a.concurrency();

@@ -5,10 +5,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use time::OffsetDateTime;
-use tokio::sync::oneshot;
 
-use crate::admission::{Admission, Reply, Shed, ShedReason};
-use crate::audit::{AuditError, AuditGuard, AuditRefusal, AuditSink, Delivery};
+use crate::admission::{Admission, Shed, ShedReason};
+use crate::audit::{AuditError, AuditGuard, AuditRefusal, AuditSink};
 use crate::authn::{self, AuthnError, Credentials, TokenAuthenticator};
 use crate::authz::{ImpersonationError, NodeAuthorizer};
 use crate::ca::{csr, ttl, CaStore, CsrError, CsrPolicy, SignError, TtlError, TtlPolicy};
@@ -303,8 +302,7 @@ impl CertificateIssuer {
         );
         // The claimed cluster until authentication names the verified one.
         audit.record().cluster_id = creds.cluster_id.clone();
-        let prepared = self.prepare(creds, req, timing, &mut audit).await;
-        // Named before the record can leave for the sink from a signing thread.
+        let result = self.issue_inner(creds, req, timing, &mut audit).await;
         let cluster = self.metrics.as_ref().map(|m| {
             let r = audit.record();
             if r.cluster_id.as_deref().is_none_or(str::is_empty) {
@@ -312,18 +310,42 @@ impl CertificateIssuer {
             }
             (m.clone(), r.cluster_id.clone())
         });
-        let result = match prepared {
-            Ok(p) => self.sign(p, timing, audit).await,
-            Err(e) => Err((Some(audit), e)),
-        };
+        match &result {
+            Ok(_) => audit.allow(),
+            // A shed is counted by reason in metrics and audited below; a
+            // log line each would cost more than the shed itself in a storm.
+            Err(IssueError::Shed(shed)) => {
+                audit.deny(shed.reason.reason(), None, shed.to_string());
+            }
+            Err(e) => {
+                let detail = e.to_string();
+                // The message may echo caller input: the log line is bounded like the record.
+                let shown =
+                    crate::audit::bounded::bounded(&detail, crate::audit::bounded::FIELD_MAX);
+                tracing::warn!(request_id = audit.request_id(), reason = e.reason(), error = %shown, "certificate request denied");
+                audit.deny(e.reason(), e.class(), detail);
+            }
+        }
         let result = match result {
-            Ok(chain) => Ok(chain),
-            // Refused with its record still here: recorded now.
-            Err((Some(audit), e)) => Err(refuse(audit, e).await),
-            // Its record is settled: the acknowledgement refused it (and it
-            // was counted as that), or it was lost with its job (and emitted,
-            // as abandoned, when dropped).
-            Err((None, e)) => Err(e),
+            // The certificate leaves only once its record is acknowledged.
+            Ok(chain) => match audit.finish_acked().await {
+                Err(AuditRefusal::Write(e)) => Err(IssueError::Audit(e)),
+                Err(AuditRefusal::Shed(r)) => Err(IssueError::AuditShed(r)),
+                Ok(()) => Ok(chain),
+            },
+            // A shed's record is handed to the writer without waiting for
+            // its acknowledgement (nothing leaves that it would vouch for,
+            // and a storm of sheds must not wait on the writer).
+            Err(e @ IssueError::Shed(_)) => {
+                let _ = audit.finish();
+                Err(e)
+            }
+            // Other refusals are answered once their record is written, as
+            // before (callers and tests may read the log right after).
+            Err(e) => {
+                let _ = audit.finish_acked().await;
+                Err(e)
+            }
         };
         if let Some((m, cluster)) = cluster {
             let decision = match &result {
@@ -335,15 +357,13 @@ impl CertificateIssuer {
         result
     }
 
-    /// Everything before the signature: admission's cheap checks,
-    /// authentication, authorization, the kill switch, the identity cap.
-    async fn prepare(
+    async fn issue_inner(
         &self,
         creds: &Credentials,
         req: Result<IssueRequest, RequestError>,
         timing: Timing,
         audit: &mut AuditGuard,
-    ) -> Result<Prepared<'_>, IssueError> {
+    ) -> Result<Vec<String>, IssueError> {
         let admission = self.admission.as_deref();
         if let Some(a) = admission {
             // Cheap: no CSR parse, no TokenReview.
@@ -446,14 +466,20 @@ impl CertificateIssuer {
             }
         }
 
-        // Admission: the identity cap here, then a fair turn on a signing
-        // thread for the CPU-heavy work ([`Self::sign`]).
-        let turn = match admission {
-            Some(a) => Some((
-                a.take_identity(&identity)?,
-                crate::admission::decide::caller_key(&caller),
-            )),
+        // Admission: the identity cap, then a fair turn on a signing thread
+        // for the CPU-heavy work.
+        let admitting = admission.map(|a| (a, crate::admission::decide::caller_key(&caller)));
+        let ticket = match &admitting {
+            Some((a, _)) => Some(a.take_identity(&identity)?),
             None => None,
+        };
+
+        // One snapshot for the whole signing step: a reload cannot mix material.
+        let bundle = self.ca.snapshot();
+        let gate = SignGate {
+            deadline: admission
+                .and(timing.timeout)
+                .and_then(|t| timing.arrived.checked_add(t)),
         };
         let issued_for = mtls_cluster
             .as_deref()
@@ -465,155 +491,63 @@ impl CertificateIssuer {
             identity,
             csr_policy: self.csr_policy,
             ttl: self.ttl,
-            // One snapshot for the whole signing step: a reload cannot mix material.
-            bundle: self.ca.snapshot(),
-            ca: self.ca.clone(),
-            gate: SignGate {
-                deadline: admission
-                    .and(timing.timeout)
-                    .and_then(|t| timing.arrived.checked_add(t)),
-            },
-            admission: self.admission.clone(),
+            bundle: bundle.clone(),
+            gate,
         };
-        Ok(Prepared { job, turn })
-    }
-
-    /// Signs and hands the record of the certificate to the audit sink;
-    /// the answer comes with the acknowledgement. With admission, both run
-    /// on one of its signing threads at the caller's fair turn
-    /// (admission::queue), so the async workers stay free to read, classify
-    /// and shed the next requests, and the request's task is woken once, by
-    /// the audit writer's acknowledgement, rather than once for the
-    /// signature and again for the acknowledgement (under a CPU quota each
-    /// wake-up of a thread can wait for the next period). A caller that
-    /// cancels while its job waits leaves the queue unsigned, its record with
-    /// it; once the job runs it finishes, and a certificate its caller no
-    /// longer waits for is audited `request_abandoned`. A refusal comes back
-    /// with its record to write (`None`: the record is settled).
-    async fn sign(
-        &self,
-        prepared: Prepared<'_>,
-        timing: Timing,
-        audit: AuditGuard,
-    ) -> Result<Vec<String>, (Option<AuditGuard>, IssueError)> {
-        let Prepared { job, turn } = prepared;
-        let ended = match (self.admission.as_deref(), &turn) {
-            (Some(a), Some((_, key))) => {
+        // With admission, the job runs on one of its signing threads at the
+        // caller's fair turn (admission::queue): the async workers stay free
+        // to read, classify and shed the next requests. A caller that
+        // cancels while its job waits leaves the queue unsigned; once the
+        // job runs it finishes, and a certificate its caller no longer waits
+        // for is audited `request_abandoned`.
+        let mut out = match &admitting {
+            Some((a, key)) => {
                 let start_by = a.start_by(timing.arrived, timing.timeout);
-                a.run_deferred(key, timing.arrived, start_by, audit, move |audit, reply| {
-                    job.run(audit, Answer::Queued(reply));
-                })
-                .await
-                .map_err(|(shed, audit)| (audit, IssueError::from(shed)))
+                a.run(key, timing.arrived, start_by, move || job.run())
+                    .await?
             }
-            _ => {
-                let (tx, rx) = oneshot::channel();
-                job.run(audit, Answer::Direct(tx));
-                // The job always answers; a lost answer is a lost writer.
-                rx.await
-                    .map_err(|_| (None, IssueError::AuditShed("audit_writer_stopped")))
-            }
+            None => job.run(),
         };
-        match ended? {
-            (_, JobEnd::Delivered(chain, Ok(()))) => {
-                if let Some((ticket, _)) = turn {
-                    ticket.commit();
+        if let (Some(a), Err(IssueError::Shed(s))) = (admission, &out.result) {
+            // Withheld right before signing: counted with its pushback.
+            out.result = Err(a.shed_now(s.reason).into());
+        }
+        {
+            // What was asked for, before the policy judges it (bounded when
+            // the record is finalized).
+            let r = audit.record();
+            r.csr_sha256 = out.csr_sha256;
+            r.csr_sans = out.csr_sans;
+        }
+        let signed = out.result?;
+        // Durable before the leaf leaves (rotation gates read it); rare
+        // small write, so it stays on this task.
+        self.ca.record_issued(signed.not_after)?;
+        let r = audit.record();
+        r.lifetime = Some(signed.choice);
+        r.serial = Some(signed.serial_hex);
+        r.spki_sha256 = Some(signed.spki_sha256);
+        r.not_before = Some(signed.not_before);
+        r.not_after = Some(signed.not_after);
+        r.issuer_key_id = Some(bundle.key_id().to_string());
+        r.signer = Some(bundle.signer().kind().to_string());
+        if let Some(a) = admission {
+            // Signing overran the caller's deadline despite the margin: the
+            // certificate is withheld and recorded as a deny, so no allow is
+            // audited for a caller that has given up.
+            if let Some(timeout) = timing.timeout {
+                if timing.arrived.elapsed() >= timeout {
+                    return Err(a
+                        .shed_now(crate::admission::ShedReason::DeadlineExceeded)
+                        .into());
                 }
-                Ok(chain)
-            }
-            (_, JobEnd::Delivered(_, Err(AuditRefusal::Write(e)))) => {
-                Err((None, IssueError::Audit(e)))
-            }
-            (_, JobEnd::Delivered(_, Err(AuditRefusal::Shed(r)))) => {
-                Err((None, IssueError::AuditShed(r)))
-            }
-            (audit, JobEnd::Refused(e)) => Err((Some(audit), e)),
-        }
-    }
-}
-
-/// How a signing job ends.
-enum JobEnd {
-    /// Signed, and its record handed to the sink: the acknowledgement.
-    Delivered(Vec<String>, Result<(), AuditRefusal>),
-    /// Refused before its record left: the refusal to record.
-    Refused(IssueError),
-}
-
-/// Where a signing job's end goes: the admission queue's reply, or the
-/// request's own channel when it signs without admission.
-enum Answer {
-    Queued(Reply<(AuditGuard, JobEnd), AuditGuard>),
-    Direct(oneshot::Sender<(AuditGuard, JobEnd)>),
-}
-
-impl Answer {
-    fn send(self, audit: AuditGuard, end: JobEnd) {
-        match self {
-            Self::Queued(reply) => reply.send((audit, end)),
-            Self::Direct(tx) => {
-                let _ = tx.send((audit, end));
             }
         }
-    }
-
-    /// The request's task is gone (its caller gave up).
-    fn is_closed(&self) -> bool {
-        match self {
-            Self::Queued(reply) => reply.is_closed(),
-            Self::Direct(tx) => tx.is_closed(),
+        if let Some(t) = ticket {
+            t.commit();
         }
+        Ok(signed.chain)
     }
-}
-
-/// The certificate, waiting for its record's acknowledgement.
-struct Deliver {
-    answer: Answer,
-    chain: Vec<String>,
-}
-
-impl Delivery for Deliver {
-    fn is_closed(&self) -> bool {
-        self.answer.is_closed()
-    }
-
-    fn deliver(self, audit: AuditGuard, result: Result<(), AuditRefusal>) {
-        self.answer
-            .send(audit, JobEnd::Delivered(self.chain, result));
-    }
-}
-
-/// Records a refusal; the answer waits for its record unless it is a shed.
-async fn refuse(mut audit: AuditGuard, e: IssueError) -> IssueError {
-    match &e {
-        // A shed is counted by reason in metrics and audited here; a log
-        // line each would cost more than the shed itself in a storm. Its
-        // record is handed to the writer without waiting for its
-        // acknowledgement (nothing leaves that it would vouch for, and a
-        // storm of sheds must not wait on the writer).
-        IssueError::Shed(shed) => {
-            audit.deny(shed.reason.reason(), None, shed.to_string());
-            let _ = audit.finish();
-        }
-        // Other refusals are answered once their record is written (callers
-        // and tests may read the log right after).
-        e => {
-            let detail = e.to_string();
-            // The message may echo caller input: the log line is bounded like the record.
-            let shown = crate::audit::bounded::bounded(&detail, crate::audit::bounded::FIELD_MAX);
-            tracing::warn!(request_id = audit.request_id(), reason = e.reason(), error = %shown, "certificate request denied");
-            audit.deny(e.reason(), e.class(), detail);
-            let _ = audit.finish_acked().await;
-        }
-    }
-    e
-}
-
-/// A request ready to sign, and its admission turn: the identity cap's
-/// ticket and the caller's fair-queueing key.
-struct Prepared<'a> {
-    job: SignJob,
-    turn: Option<(crate::admission::CapTicket<'a>, String)>,
 }
 
 /// The last check before a signature: a caller past its deadline (it gave
@@ -633,8 +567,7 @@ impl SignGate {
     }
 }
 
-/// The CPU-heavy step: CSR parse and verify, policy, lifetime, signature;
-/// then the certificate's record goes to the audit sink.
+/// The CPU-heavy step: CSR parse and verify, policy, lifetime, signature.
 struct SignJob {
     csr_pem: String,
     validity_secs: i64,
@@ -642,12 +575,16 @@ struct SignJob {
     csr_policy: CsrPolicy,
     ttl: TtlPolicy,
     bundle: Arc<crate::ca::CaBundle>,
-    ca: Arc<CaStore>,
     gate: SignGate,
-    /// Counts a shed decided here, with its pushback.
-    admission: Option<Arc<Admission>>,
     /// The serial's cluster mark (a remote cluster's leaf).
     cluster: Option<crate::ca::serial::ClusterTag>,
+}
+
+/// What the signing step learned for the audit record, and its result.
+struct SignOutcome {
+    csr_sha256: Option<String>,
+    csr_sans: Option<Vec<String>>,
+    result: Result<Signed, IssueError>,
 }
 
 struct Signed {
@@ -660,72 +597,31 @@ struct Signed {
 }
 
 impl SignJob {
-    /// Signs, then hands the issued record to the sink and answers with
-    /// its acknowledgement; a refusal is answered with the record to write.
-    fn run(self, mut audit: AuditGuard, answer: Answer) {
-        match self.run_recorded(&mut audit, &answer) {
-            Ok(chain) => {
-                audit.allow();
-                audit.finish_then(Deliver { answer, chain });
+    fn run(self) -> SignOutcome {
+        let csr = match csr::parse_and_verify(&self.csr_pem) {
+            Ok(c) => c,
+            Err(e) => {
+                return SignOutcome {
+                    csr_sha256: None,
+                    csr_sans: None,
+                    result: Err(e.into()),
+                }
             }
-            Err(e) => answer.send(audit, JobEnd::Refused(e)),
+        };
+        let csr_sha256 = Some(hex::encode(csr.sha256));
+        let csr_sans = Some(
+            csr.sans
+                .iter()
+                .map(|s| match s {
+                    csr::San::Uri(u) | csr::San::Other(u) => u.clone(),
+                })
+                .collect(),
+        );
+        SignOutcome {
+            csr_sha256,
+            csr_sans,
+            result: self.sign(&csr),
         }
-    }
-
-    fn run_recorded(
-        self,
-        audit: &mut AuditGuard,
-        answer: &Answer,
-    ) -> Result<Vec<String>, IssueError> {
-        let csr = csr::parse_and_verify(&self.csr_pem)?;
-        {
-            // What was asked for, before the policy judges it (bounded when
-            // the record is finalized).
-            let r = audit.record();
-            r.csr_sha256 = Some(hex::encode(csr.sha256));
-            r.csr_sans = Some(
-                csr.sans
-                    .iter()
-                    .map(|s| match s {
-                        csr::San::Uri(u) | csr::San::Other(u) => u.clone(),
-                    })
-                    .collect(),
-            );
-        }
-        let signed = self.sign(&csr).map_err(|e| match (&self.admission, e) {
-            // Withheld right before signing: counted with its pushback.
-            (Some(a), IssueError::Shed(s)) => a.shed_now(s.reason).into(),
-            (_, e) => e,
-        })?;
-        // Durable before the leaf leaves (rotation gates read it); a rare
-        // small write.
-        self.ca.record_issued(signed.not_after)?;
-        let r = audit.record();
-        r.lifetime = Some(signed.choice);
-        r.serial = Some(signed.serial_hex);
-        r.spki_sha256 = Some(signed.spki_sha256);
-        r.not_before = Some(signed.not_before);
-        r.not_after = Some(signed.not_after);
-        r.issuer_key_id = Some(self.bundle.key_id().to_string());
-        r.signer = Some(self.bundle.signer().kind().to_string());
-        if let (Some(a), Some(deadline)) = (&self.admission, self.gate.deadline) {
-            // Signing overran the caller's deadline despite the margin: the
-            // certificate is withheld and recorded as a deny, so no allow is
-            // audited for a caller that has given up.
-            if Instant::now() >= deadline {
-                return Err(a.shed_now(ShedReason::DeadlineExceeded).into());
-            }
-        }
-        if answer.is_closed() {
-            // Nobody receives this: the record, with the certificate's
-            // serial, is emitted as it is dropped (`request_abandoned`).
-            return Err(Shed {
-                reason: ShedReason::DeadlineExceeded,
-                retry_after: Duration::ZERO,
-            }
-            .into());
-        }
-        Ok(signed.chain)
     }
 
     fn sign(&self, csr: &csr::VerifiedCsr) -> Result<Signed, IssueError> {
@@ -1189,32 +1085,14 @@ mod tests {
         assert_eq!(tonic::Status::from(err).code(), tonic::Code::Internal);
     }
 
-    const ID: &str = "spiffe://cluster.local/ns/app/sa/app";
-
-    /// A job signing `csr` for [`ID`] with the default policies, without
-    /// admission.
-    fn sign_job(ca: &Arc<CaStore>, csr: String, deadline: Option<Instant>) -> SignJob {
-        SignJob {
-            csr_pem: csr,
-            validity_secs: 0,
-            identity: ID.parse().unwrap(),
-            csr_policy: CsrPolicy::Strict,
-            ttl: TtlPolicy::default(),
-            bundle: ca.snapshot(),
-            ca: ca.clone(),
-            gate: SignGate { deadline },
-            admission: None,
-            cluster: None,
-        }
-    }
-
     /// The last check before a signature, on a real CSR and CA: a caller
     /// past its deadline gets nothing signed, with its reason.
     #[test]
     fn nothing_is_signed_past_the_deadline() {
         let pki = TestPki::new(KeyType::EcdsaP256);
-        let ca = Arc::new(crate::ca::CaStore::from_dir(pki.path(), false).unwrap());
-        let csr = csr_for(&rcgen::KeyPair::generate().unwrap(), ID);
+        let ca = crate::ca::CaStore::from_dir(pki.path(), false).unwrap();
+        let id = "spiffe://cluster.local/ns/app/sa/app";
+        let csr = csr_for(&rcgen::KeyPair::generate().unwrap(), id);
         let now = Instant::now();
         let later = now.checked_add(Duration::from_secs(60));
         let cases: [(Option<Instant>, Option<ShedReason>); 3] = [
@@ -1223,65 +1101,24 @@ mod tests {
             (Some(now), Some(ShedReason::DeadlineBeforeSign)),
         ];
         for (deadline, want) in cases {
-            let sink = Arc::new(MemorySink::default());
-            let audit = AuditGuard::new(sink.clone(), None, None);
-            let (tx, mut rx) = oneshot::channel();
-            sign_job(&ca, csr.clone(), deadline).run(audit, Answer::Direct(tx));
-            // The memory sink acknowledges in place: the answer is there.
-            let (mut audit, end) = rx.try_recv().unwrap();
-            match (end, want) {
-                (JobEnd::Delivered(chain, Ok(())), None) => {
-                    assert!(chain.len() >= 2, "leaf and roots");
-                    // The allow went to the sink from the job, with its CSR.
-                    let records = sink.records();
-                    assert_eq!(records.len(), 1);
-                    assert_eq!(records[0].decision, Decision::Allow);
-                    assert!(records[0].csr_sha256.is_some());
-                    assert!(records[0].serial.is_some());
-                }
-                (JobEnd::Refused(IssueError::Shed(s)), Some(reason)) => {
-                    assert_eq!(s.reason, reason);
-                    // Nothing was handed to the sink; the CSR was verified
-                    // (the check comes after) and is on the refusal's record.
-                    assert!(sink.records().is_empty());
-                    assert!(audit.record().csr_sha256.is_some());
-                }
-                (JobEnd::Delivered(_, r), want) => {
-                    panic!("{deadline:?}: delivered {r:?}, want {want:?}")
-                }
-                (JobEnd::Refused(e), want) => panic!("{deadline:?}: {e:?}, want {want:?}"),
+            let out = SignJob {
+                csr_pem: csr.clone(),
+                validity_secs: 0,
+                identity: id.parse().unwrap(),
+                csr_policy: CsrPolicy::Strict,
+                ttl: TtlPolicy::default(),
+                bundle: ca.snapshot(),
+                gate: SignGate { deadline },
+                cluster: None,
             }
-        }
-    }
-
-    /// A job that signs after its caller gave up hands no allow to the sink:
-    /// its record, dropped with the undelivered answer, says
-    /// `request_abandoned` and names the certificate that was signed.
-    #[test]
-    fn a_certificate_signed_after_the_caller_left_is_recorded_abandoned() {
-        let pki = TestPki::new(KeyType::EcdsaP256);
-        let ca = Arc::new(crate::ca::CaStore::from_dir(pki.path(), false).unwrap());
-        for gone in [false, true] {
-            let sink = Arc::new(MemorySink::default());
-            let (tx, mut rx) = oneshot::channel();
-            let job = sign_job(&ca, csr_for(&rcgen::KeyPair::generate().unwrap(), ID), None);
-            if gone {
-                rx.close();
+            .run();
+            // The CSR was verified in every case (the check comes after).
+            assert!(out.csr_sha256.is_some());
+            match (out.result, want) {
+                (Ok(signed), None) => assert!(signed.chain.len() >= 2, "leaf and roots"),
+                (Err(IssueError::Shed(s)), Some(reason)) => assert_eq!(s.reason, reason),
+                (other, want) => panic!("{deadline:?}: {:?}, want {want:?}", other.err()),
             }
-            job.run(
-                AuditGuard::new(sink.clone(), None, None),
-                Answer::Direct(tx),
-            );
-            let delivered = matches!(rx.try_recv(), Ok((_, JobEnd::Delivered(_, Ok(())))));
-            assert_eq!(delivered, !gone);
-            let records = sink.records();
-            assert_eq!(records.len(), 1, "exactly one record");
-            let want = if gone { "request_abandoned" } else { "issued" };
-            assert_eq!(records[0].reason, want);
-            assert!(
-                records[0].serial.is_some(),
-                "the signed certificate is named"
-            );
         }
     }
 }

@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 use crate::authn::Familiarity;
 use crate::flags::ConfigError;
 use crate::ratelimit::TokenBucket;
-pub use queue::{FairQueue, PoolConfig, Reply};
+pub use queue::{FairQueue, PoolConfig};
 
 /// What admission reports: sheds by reason, slots in use and waiters after
 /// each change, and the sizing before each signing job. The server's metrics
@@ -673,25 +673,21 @@ impl Admission {
         )
     }
 
-    /// Runs the CPU-heavy `job(state, reply)` on a signing thread at the
-    /// turn of caller `key`, if that comes before `start_by`, for a request
-    /// that arrived at `arrived` (its wait before the queue counts toward
-    /// the queue target). The job answers through `reply`, possibly after
-    /// it returns; a shed job's `state` comes back with the shed
-    /// ([`FairQueue::run_deferred`]).
-    pub async fn run_deferred<S: Send + 'static, R: Send + 'static>(
+    /// Runs the CPU-heavy `job` on a signing thread at the turn of caller
+    /// `key`, if that comes before `start_by`, for a request that arrived at
+    /// `arrived` (its wait before the queue counts toward the queue target).
+    pub async fn run<R: Send + 'static>(
         &self,
         key: &str,
         arrived: Instant,
         start_by: Instant,
-        state: S,
-        job: impl FnOnce(S, Reply<R, S>) + Send + 'static,
-    ) -> Result<R, (Shed, Option<S>)> {
+        job: impl FnOnce() -> R + Send + 'static,
+    ) -> Result<R, Shed> {
         self.resize();
         self.queue
-            .run_deferred(key, arrived, start_by, state, job)
+            .run_arrived(key, arrived, start_by, job)
             .await
-            .map_err(|(why, state)| (self.shed(why, Duration::ZERO), state))
+            .map_err(|r| self.shed(r, Duration::ZERO))
     }
 
     /// (running, queued) now.
@@ -793,16 +789,15 @@ mod tests {
         let (tx, rx) = std::sync::mpsc::channel::<()>();
         let a2 = a.clone();
         let held = tokio::spawn(async move {
-            a2.run_deferred("k", Instant::now(), later, (), move |(), reply| {
+            a2.run("k", Instant::now(), later, move || {
                 let _ = rx.recv();
-                reply.send(());
             })
             .await
         });
         while a.stats().0 < 1 {
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
-        let mut w = Box::pin(a.run_deferred("k", Instant::now(), later, (), |(), r| r.send(())));
+        let mut w = Box::pin(a.run("k", Instant::now(), later, || ()));
         assert!(futures::poll!(w.as_mut()).is_pending());
         for f in [Familiarity::New, Familiarity::RefusedCheaply] {
             let shed = a.pre_auth(None, f).unwrap_err();

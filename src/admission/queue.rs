@@ -23,21 +23,6 @@ use super::decide::{admit, hold_stale, pick, stale, Admit, QueueState};
 use super::fair::{Entry, FairTable};
 use super::ShedReason;
 
-/// How a job's caller gets its answer ([`FairQueue::run_deferred`]).
-#[derive(Debug)]
-pub struct Reply<R, S>(oneshot::Sender<Result<R, (ShedReason, S)>>);
-
-impl<R, S> Reply<R, S> {
-    pub fn send(self, r: R) {
-        let _ = self.0.send(Ok(r));
-    }
-
-    /// The caller stopped waiting (it cancelled).
-    pub fn is_closed(&self) -> bool {
-        self.0.is_closed()
-    }
-}
-
 /// A queued job: called once, with `Ok` to run it or the reason it was shed.
 type Job = Box<dyn FnOnce(Result<(), ShedReason>) + Send>;
 
@@ -150,25 +135,24 @@ struct WaitGuard<'a> {
 }
 
 impl WaitGuard<'_> {
-    /// The job, if it was still waiting (and is now removed).
-    fn leave(&mut self) -> Option<Waiter> {
+    /// Whether the job was still waiting (and is now removed).
+    fn leave(&mut self) -> bool {
         if !self.waiting {
-            return None;
+            return false;
         }
         self.waiting = false;
         let mut s = self.queue.lock();
         let removed = s.table.remove(&self.entry);
         self.queue.gauges(&s);
         drop(s);
-        removed
+        // Dropped outside the lock: the job owns the caller's channel.
+        removed.is_some()
     }
 }
 
 impl Drop for WaitGuard<'_> {
     fn drop(&mut self) {
-        // Dropped outside the lock: the job owns the caller's channel and
-        // state.
-        drop(self.leave());
+        self.leave();
     }
 }
 
@@ -636,9 +620,8 @@ impl FairQueue {
         self.inner().completed.load(Ordering::Relaxed)
     }
 
-    /// Tests' shorthand: [`Self::run_deferred`] for a job that carries
-    /// nothing and answers when it returns, for a request that arrives as
-    /// it is queued.
+    /// Tests' shorthand: [`Self::run_arrived`] for a request that arrives
+    /// as it is queued.
     #[cfg(test)]
     pub async fn run<R: Send + 'static>(
         &self,
@@ -646,43 +629,32 @@ impl FairQueue {
         start_by: Instant,
         f: impl FnOnce() -> R + Send + 'static,
     ) -> Result<R, ShedReason> {
-        self.run_deferred(key, Instant::now(), start_by, (), |(), reply| {
-            reply.send(f())
-        })
-        .await
-        .map_err(|(why, _)| why)
+        self.run_arrived(key, Instant::now(), start_by, f).await
     }
 
-    /// Runs `f(state, reply)` on a signing thread when it is the turn of
-    /// caller `key`, if that comes before `start_by`, for a request that
-    /// arrived at the server at `arrived` (its headers): the time it spent
-    /// before the queue counts toward the queue target. The job answers
-    /// through `reply`, when it returns or later from another thread (the
-    /// audit writer answers once the certificate's record is acknowledged),
-    /// so the waiting task is woken once, by the answer; a reply dropped
-    /// unsent counts as a lost job. A shed job hands `state` back with the
-    /// reason (`None` only if the job was lost: the pool closed, or it
-    /// panicked). Dropping the returned future (the caller cancelled) takes
-    /// the job out of the queue, and drops `state`, if it has not started;
-    /// a started job always runs to its end.
-    pub async fn run_deferred<S: Send + 'static, R: Send + 'static>(
+    /// Runs `f` on a signing thread when it is the turn of caller `key`, if
+    /// that comes before `start_by`, for a request that arrived at the
+    /// server at `arrived` (its headers): the time it spent before the
+    /// queue counts toward the queue target. Dropping the returned future
+    /// (the caller cancelled) takes the job out of the queue if it has not
+    /// started; a started job always runs to its end.
+    pub async fn run_arrived<R: Send + 'static>(
         &self,
         key: &str,
         arrived: Instant,
         start_by: Instant,
-        state: S,
-        f: impl FnOnce(S, Reply<R, S>) + Send + 'static,
-    ) -> Result<R, (ShedReason, Option<S>)> {
+        f: impl FnOnce() -> R + Send + 'static,
+    ) -> Result<R, ShedReason> {
         let now = Instant::now();
         if now >= start_by {
-            return Err((ShedReason::DeadlineExceeded, Some(state)));
+            return Err(ShedReason::DeadlineExceeded);
         }
         let inner = self.inner();
-        let (tx, mut rx) = oneshot::channel::<Result<R, (ShedReason, S)>>();
-        let placed = 'placed: {
+        let (tx, mut rx) = oneshot::channel::<Result<R, ShedReason>>();
+        let (entry, evicted) = {
             let mut s = inner.lock();
             if s.closed {
-                return Err((ShedReason::QueueFull, Some(state)));
+                return Err(ShedReason::QueueFull);
             }
             let verdict = admit(&QueueState {
                 running: s.running,
@@ -695,7 +667,7 @@ impl FairQueue {
             let evicted = match verdict {
                 Admit::Shed(r) => {
                     inner.backlog.shed();
-                    return Err((r, Some(state)));
+                    return Err(r);
                 }
                 Admit::Run
                     if inner.inline.is_some_and(|quiet| {
@@ -705,18 +677,15 @@ impl FairQueue {
                     // On the caller's own worker, in a slot of the pool.
                     let slot = inner.take_slot(&mut s);
                     drop(s);
-                    inner.timed(true, || f(state, Reply(tx)));
+                    let r = inner.timed(true, f);
                     drop(slot.give_back());
-                    break 'placed None;
+                    return Ok(r);
                 }
                 Admit::Run | Admit::Enqueue => None,
                 Admit::EnqueueEvicting => s.table.pop_last().map(|(_, w)| w),
             };
-            let job: Job = Box::new(move |go| match go {
-                Ok(()) => f(state, Reply(tx)),
-                Err(why) => {
-                    let _ = tx.send(Err((why, state)));
-                }
+            let job: Job = Box::new(move |go| {
+                let _ = tx.send(go.map(|()| f()));
             });
             let entry = s.table.push(
                 Arc::from(key),
@@ -732,14 +701,7 @@ impl FairQueue {
             if s.idle > 0 {
                 inner.work.notify_one();
             }
-            Some((entry, evicted))
-        };
-        let Some((entry, evicted)) = placed else {
-            // Ran inline; its answer may still come from another thread.
-            return rx
-                .await
-                .map_err(|_| (ShedReason::DeadlineExceeded, None))?
-                .map_err(|(why, state)| (why, Some(state)));
+            (entry, evicted)
         };
         if let Some(w) = evicted {
             inner.backlog.shed();
@@ -753,22 +715,21 @@ impl FairQueue {
         let got = tokio::select! {
             r = &mut rx => r,
             _ = tokio::time::sleep_until(start_by.into()) => {
-                if let Some(w) = guard.leave() {
-                    // Its state comes back through the channel.
-                    (w.job)(Err(ShedReason::DeadlineExceeded));
+                if guard.leave() {
+                    return Err(ShedReason::DeadlineExceeded);
                 }
-                // Either shed just now, or a signing thread took it before
-                // its start-by time: the job runs to its end (its own last
-                // check is the deadline before the signature).
+                // A signing thread took it before its start-by time: the
+                // job runs to its end (its own last check is the deadline
+                // before the signature).
                 (&mut rx).await
             }
         };
         // Taken by a signing thread or shed: it already left the queue.
         guard.waiting = false;
         match got {
-            Ok(r) => r.map_err(|(why, state)| (why, Some(state))),
-            // The job was dropped unrun (the pool closed) or panicked.
-            Err(_) => Err((ShedReason::DeadlineExceeded, None)),
+            Ok(r) => r,
+            // Dropped from the queue as expired (or the pool closed).
+            Err(_) => Err(ShedReason::DeadlineExceeded),
         }
     }
 }
@@ -853,66 +814,6 @@ mod tests {
         );
         assert!(q.service_time().is_some());
         assert_eq!(q.completed(), 1);
-    }
-
-    type Parked = (
-        tokio::task::JoinHandle<Result<u32, (ShedReason, Option<()>)>>,
-        Reply<u32, ()>,
-    );
-
-    /// Queues a deferred job that parks its reply, unanswered, with the
-    /// test: the waiting task, and the reply once the job has run.
-    async fn park_reply(q: &FairQueue) -> Parked {
-        let (park, parked) = std::sync::mpsc::channel::<Reply<u32, ()>>();
-        let waiter = tokio::spawn({
-            let q = q.clone();
-            async move {
-                q.run_deferred("a", Instant::now(), later(), (), move |(), reply| {
-                    park.send(reply).unwrap()
-                })
-                .await
-            }
-        });
-        let reply = tokio::task::spawn_blocking(move || parked.recv().unwrap())
-            .await
-            .unwrap();
-        (waiter, reply)
-    }
-
-    /// A deferred job frees its signing thread when it returns and answers
-    /// later from another thread; its reply sees a caller that cancelled;
-    /// and a shed hands the job's state back.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_deferred_job_answers_from_elsewhere_and_sees_its_caller_leave() {
-        for q in [pool(1, 4), inline_pool(1)] {
-            let (waiter, reply) = park_reply(&q).await;
-            // The job has returned: its slot is free while its answer waits.
-            assert_eq!(q.run("b", later(), || 2).await, Ok(2));
-            assert!(!waiter.is_finished());
-            assert!(!reply.is_closed());
-            std::thread::spawn(move || reply.send(7)).join().unwrap();
-            assert_eq!(waiter.await.unwrap().ok(), Some(7));
-        }
-        // A caller that leaves while its job runs: the reply says so.
-        let q = pool(1, 4);
-        let (waiter, reply) = park_reply(&q).await;
-        waiter.abort();
-        let _ = waiter.await;
-        assert!(reply.is_closed());
-        // Shed while it waits (its start-by time passes behind a held
-        // slot): the state comes back with the reason.
-        let (gates, held) = hold(&q, 1).await;
-        let start_by = Instant::now() + Duration::from_millis(50);
-        let shed = q
-            .run_deferred("c", Instant::now(), start_by, 5u8, |_, _: Reply<(), u8>| {
-                unreachable!("shed before it runs")
-            })
-            .await;
-        assert!(matches!(shed, Err((ShedReason::DeadlineExceeded, Some(5)))));
-        drop(gates);
-        for t in held {
-            t.await.unwrap();
-        }
     }
 
     fn inline_pool(running: usize) -> FairQueue {
@@ -1210,12 +1111,10 @@ mod tests {
     ) -> tokio::task::JoinHandle<Result<(), ShedReason>> {
         let (q, ran) = (q.clone(), ran.clone());
         tokio::spawn(async move {
-            q.run_deferred(key, arrived, later(), (), move |(), reply| {
-                ran.lock().unwrap().push(name);
-                reply.send(())
+            q.run_arrived(key, arrived, later(), move || {
+                ran.lock().unwrap().push(name)
             })
             .await
-            .map_err(|(why, _)| why)
         })
     }
 

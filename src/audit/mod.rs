@@ -283,65 +283,6 @@ pub trait AuditSink: Send + Sync + std::fmt::Debug {
         self.emit(&record)?;
         Ok(Ack::Written)
     }
-
-    /// [`Self::submit`] for a waiter that is told rather than woken:
-    /// `then` is called exactly once, with the acknowledgement or the
-    /// refusal, on whichever thread has it (the writer's, or this one).
-    fn submit_then(&self, record: Box<AuditRecord>, then: Box<dyn AckThen>) {
-        let r = self.emit(&record).map_err(AuditRefusal::from);
-        then.acked(r);
-    }
-}
-
-/// Who hears a record's acknowledgement through [`AuditSink::submit_then`].
-pub trait AckThen: Send {
-    /// The request stopped waiting: its certificate can no longer leave, so
-    /// a sink that has not written the record yet writes it
-    /// `request_abandoned`.
-    fn is_closed(&self) -> bool;
-    fn acked(self: Box<Self>, result: Result<(), AuditRefusal>);
-}
-
-/// Where [`AuditGuard::finish_then`] hands the guard back, with the
-/// acknowledgement.
-pub trait Delivery: Send + 'static {
-    /// As [`AckThen::is_closed`].
-    fn is_closed(&self) -> bool;
-    fn deliver(self, audit: AuditGuard, result: Result<(), AuditRefusal>);
-}
-
-/// The request's side of [`AuditGuard::finish_then`]: counts it, then
-/// delivers. Dropped unacknowledged (the writer went away with it), it
-/// delivers the refusal.
-struct Settle<D: Delivery> {
-    guard: Option<AuditGuard>,
-    elapsed: f64,
-    delivery: Option<D>,
-}
-
-impl<D: Delivery> Settle<D> {
-    fn settle(&mut self, result: Result<(), AuditRefusal>) {
-        if let (Some(guard), Some(delivery)) = (self.guard.take(), self.delivery.take()) {
-            guard.observe(self.elapsed, result.as_ref().err());
-            delivery.deliver(guard, result);
-        }
-    }
-}
-
-impl<D: Delivery> AckThen for Settle<D> {
-    fn is_closed(&self) -> bool {
-        self.delivery.as_ref().is_none_or(Delivery::is_closed)
-    }
-
-    fn acked(mut self: Box<Self>, result: Result<(), AuditRefusal>) {
-        self.settle(result);
-    }
-}
-
-impl<D: Delivery> Drop for Settle<D> {
-    fn drop(&mut self) {
-        self.settle(Err(AuditRefusal::Shed("audit_writer_stopped")));
-    }
 }
 
 /// Drops every record: the reference for measuring the audit log's cost
@@ -466,44 +407,8 @@ impl AuditGuard {
     /// durable as the fsync policy promises). The certificate may leave only
     /// on `Ok`. Waiting never blocks a runtime thread.
     pub async fn finish_acked(mut self) -> Result<(), AuditRefusal> {
-        let Some((elapsed, record)) = self.hand_over() else {
-            return Ok(());
-        };
-        let result = match self.sink.submit(record) {
-            Ok(Ack::Written) => Ok(()),
-            Ok(Ack::Pending(rx)) => match rx.await {
-                Ok(r) => r.map_err(AuditRefusal::from),
-                Err(_) => Err(AuditRefusal::Shed("audit_writer_stopped")),
-            },
-            Err(e) => Err(e),
-        };
-        self.observe(elapsed, result.as_ref().err());
-        result
-    }
-
-    /// Hands the record to the sink without waiting, and gives the guard
-    /// back through `delivery` with the acknowledgement, counted: a signing
-    /// thread passes an issued record on and the request's task is woken
-    /// once, with the answer, rather than once for the signature and again
-    /// for the acknowledgement.
-    pub fn finish_then<D: Delivery>(mut self, delivery: D) {
-        let Some((elapsed, record)) = self.hand_over() else {
-            return delivery.deliver(self, Ok(()));
-        };
-        let sink = self.sink.clone();
-        let then = Settle {
-            guard: Some(self),
-            elapsed,
-            delivery: Some(delivery),
-        };
-        sink.submit_then(record, Box::new(then));
-    }
-
-    /// Seals the record and takes it out for the sink, leaving what
-    /// `observe` reads (`None`: already emitted).
-    fn hand_over(&mut self) -> Option<(f64, Box<AuditRecord>)> {
         if self.done {
-            return None;
+            return Ok(());
         }
         self.done = true;
         let elapsed = self.seal();
@@ -526,7 +431,16 @@ impl AuditGuard {
         );
         self.record.request_id.clone_from(&record.request_id);
         self.record.node = node;
-        Some((elapsed, Box::new(record)))
+        let result = match self.sink.submit(Box::new(record)) {
+            Ok(Ack::Written) => Ok(()),
+            Ok(Ack::Pending(rx)) => match rx.await {
+                Ok(r) => r.map_err(AuditRefusal::from),
+                Err(_) => Err(AuditRefusal::Shed("audit_writer_stopped")),
+            },
+            Err(e) => Err(e),
+        };
+        self.observe(elapsed, result.as_ref().err());
+        result
     }
 
     /// Final touches before the record leaves: latency and bounds.

@@ -14,7 +14,7 @@ use tokio::sync::oneshot;
 
 use super::aggregate::Aggregator;
 use super::chain::ChainedSink;
-use super::{Ack, AckThen, AuditError, AuditRecord, AuditRefusal, AuditSink, Decision};
+use super::{Ack, AuditError, AuditRecord, AuditRefusal, AuditSink, Decision};
 
 /// Reason codes of requests shed by the writer.
 pub const SHED_REASONS: [&str; 2] = ["audit_queue_full", "audit_writer_stopped"];
@@ -61,24 +61,7 @@ pub trait CheckpointObserver: Send + Sync + std::fmt::Debug {
     fn checkpoint(&self, line: &str);
 }
 
-/// Who waits for a record's acknowledgement.
-enum Reply {
-    /// A task awaiting [`Ack::Pending`].
-    Request(oneshot::Sender<Result<(), AuditError>>),
-    /// Called on this thread ([`AuditSink::submit_then`]).
-    Then(Box<dyn AckThen>),
-}
-
-impl Reply {
-    /// The request stopped waiting.
-    fn is_closed(&self) -> bool {
-        match self {
-            Self::Request(tx) => tx.is_closed(),
-            Self::Then(t) => t.is_closed(),
-        }
-    }
-}
-
+type Reply = oneshot::Sender<Result<(), AuditError>>;
 type BlockingReply = mpsc::Sender<Result<(), AuditError>>;
 
 enum Msg {
@@ -97,10 +80,9 @@ impl Waiter {
     fn send(self, r: Result<(), AuditError>) {
         match self {
             Self::None => {}
-            Self::Request(Reply::Request(w)) => {
+            Self::Request(w) => {
                 let _ = w.send(r);
             }
-            Self::Request(Reply::Then(t)) => t.acked(r.map_err(AuditRefusal::from)),
             Self::Blocking(w) => {
                 let _ = w.send(r);
             }
@@ -176,11 +158,8 @@ impl AuditWriter {
         self.shed.fetch_add(1, Ordering::Relaxed);
         // The record is not lost: it is counted under its reason and
         // caller, and the writer writes the count into the chain.
-        if let Msg::Record(record, reply) = msg {
-            self.aggregator.fold_record(&record);
-            if let Some(Reply::Then(t)) = reply {
-                t.acked(Err(AuditRefusal::Shed(reason)));
-            }
+        if let Msg::Record(record, _) = &msg {
+            self.aggregator.fold_record(record);
         }
         Err(AuditRefusal::Shed(reason))
     }
@@ -249,13 +228,8 @@ impl AuditSink for AuditWriter {
 
     fn submit(&self, record: Box<AuditRecord>) -> Result<Ack, AuditRefusal> {
         let (reply, rx) = oneshot::channel();
-        self.send(Msg::Record(record, Some(Reply::Request(reply))))?;
+        self.send(Msg::Record(record, Some(reply)))?;
         Ok(Ack::Pending(rx))
-    }
-
-    fn submit_then(&self, record: Box<AuditRecord>, then: Box<dyn AckThen>) {
-        // A refusal has called `then` already.
-        let _ = self.send(Msg::Record(record, Some(Reply::Then(then))));
     }
 }
 
@@ -579,31 +553,18 @@ mod tests {
         }
     }
 
-    impl Gate {
-        fn open(&self) {
-            let (open, cv) = &*self.0;
-            *open.lock().unwrap() = true;
-            cv.notify_all();
-        }
-    }
-
-    /// A writer with a queue of `queue` records whose output blocks until
-    /// the gate opens (its start checkpoint is written).
-    fn gated_writer(queue: usize) -> (Gate, Arc<AuditWriter>) {
+    #[tokio::test]
+    async fn a_full_queue_sheds_at_once_and_the_checkpoint_counts_it() {
         let gate = Gate(Default::default(), Default::default());
-        gate.open();
+        *gate.0 .0.lock().unwrap() = true;
         let sink = ChainedSink::open(SinkOptions::new(Destination::Writer(Box::new(
             gate.clone(),
         ))))
         .unwrap();
         *gate.0 .0.lock().unwrap() = false;
-        let w = AuditWriter::start(sink, settings(queue, FsyncPolicy::Never), None, agg()).unwrap();
-        (gate, Arc::new(w))
-    }
-
-    #[tokio::test]
-    async fn a_full_queue_sheds_at_once_and_the_checkpoint_counts_it() {
-        let (gate, w) = gated_writer(2);
+        let w = Arc::new(
+            AuditWriter::start(sink, settings(2, FsyncPolicy::Never), None, agg()).unwrap(),
+        );
         // The first record is taken by the thread and blocks in write; two
         // more fill the queue; the rest are shed without waiting.
         let mut waiting = vec![];
@@ -624,7 +585,11 @@ mod tests {
         }
         assert_eq!(waiting.len(), 3, "one in write, two queued");
         assert_eq!(shed, 7);
-        gate.open();
+        {
+            let (open, cv) = &*gate.0;
+            *open.lock().unwrap() = true;
+            cv.notify_all();
+        }
         for rx in waiting {
             rx.await.unwrap().unwrap();
         }
@@ -673,7 +638,11 @@ mod tests {
             panic!()
         };
         drop(gone);
-        gate.open();
+        {
+            let (open, cv) = &*gate.0;
+            *open.lock().unwrap() = true;
+            cv.notify_all();
+        }
         blocker.await.unwrap().unwrap();
         tokio::task::spawn_blocking(move || w.shutdown_blocking(Duration::from_secs(5)))
             .await
@@ -684,74 +653,6 @@ mod tests {
         let v: serde_json::Value = serde_json::from_str(req1).unwrap();
         assert_eq!(v["decision"], "deny");
         assert_eq!(v["reason"], "request_abandoned");
-    }
-
-    /// A waiter told through `submit_then`, reporting to the test.
-    struct Told {
-        id: u64,
-        closed: bool,
-        heard: std::sync::mpsc::Sender<(u64, Result<(), AuditRefusal>)>,
-    }
-
-    impl AckThen for Told {
-        fn is_closed(&self) -> bool {
-            self.closed
-        }
-        fn acked(self: Box<Self>, result: Result<(), AuditRefusal>) {
-            let _ = self.heard.send((self.id, result));
-        }
-    }
-
-    /// Whatever becomes of a record handed over with `submit_then`, its
-    /// waiter hears exactly once: after the write when it is written, at once
-    /// with the reason when the queue is full; and a record whose waiter has
-    /// gone is written `request_abandoned`, not issued.
-    #[tokio::test]
-    async fn a_told_waiter_hears_exactly_once_whatever_becomes_of_its_record() {
-        let (gate, w) = gated_writer(2);
-        let (heard, told) = std::sync::mpsc::channel();
-        let then = |id, closed| {
-            Box::new(Told {
-                id,
-                closed,
-                heard: heard.clone(),
-            })
-        };
-        // The first blocks the thread in write; the next two fill the queue
-        // (the second of them has lost its caller); the fourth is refused.
-        w.submit_then(Box::new(record(0)), then(0, false));
-        std::thread::sleep(Duration::from_millis(100));
-        w.submit_then(Box::new(record(1)), then(1, false));
-        w.submit_then(Box::new(record(2)), then(2, true));
-        w.submit_then(Box::new(record(3)), then(3, false));
-        let (id, r) = told.recv_timeout(Duration::from_secs(5)).unwrap();
-        assert_eq!(id, 3, "the refusal is heard first, at once");
-        assert!(matches!(r, Err(AuditRefusal::Shed("audit_queue_full"))));
-        assert!(told.try_recv().is_err(), "nothing else is acknowledged yet");
-        gate.open();
-        let mut acked: Vec<u64> = (0..3)
-            .map(|_| {
-                let (id, r) = told.recv_timeout(Duration::from_secs(5)).unwrap();
-                assert!(r.is_ok(), "{id}: {r:?}");
-                id
-            })
-            .collect();
-        acked.sort_unstable();
-        assert_eq!(acked, [0, 1, 2]);
-        shut_down(&w).await;
-        drop(heard);
-        assert!(told.recv().is_err(), "each waiter heard once");
-        let text = String::from_utf8(gate.1.lock().unwrap().clone()).unwrap();
-        let reason = |req: &str| {
-            let line = text.lines().find(|l| l.contains(req)).unwrap();
-            let v: serde_json::Value = serde_json::from_str(line).unwrap();
-            (v["decision"].clone(), v["reason"].clone())
-        };
-        assert_eq!(reason("\"req-1\""), ("allow".into(), "issued".into()));
-        assert_eq!(
-            reason("\"req-2\""),
-            ("deny".into(), "request_abandoned".into())
-        );
     }
 
     /// An output that refuses every write while `full` is set (ENOSPC).
