@@ -391,6 +391,8 @@ impl InProgress {
         let end = start + limit;
         let park_end = start + concurrency.park().min(limit);
         let mut first_look = true;
+        // Taken once the first look finds no place: the stream waits.
+        let mut ticket: Option<crate::transport::WaitTicket> = None;
         let before = loop {
             let freed = control.freed();
             tokio::pin!(freed);
@@ -402,16 +404,22 @@ impl InProgress {
                 first_look,
                 overloaded,
                 concurrency.fresh(),
+                ticket.as_ref().is_none_or(|t| t.is_newest()),
             ) {
                 ParkStep::WaitOut => {
+                    drop(ticket);
                     tokio::time::sleep_until(park_end).await;
                     return None;
                 }
+                ParkStep::Yield => {}
                 ParkStep::TryPlace => {
                     if let Some(before) = control.try_stream_start(|n| concurrency.admits(n)) {
                         break before;
                     }
                 }
+            }
+            if ticket.is_none() {
+                ticket = Some(control.wait_ticket());
             }
             first_look = false;
             if limit.is_zero() || concurrency.park().is_zero() {
@@ -713,11 +721,12 @@ mod tests {
 
     /// The request gate's park under overload, on its own code path (real
     /// admission queue, real connection counter, real clock): a stream over
-    /// its connection's share takes a place freed within the fresh age, and
-    /// one past the fresh age takes none and is refused at the end of its
-    /// park time (new work first).
+    /// its connection's share takes a place freed within the fresh age (the
+    /// newest waiting one first), and one past the fresh age takes none and
+    /// is refused at the end of its park time (new work first).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn under_overload_a_parked_stream_past_the_fresh_age_takes_no_freed_place() {
+    async fn under_overload_the_newest_parked_stream_takes_a_freed_place_and_none_past_the_fresh_age(
+    ) {
         use crate::admission::{Admission, AdmissionConfig, ShedReason};
         use std::time::Instant;
         let a = Arc::new(Admission::new(
@@ -778,6 +787,26 @@ mod tests {
             .await
             .unwrap()
             .expect("a place freed within the fresh age is taken");
+
+        // Within the fresh age the newest waiting stream takes a freed
+        // place; the older one takes the next.
+        let older = tokio::spawn(InProgress::enter(conn.clone(), c.clone(), limit));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let newer = tokio::spawn(InProgress::enter(conn.clone(), c.clone(), limit));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        shed().await;
+        drop(second);
+        let second = newer
+            .await
+            .unwrap()
+            .expect("the newest waiting stream takes the freed place");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!older.is_finished(), "the older stream took the place");
+        drop(second);
+        let second = older
+            .await
+            .unwrap()
+            .expect("the older stream, still fresh, takes the next place");
 
         // Past the fresh age: the freed place is left to newer work.
         let started = Instant::now();

@@ -198,12 +198,17 @@ pub enum ParkStep {
     TryPlace,
     /// Takes no place: it is refused when its park time ends.
     WaitOut,
+    /// Leaves a freed place to a younger waiting stream and waits on.
+    Yield,
 }
 
 /// New work first at the gate: under overload a stream that has waited
 /// `fresh` or longer takes no freed place (a younger stream of its
 /// connection does), so a stream's wait there stays within `fresh` and the
-/// queue target behind it still holds. It is not refused at once: an
+/// queue target behind it still holds. Within `fresh` a freed place goes
+/// to the `newest` waiting stream: woken together, the streams otherwise
+/// took places in no particular order, and a success waited up to `fresh`
+/// at the gate before its queue wait began. It is not refused at once: an
 /// answer brings the client's next request at once, a waiting stream
 /// costs only its headers. Without overload (a burst worked through in
 /// time) every stream waits its turn. The first look always tries.
@@ -212,11 +217,13 @@ pub fn park_step(
     first_look: bool,
     overloaded: bool,
     fresh: Duration,
+    newest: bool,
 ) -> ParkStep {
-    if !first_look && overloaded && waited >= fresh {
-        ParkStep::WaitOut
-    } else {
-        ParkStep::TryPlace
+    match (first_look, overloaded) {
+        (true, _) | (false, false) => ParkStep::TryPlace,
+        (false, true) if waited >= fresh => ParkStep::WaitOut,
+        (false, true) if !newest => ParkStep::Yield,
+        (false, true) => ParkStep::TryPlace,
     }
 }
 
@@ -520,15 +527,24 @@ mod tests {
         assert_eq!(s.per_connection, per);
     }
 
-    #[test_case(0, true, true, 0, ParkStep::TryPlace ; "first look always tries, even with no fresh age")]
-    #[test_case(24, false, true, 25, ParkStep::TryPlace ; "overloaded, still fresh")]
-    #[test_case(25, false, true, 25, ParkStep::WaitOut ; "overloaded, at the fresh age: waits out")]
-    #[test_case(400, false, false, 25, ParkStep::TryPlace ; "no overload: waits its turn however old")]
-    #[test_case(400, true, true, 25, ParkStep::TryPlace ; "first look of a stream stamped late")]
-    fn park_steps(waited_ms: u64, first: bool, overloaded: bool, fresh_ms: u64, step: ParkStep) {
+    #[test_case(0, true, true, 0, true, ParkStep::TryPlace ; "first look always tries, even with no fresh age")]
+    #[test_case(0, true, true, 25, false, ParkStep::TryPlace ; "first look tries with older streams waiting")]
+    #[test_case(24, false, true, 25, true, ParkStep::TryPlace ; "overloaded, still fresh, the newest")]
+    #[test_case(3, false, true, 25, false, ParkStep::Yield ; "overloaded, fresh, a younger one waits")]
+    #[test_case(25, false, true, 25, true, ParkStep::WaitOut ; "overloaded, at the fresh age: waits out")]
+    #[test_case(400, false, false, 25, false, ParkStep::TryPlace ; "no overload: waits its turn however old")]
+    #[test_case(400, true, true, 25, false, ParkStep::TryPlace ; "first look of a stream stamped late")]
+    fn park_steps(
+        waited_ms: u64,
+        first: bool,
+        overloaded: bool,
+        fresh_ms: u64,
+        newest: bool,
+        step: ParkStep,
+    ) {
         let ms = Duration::from_millis;
         assert_eq!(
-            park_step(ms(waited_ms), first, overloaded, ms(fresh_ms)),
+            park_step(ms(waited_ms), first, overloaded, ms(fresh_ms), newest),
             step
         );
     }

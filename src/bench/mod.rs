@@ -149,6 +149,10 @@ pub struct BenchArgs {
     /// Storm: proxies in the closed-loop peak phase (2 in flight each).
     #[arg(long, default_value_t = 64)]
     pub storm_peak_proxies: usize,
+    /// Storm: measure the peak again after the storm phase and compare the
+    /// storm with the mean of both (a VM's speed drifts between phases).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub storm_peak_after: bool,
     /// Storm: the server's admin port (to count issued and shed requests).
     #[arg(long, default_value = "127.0.0.1:15014")]
     pub admin_target: SocketAddr,

@@ -7,6 +7,9 @@
 //! 2. Storm: every proxy starts requests on a fixed schedule so that all
 //!    together offer `--storm-overload` times the peak; proxy 0 is greedy
 //!    (`--storm-greedy` times the rate and in-flight cap of the others).
+//! 3. Peak again (`--storm-peak-after`, the default): a VM's speed drifts
+//!    by tens of percent within a minute, so the storm is compared with the
+//!    mean of the peaks measured before and after it. Both are reported.
 //!
 //! Reported: storm goodput / peak, p99 of the successes, each proxy's
 //! goodput against its fair share, server RSS, and the server's own count
@@ -103,7 +106,13 @@ pub struct StormResult {
     pub proxies: usize,
     pub streams: usize,
     pub deadline_ms: u64,
+    /// The capacity the storm is compared with: the mean of the peaks
+    /// before and after it (the one before without `--storm-peak-after`).
     pub peak_per_s: f64,
+    /// The closed-loop peak before the storm (it sets the offered rate).
+    pub peak_before_per_s: f64,
+    /// The same peak measured after the storm.
+    pub peak_after_per_s: Option<f64>,
     pub offered_per_s: f64,
     pub storm_ok_per_s: f64,
     /// `storm_ok_per_s / peak_per_s` (target >= 0.9).
@@ -144,7 +153,7 @@ pub struct StormResult {
     pub storm_seconds: f64,
     /// 1-minute load average at the end of the storm phase.
     pub loadavg_1m: Option<f64>,
-    /// Server CPU-seconds during the peak phase.
+    /// Server CPU-seconds during the peak phases.
     pub peak_server_cpu_s: Option<f64>,
     /// Certificates per server CPU-second, storm over peak: how much of the
     /// server's CPU the storm's overhead (sheds, retries) costs, whatever CPU
@@ -421,6 +430,34 @@ async fn peak(
     ok.load(Ordering::Relaxed) as f64 / t.elapsed().as_secs_f64()
 }
 
+/// One closed-loop peak phase: its rate, length and the server's CPU.
+struct TimedPeak {
+    per_s: f64,
+    elapsed: f64,
+    server_cpu_s: Option<f64>,
+}
+
+async fn timed_peak(
+    args: &BenchArgs,
+    proxies: &Arc<Vec<Proxy>>,
+    k: usize,
+    secs: f64,
+    deadline: Duration,
+) -> TimedPeak {
+    let cpu0 = args.server_pid.and_then(super::proc_cpu_seconds);
+    let t = Instant::now();
+    let per_s = peak(proxies, k, 2, secs, deadline).await;
+    TimedPeak {
+        per_s,
+        elapsed: t.elapsed().as_secs_f64(),
+        server_cpu_s: args
+            .server_pid
+            .and_then(super::proc_cpu_seconds)
+            .zip(cpu0)
+            .map(|(a, b)| a - b),
+    }
+}
+
 #[derive(Default)]
 struct StormSamples {
     latencies: Vec<u64>,
@@ -604,11 +641,14 @@ fn bound_ms(v: Option<f64>) -> String {
 pub async fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let r = execute(args).await?;
     eprintln!(
-        "storm [{:?} clients]: goodput {:.0}/s = {:.2} of peak {:.0}/s (target >= 0.90); p99 of successes {:.1} ms (target < 100), server-side p50 / p99 of issued <= {} / {} ms; well-behaved share mean {:.2} p10 {:.2} min {:.2} (target >= 0.90); greedy {:.2}x its share; issued-not-received {:?}; RSS {:?} -> {:?} MiB (HWM {:?})",
+        "storm [{:?} clients]: goodput {:.0}/s = {:.2} of peak {:.0}/s (before {:.0}/s, after {}) (target >= 0.90); p99 of successes {:.1} ms (target < 100), server-side p50 / p99 of issued <= {} / {} ms; well-behaved share mean {:.2} p10 {:.2} min {:.2} (target >= 0.90); greedy {:.2}x its share; issued-not-received {:?}; RSS {:?} -> {:?} MiB (HWM {:?})",
         r.client_model,
         r.storm_ok_per_s,
         r.goodput_ratio,
         r.peak_per_s,
+        r.peak_before_per_s,
+        r.peak_after_per_s
+            .map_or_else(|| "not measured".into(), |p| format!("{p:.0}/s")),
         r.storm_p99_ms,
         bound_ms(r.server_p50_ms),
         bound_ms(r.server_p99_ms),
@@ -663,19 +703,12 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<StormResult> {
     // that admission sheds.
     let k = args.storm_peak_proxies.min(n);
     eprintln!("storm: peak phase, {k} proxies x 2 in flight, {secs}s");
-    let peak_cpu0 = args.server_pid.and_then(super::proc_cpu_seconds);
-    let peak_t = Instant::now();
-    let peak_per_s = peak(&proxies, k, 2, secs, deadline).await;
-    let peak_elapsed = peak_t.elapsed().as_secs_f64();
-    let peak_server_cpu_s = args
-        .server_pid
-        .and_then(super::proc_cpu_seconds)
-        .zip(peak_cpu0)
-        .map(|(a, b)| a - b);
-    let offered = peak_per_s * args.storm_overload;
+    let before_peak = timed_peak(args, &proxies, k, secs, deadline).await;
+    let peak_before_per_s = before_peak.per_s;
+    let offered = peak_before_per_s * args.storm_overload;
     let rate_each = offered / (n - 1 + args.storm_greedy) as f64;
     eprintln!(
-        "storm: peak {peak_per_s:.0}/s; storm phase, {n} proxies x {streams} in flight at {offered:.0}/s offered, {secs}s"
+        "storm: peak {peak_before_per_s:.0}/s; storm phase, {n} proxies x {streams} in flight at {offered:.0}/s offered, {secs}s"
     );
     tokio::time::sleep(Duration::from_secs(2)).await;
     let before = scrape(args.admin_target).await;
@@ -735,6 +768,24 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<StormResult> {
         (Some(b), Some(a)) => quantile_ms_from_deltas(&b.issued_latency, &a.issued_latency, q),
         _ => None,
     };
+    let rss_after = args.server_pid.and_then(|p| rss_mib(p, "VmRSS:"));
+    let rss_hwm = args.server_pid.and_then(|p| rss_mib(p, "VmHWM:"));
+    let after_peak = if args.storm_peak_after {
+        // As long a pause as before the storm, so that neither peak starts
+        // in the wake of a storm.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        eprintln!("storm: peak phase again, {k} proxies x 2 in flight, {secs}s");
+        let p = timed_peak(args, &proxies, k, secs, deadline).await;
+        eprintln!("storm: peak after the storm {:.0}/s", p.per_s);
+        Some(p)
+    } else {
+        None
+    };
+    let peaks = [Some(&before_peak), after_peak.as_ref()];
+    let peaks: Vec<&TimedPeak> = peaks.into_iter().flatten().collect();
+    let peak_per_s = peaks.iter().map(|p| p.per_s).sum::<f64>() / peaks.len() as f64;
+    let peak_certs: f64 = peaks.iter().map(|p| p.per_s * p.elapsed).sum();
+    let peak_server_cpu_s = peaks.iter().map(|p| p.server_cpu_s).sum::<Option<f64>>();
     let r = StormResult {
         auth: args.storm_auth,
         client_model: args.storm_client,
@@ -742,6 +793,8 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<StormResult> {
         streams,
         deadline_ms: args.storm_deadline_ms,
         peak_per_s,
+        peak_before_per_s,
+        peak_after_per_s: after_peak.as_ref().map(|p| p.per_s),
         offered_per_s: offered,
         storm_ok_per_s,
         goodput_ratio: storm_ok_per_s / peak_per_s.max(1e-9),
@@ -758,8 +811,8 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<StormResult> {
         server_shed,
         issued_not_received: server_issued.map(|i| i as i64 - ok as i64),
         server_rss_mib_before: rss_before,
-        server_rss_mib_after: args.server_pid.and_then(|p| rss_mib(p, "VmRSS:")),
-        server_rss_hwm_mib: args.server_pid.and_then(|p| rss_mib(p, "VmHWM:")),
+        server_rss_mib_after: rss_after,
+        server_rss_hwm_mib: rss_hwm,
         renewals_per_s: s.renewals as f64 / secs,
         attempts_per_s: s.attempts as f64 / elapsed,
         gave_up: s.gave_up,
@@ -770,7 +823,7 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<StormResult> {
         peak_server_cpu_s,
         goodput_per_cpu_ratio: match (peak_server_cpu_s, server_cpu_s) {
             (Some(pc), Some(sc)) if pc > 0.0 && sc > 0.0 => {
-                Some((ok as f64 / sc) / (peak_per_s * peak_elapsed / pc))
+                Some((ok as f64 / sc) / (peak_certs / pc))
             }
             _ => None,
         },

@@ -50,6 +50,35 @@ pub struct ConnControl {
     streams: std::sync::atomic::AtomicUsize,
     /// Woken when one of them ends, for streams waiting for a place.
     freed: tokio::sync::Notify,
+    /// Tickets of the streams waiting for a place, so that under overload
+    /// the newest takes a freed one.
+    waiting: Mutex<Waiting>,
+}
+
+#[derive(Debug, Default)]
+struct Waiting {
+    next: u64,
+    tickets: std::collections::BTreeSet<u64>,
+}
+
+/// A stream's place among its connection's waiting streams (left on drop).
+#[derive(Debug)]
+pub struct WaitTicket {
+    control: Arc<ConnControl>,
+    ticket: u64,
+}
+
+impl WaitTicket {
+    /// No stream that began waiting later is still waiting.
+    pub fn is_newest(&self) -> bool {
+        self.control.waiting().tickets.last() == Some(&self.ticket)
+    }
+}
+
+impl Drop for WaitTicket {
+    fn drop(&mut self) {
+        self.control.waiting().tickets.remove(&self.ticket);
+    }
 }
 
 impl ConnControl {
@@ -65,7 +94,24 @@ impl ConnControl {
             max_cancels_per_sec,
             streams: Default::default(),
             freed: tokio::sync::Notify::new(),
+            waiting: Default::default(),
         })
+    }
+
+    fn waiting(&self) -> std::sync::MutexGuard<'_, Waiting> {
+        self.waiting.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Joins the streams waiting for a place, as the newest.
+    pub fn wait_ticket(self: &Arc<Self>) -> WaitTicket {
+        let mut w = self.waiting();
+        let ticket = w.next;
+        w.next += 1;
+        w.tickets.insert(ticket);
+        WaitTicket {
+            control: self.clone(),
+            ticket,
+        }
     }
 
     /// One more request in progress if `admit` allows it given how many
