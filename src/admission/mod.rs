@@ -195,7 +195,7 @@ impl Default for AdmissionConfig {
             queue_target: Duration::from_millis(50),
             min_streams_per_connection: 1,
             max_streams_per_connection: 100,
-            stream_park: Duration::from_millis(250),
+            stream_park: Duration::from_millis(900),
             sign_inline: true,
         }
     }
@@ -258,8 +258,10 @@ pub struct AdmissionArgs {
     )]
     pub admission_min_streams_per_connection: usize,
     /// Longest a stream over its connection's share waits for a place before it is refused
-    /// (0s: refused at once; at most the request's grpc-timeout).
-    #[arg(long, env = "MESHCA_ADMISSION_STREAM_PARK", default_value = "250ms")]
+    /// (0s: refused at once; at most the request's grpc-timeout). Most of a typical 1 s
+    /// deadline: a refusal brings the client's next request at once, a waiting stream costs
+    /// only its headers.
+    #[arg(long, env = "MESHCA_ADMISSION_STREAM_PARK", default_value = "900ms")]
     pub admission_stream_park: String,
     /// Sign on the request's own worker while no request has waited for a signing thread within
     /// the last second (false: always hand off to a signing thread).
