@@ -775,38 +775,37 @@ mod tests {
 
         let conn = crate::transport::ConnControl::new(200);
         let limit = Duration::from_secs(5);
+        // A stream that starts waiting for a place, given 20 ms to do so.
+        let wait = || {
+            let task = tokio::spawn(InProgress::enter(conn.clone(), c.clone(), limit));
+            async move {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                task
+            }
+        };
+        let placed = |task: tokio::task::JoinHandle<Option<InProgress>>, why: &'static str| async move {
+            task.await.unwrap().expect(why)
+        };
         // Within the fresh age: the place its connection frees is taken.
         let first = InProgress::enter(conn.clone(), c.clone(), limit)
             .await
             .expect("a free place");
-        let parked = tokio::spawn(InProgress::enter(conn.clone(), c.clone(), limit));
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        let parked = wait().await;
         assert!(!parked.is_finished(), "over its share, the stream waits");
         drop(first);
-        let second = parked
-            .await
-            .unwrap()
-            .expect("a place freed within the fresh age is taken");
+        let second = placed(parked, "a place freed within the fresh age is taken").await;
 
         // Within the fresh age the newest waiting stream takes a freed
         // place; the older one takes the next.
-        let older = tokio::spawn(InProgress::enter(conn.clone(), c.clone(), limit));
-        tokio::time::sleep(Duration::from_millis(20)).await;
-        let newer = tokio::spawn(InProgress::enter(conn.clone(), c.clone(), limit));
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        let older = wait().await;
+        let newer = wait().await;
         shed().await;
         drop(second);
-        let second = newer
-            .await
-            .unwrap()
-            .expect("the newest waiting stream takes the freed place");
+        let second = placed(newer, "the newest waiting stream takes the freed place").await;
         tokio::time::sleep(Duration::from_millis(20)).await;
         assert!(!older.is_finished(), "the older stream took the place");
         drop(second);
-        let second = older
-            .await
-            .unwrap()
-            .expect("the older stream, still fresh, takes the next place");
+        let second = placed(older, "the older stream, still fresh, takes the next place").await;
 
         // Past the fresh age: the freed place is left to newer work.
         let started = Instant::now();
