@@ -775,7 +775,9 @@ mod tests {
 
         let conn = crate::transport::ConnControl::new(200);
         let limit = Duration::from_secs(5);
-        // A stream that starts waiting for a place, given 20 ms to do so.
+        // A stream that starts waiting for a place, given 20 ms to do so
+        // (its handle is returned, to be awaited later).
+        #[allow(clippy::async_yields_async)]
         let wait = || {
             let task = tokio::spawn(InProgress::enter(conn.clone(), c.clone(), limit));
             async move {
