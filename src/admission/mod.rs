@@ -22,11 +22,12 @@ pub mod queue;
 use std::collections::HashMap;
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::authn::Familiarity;
 use crate::flags::ConfigError;
+use crate::primitives::lock;
 use crate::ratelimit::TokenBucket;
 pub use queue::{FairQueue, PoolConfig};
 
@@ -449,10 +450,6 @@ pub struct Admission {
     sources: Mutex<HashMap<IpAddr, SourceBucket>>,
     caps: Mutex<HashMap<String, decide::CapWindow>>,
     metrics: Option<Arc<dyn AdmissionObserver>>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 fn draw() -> u64 {

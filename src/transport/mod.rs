@@ -99,7 +99,7 @@ impl ConnControl {
     }
 
     fn waiting(&self) -> std::sync::MutexGuard<'_, Waiting> {
-        self.waiting.lock().unwrap_or_else(|p| p.into_inner())
+        crate::primitives::lock(&self.waiting)
     }
 
     /// Joins the streams waiting for a place, as the newest.
@@ -157,7 +157,7 @@ impl ConnControl {
     pub fn stream_cancelled(&self) -> bool {
         let now_ms = u64::try_from(self.born.elapsed().as_millis()).unwrap_or(u64::MAX);
         let over = {
-            let mut w = self.cancels.lock().unwrap_or_else(|p| p.into_inner());
+            let mut w = crate::primitives::lock(&self.cancels);
             let (next, over) = limits::count_cancel(*w, now_ms, self.max_cancels_per_sec);
             *w = next;
             over
