@@ -113,6 +113,51 @@ fn readme_local_commands() -> Vec<String> {
         .collect()
 }
 
+/// The test below stands the built binary in for `cargo run --release --`; this one checks
+/// that cargo itself picks that binary: with meshca-bench beside it, `cargo run` without
+/// `--bin` stops with "could not determine which binary to run" unless `default-run` names it.
+#[test]
+fn cargo_run_without_bin_runs_the_ca() {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let out = Command::new(cargo)
+        .args([
+            "metadata",
+            "--no-deps",
+            "--offline",
+            "--format-version",
+            "1",
+        ])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let meta: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let package = meta["packages"]
+        .as_array()
+        .and_then(|p| p.iter().find(|p| p["name"] == "meshca"))
+        .expect("the meshca package");
+    let bins: Vec<&str> = package["targets"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|t| {
+            t["kind"]
+                .as_array()
+                .is_some_and(|k| k.iter().any(|k| k == "bin"))
+        })
+        .filter_map(|t| t["name"].as_str())
+        .collect();
+    let runs = match bins.as_slice() {
+        [only] => Some(*only),
+        _ => package["default_run"].as_str(),
+    };
+    assert_eq!(runs, Some("meshca"), "binaries {bins:?}");
+}
+
 /// README's first two commands as a new user runs them, from an empty HOME, with the built
 /// binary standing in for `cargo run --release --`: the first serves, the second prints a
 /// verified chain for the dev identity, in seconds. A README edit that breaks them, or a second
