@@ -9,28 +9,34 @@ use meshca::ca::CaBundle;
 use rcgen::KeyPair;
 use time::OffsetDateTime;
 
+/// Runs `cmd` to its end; it must succeed (its stderr is the message).
+fn succeeded(cmd: &mut Command) -> std::process::Output {
+    let out = cmd.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
 #[test]
 fn init_writes_a_cacerts_bundle_meshca_loads() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("cacerts");
     for key_type in ["ecdsa-p256", "rsa2048"] {
-        let status = Command::new(env!("CARGO_BIN_EXE_meshca"))
-            .args([
-                "init",
-                "--force",
-                "--key-type",
-                key_type,
-                "--intermediate-ttl",
-                "720h",
-                "--out",
-            ])
-            .arg(&out)
-            .output()
-            .unwrap();
-        assert!(
-            status.status.success(),
-            "{}",
-            String::from_utf8_lossy(&status.stderr)
+        succeeded(
+            Command::new(env!("CARGO_BIN_EXE_meshca"))
+                .args([
+                    "init",
+                    "--force",
+                    "--key-type",
+                    key_type,
+                    "--intermediate-ttl",
+                    "720h",
+                    "--out",
+                ])
+                .arg(&out),
         );
         let b = CaBundle::load_dir(&out, OffsetDateTime::now_utc()).unwrap();
         let life = b.signing_not_after() - OffsetDateTime::now_utc();
@@ -119,21 +125,16 @@ fn readme_local_commands() -> Vec<String> {
 #[test]
 fn cargo_run_without_bin_runs_the_ca() {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let out = Command::new(cargo)
-        .args([
-            "metadata",
-            "--no-deps",
-            "--offline",
-            "--format-version",
-            "1",
-        ])
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let out = succeeded(
+        Command::new(cargo)
+            .args([
+                "metadata",
+                "--no-deps",
+                "--offline",
+                "--format-version",
+                "1",
+            ])
+            .current_dir(env!("CARGO_MANIFEST_DIR")),
     );
     let meta: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let package = meta["packages"]
