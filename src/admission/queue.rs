@@ -290,7 +290,7 @@ pub fn ewma_ns(mean: u64, sample: u64) -> u64 {
 
 impl Inner {
     fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+        crate::primitives::lock(&self.state)
     }
 
     fn gauges(&self, s: &State) {

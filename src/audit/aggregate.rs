@@ -195,7 +195,7 @@ impl Aggregator {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Folded> {
-        self.folded.lock().unwrap_or_else(|p| p.into_inner())
+        crate::primitives::lock(&self.folded)
     }
 
     /// Folds a record that could not be queued. An issued record that the
