@@ -1,4 +1,4 @@
-//! Issue 16 against the real kube-apiserver: no identity outlives its pod.
+//! Against the real kube-apiserver: no identity outlives its pod.
 //! Bounded mTLS renewal (deleted pod, TTL cap, connection closed at
 //! client-certificate expiry, no resumption, stale index), the hot denylist
 //! under load, and a revoked serial in a CRL checked by openssl and
