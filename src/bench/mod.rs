@@ -146,9 +146,14 @@ pub struct BenchArgs {
     /// Storm: seconds of the peak phase and of the storm phase.
     #[arg(long, default_value_t = 10.0)]
     pub storm_seconds: f64,
-    /// Storm: proxies in the closed-loop peak phase (2 in flight each).
+    /// Storm: proxies in the closed-loop peak phase.
     #[arg(long, default_value_t = 64)]
     pub storm_peak_proxies: usize,
+    /// Storm: requests in flight per proxy in the peak phase. One keeps the
+    /// signing thread busy without a standing queue past the queue target:
+    /// two made a server at a quarter of a core shed a seventh of the peak.
+    #[arg(long, default_value_t = 1)]
+    pub storm_peak_streams: usize,
     /// Storm: measure the peak again after the storm phase and compare the
     /// storm with the mean of both (a VM's speed drifts between phases).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]

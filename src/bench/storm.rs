@@ -113,10 +113,21 @@ pub struct StormResult {
     pub peak_before_per_s: f64,
     /// The same peak measured after the storm.
     pub peak_after_per_s: Option<f64>,
+    /// Requests the server shed in the peak phases, before and after.
+    pub peak_before_sheds: Option<u64>,
+    pub peak_after_sheds: Option<u64>,
     pub offered_per_s: f64,
+    /// Successes answered while the load was offered, per second of it.
     pub storm_ok_per_s: f64,
     /// `storm_ok_per_s / peak_per_s` (target >= 0.9).
     pub goodput_ratio: f64,
+    /// Every success over the time until the last request ended (the load
+    /// window and the drain after it, in which no new work is offered and
+    /// parked streams wait out their park before they are refused).
+    pub storm_ok_per_s_with_drain: f64,
+    pub goodput_ratio_with_drain: f64,
+    /// From the end of the load window to the last request's end.
+    pub drain_seconds: f64,
     pub storm_p50_ms: f64,
     pub storm_p99_ms: f64,
     pub storm_max_ms: f64,
@@ -400,41 +411,60 @@ async fn one(p: &Proxy, deadline: Duration) -> Result<u64, String> {
     }
 }
 
-/// Closed loop over the first `k` proxies, `streams` each: goodput per second.
+/// Closed loop over the first `k` proxies, `streams` each: the successes
+/// answered within the `secs` window per second of it (as the storm's
+/// goodput is counted), and all successes (the last requests end after it).
 async fn peak(
     proxies: &Arc<Vec<Proxy>>,
     k: usize,
     streams: usize,
     secs: f64,
     deadline: Duration,
-) -> f64 {
+) -> (f64, usize) {
     let stop = Instant::now() + Duration::from_secs_f64(secs);
-    let ok = Arc::new(AtomicUsize::new(0));
+    let (within, all) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
     let mut tasks = Vec::new();
     for i in 0..k.min(proxies.len()) {
         for _ in 0..streams {
-            let (proxies, ok) = (proxies.clone(), ok.clone());
+            let (proxies, within, all) = (proxies.clone(), within.clone(), all.clone());
             tasks.push(tokio::spawn(async move {
                 while Instant::now() < stop {
                     if one(&proxies[i], deadline).await.is_ok() {
-                        ok.fetch_add(1, Ordering::Relaxed);
+                        all.fetch_add(1, Ordering::Relaxed);
+                        if Instant::now() <= stop {
+                            within.fetch_add(1, Ordering::Relaxed);
+                        }
                     }
                 }
             }));
         }
     }
-    let t = Instant::now();
     for task in tasks {
         let _ = task.await;
     }
-    ok.load(Ordering::Relaxed) as f64 / t.elapsed().as_secs_f64()
+    (
+        within.load(Ordering::Relaxed) as f64 / secs.max(1e-9),
+        all.load(Ordering::Relaxed),
+    )
 }
 
-/// One closed-loop peak phase: its rate, length and the server's CPU.
+/// One closed-loop peak phase: its rate, its successes, the server's CPU and
+/// the requests the server shed in it (a peak that sheds wastes work on
+/// them and understates the capacity).
 struct TimedPeak {
     per_s: f64,
-    elapsed: f64,
+    certs: usize,
     server_cpu_s: Option<f64>,
+    sheds: Option<u64>,
+}
+
+/// All sheds between two scrapes.
+fn sheds_between(before: &Scraped, after: &Scraped) -> u64 {
+    after
+        .shed
+        .iter()
+        .map(|(k, v)| v.saturating_sub(before.shed.get(k).copied().unwrap_or(0)))
+        .sum()
 }
 
 async fn timed_peak(
@@ -444,12 +474,14 @@ async fn timed_peak(
     secs: f64,
     deadline: Duration,
 ) -> TimedPeak {
+    let scraped = scrape(args.admin_target).await;
     let cpu0 = args.server_pid.and_then(super::proc_cpu_seconds);
-    let t = Instant::now();
-    let per_s = peak(proxies, k, 2, secs, deadline).await;
+    let (per_s, certs) = peak(proxies, k, args.storm_peak_streams, secs, deadline).await;
+    let after = scrape(args.admin_target).await;
     TimedPeak {
         per_s,
-        elapsed: t.elapsed().as_secs_f64(),
+        certs,
+        sheds: scraped.zip(after).map(|(b, a)| sheds_between(&b, &a)),
         server_cpu_s: args
             .server_pid
             .and_then(super::proc_cpu_seconds)
@@ -461,6 +493,8 @@ async fn timed_peak(
 #[derive(Default)]
 struct StormSamples {
     latencies: Vec<u64>,
+    /// Successes answered before the load window closed.
+    ok_in_window: usize,
     outcomes: BTreeMap<String, usize>,
     per_proxy_ok: Vec<usize>,
     skipped: usize,
@@ -470,11 +504,13 @@ struct StormSamples {
 }
 
 impl StormSamples {
-    fn record(&mut self, i: usize, r: &Result<u64, String>) {
+    /// One request's outcome; `in_window`: it ended before the load window closed.
+    fn record(&mut self, i: usize, r: &Result<u64, String>, in_window: bool) {
         self.attempts += 1;
         match r {
             Ok(ns) => {
                 self.latencies.push(*ns);
+                self.ok_in_window += usize::from(in_window);
                 self.per_proxy_ok[i] += 1;
                 *self.outcomes.entry("Ok".into()).or_default() += 1;
             }
@@ -512,7 +548,7 @@ async fn renewal(
             one(&proxies[i], deadline).await
         };
         if let Ok(mut s) = samples.lock() {
-            s.record(i, &r);
+            s.record(i, &r, Instant::now() <= stop);
         }
         let Err(outcome) = r else { return };
         let draw = crate::ca::ttl::random_draw();
@@ -607,7 +643,7 @@ async fn storm(
                     let r = one(&proxies[i], deadline).await;
                     inflight.fetch_sub(1, Ordering::Relaxed);
                     if let Ok(mut s) = samples.lock() {
-                        s.record(i, &r);
+                        s.record(i, &r, Instant::now() <= stop);
                     }
                 }));
                 running.retain(|t: &tokio::task::JoinHandle<()>| !t.is_finished());
@@ -641,7 +677,7 @@ fn bound_ms(v: Option<f64>) -> String {
 pub async fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let r = execute(args).await?;
     eprintln!(
-        "storm [{:?} clients]: goodput {:.0}/s = {:.2} of peak {:.0}/s (before {:.0}/s, after {}) (target >= 0.90); p99 of successes {:.1} ms (target < 100), server-side p50 / p99 of issued <= {} / {} ms; well-behaved share mean {:.2} p10 {:.2} min {:.2} (target >= 0.90); greedy {:.2}x its share; issued-not-received {:?}; RSS {:?} -> {:?} MiB (HWM {:?})",
+        "storm [{:?} clients]: goodput {:.0}/s = {:.2} of peak {:.0}/s (before {:.0}/s, after {}) (target >= 0.90), {:.2} counting the {:.2} s drain; p99 of successes {:.1} ms (target < 100), server-side p50 / p99 of issued <= {} / {} ms; well-behaved share mean {:.2} p10 {:.2} min {:.2} (target >= 0.90); greedy {:.2}x its share; issued-not-received {:?}; RSS {:?} -> {:?} MiB (HWM {:?})",
         r.client_model,
         r.storm_ok_per_s,
         r.goodput_ratio,
@@ -649,6 +685,8 @@ pub async fn run(args: &BenchArgs) -> anyhow::Result<()> {
         r.peak_before_per_s,
         r.peak_after_per_s
             .map_or_else(|| "not measured".into(), |p| format!("{p:.0}/s")),
+        r.goodput_ratio_with_drain,
+        r.drain_seconds,
         r.storm_p99_ms,
         bound_ms(r.server_p50_ms),
         bound_ms(r.server_p99_ms),
@@ -700,9 +738,10 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<StormResult> {
     }
     let secs = args.storm_seconds;
     // Peak: enough concurrency to keep every signing slot busy, not so much
-    // that admission sheds.
+    // that admission sheds (the sheds are counted and warned about below).
     let k = args.storm_peak_proxies.min(n);
-    eprintln!("storm: peak phase, {k} proxies x 2 in flight, {secs}s");
+    let per = args.storm_peak_streams;
+    eprintln!("storm: peak phase, {k} proxies x {per} in flight, {secs}s");
     let before_peak = timed_peak(args, &proxies, k, secs, deadline).await;
     let peak_before_per_s = before_peak.per_s;
     let offered = peak_before_per_s * args.storm_overload;
@@ -739,7 +778,11 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<StormResult> {
     tokio::time::sleep(Duration::from_secs(1)).await;
     let after = scrape(args.admin_target).await;
     let ok = s.latencies.len();
-    let storm_ok_per_s = ok as f64 / elapsed;
+    // Goodput while the storm was offered: after the window no new work
+    // arrives, and the streams still parked wait out their park before they
+    // are refused, so the drain would count time without load.
+    let storm_ok_per_s = s.ok_in_window as f64 / secs.max(1e-9);
+    let storm_ok_per_s_with_drain = ok as f64 / elapsed;
     let fair = ok as f64 / n as f64;
     let mut ratios: Vec<f64> = s.per_proxy_ok[1..]
         .iter()
@@ -774,7 +817,7 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<StormResult> {
         // As long a pause as before the storm, so that neither peak starts
         // in the wake of a storm.
         tokio::time::sleep(Duration::from_secs(2)).await;
-        eprintln!("storm: peak phase again, {k} proxies x 2 in flight, {secs}s");
+        eprintln!("storm: peak phase again, {k} proxies x {per} in flight, {secs}s");
         let p = timed_peak(args, &proxies, k, secs, deadline).await;
         eprintln!("storm: peak after the storm {:.0}/s", p.per_s);
         Some(p)
@@ -783,8 +826,16 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<StormResult> {
     };
     let peaks = [Some(&before_peak), after_peak.as_ref()];
     let peaks: Vec<&TimedPeak> = peaks.into_iter().flatten().collect();
+    for p in &peaks {
+        if let Some(n) = p.sheds.filter(|&n| n as f64 > 0.01 * p.certs as f64) {
+            eprintln!(
+                "storm: WARNING the server shed {n} requests in a peak phase ({} issued): the peak understates its capacity; lower --storm-peak-streams or --storm-peak-proxies",
+                p.certs
+            );
+        }
+    }
     let peak_per_s = peaks.iter().map(|p| p.per_s).sum::<f64>() / peaks.len() as f64;
-    let peak_certs: f64 = peaks.iter().map(|p| p.per_s * p.elapsed).sum();
+    let peak_certs: f64 = peaks.iter().map(|p| p.certs as f64).sum();
     let peak_server_cpu_s = peaks.iter().map(|p| p.server_cpu_s).sum::<Option<f64>>();
     let r = StormResult {
         auth: args.storm_auth,
@@ -795,9 +846,14 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<StormResult> {
         peak_per_s,
         peak_before_per_s,
         peak_after_per_s: after_peak.as_ref().map(|p| p.per_s),
+        peak_before_sheds: before_peak.sheds,
+        peak_after_sheds: after_peak.as_ref().and_then(|p| p.sheds),
         offered_per_s: offered,
         storm_ok_per_s,
         goodput_ratio: storm_ok_per_s / peak_per_s.max(1e-9),
+        storm_ok_per_s_with_drain,
+        goodput_ratio_with_drain: storm_ok_per_s_with_drain / peak_per_s.max(1e-9),
+        drain_seconds: (elapsed - secs).max(0.0),
         storm_p50_ms: percentile(&s.latencies, 50.0),
         storm_p99_ms: percentile(&s.latencies, 99.0),
         storm_max_ms: percentile(&s.latencies, 100.0),
@@ -944,6 +1000,46 @@ mod tests {
         assert_eq!(quantile_ms_from_deltas(&zero, b, 0.3), Some(0.2));
         assert_eq!(quantile_ms_from_deltas(&zero, b, 0.5), Some(3.2));
         assert_eq!(quantile_ms_from_deltas(&zero, b, 0.99), Some(f64::INFINITY));
+    }
+
+    /// A success answered after the load window counts in every figure of
+    /// the client's view except the goodput of the window.
+    #[test]
+    fn successes_after_the_window_count_only_with_the_drain() {
+        let mut s = StormSamples {
+            per_proxy_ok: vec![0; 2],
+            ..Default::default()
+        };
+        s.record(0, &Ok(5_000_000), true);
+        s.record(1, &Ok(900_000_000), false);
+        s.record(1, &Err("ResourceExhausted".into()), true);
+        s.record(0, &Err("ResourceExhausted".into()), false);
+        assert_eq!((s.ok_in_window, s.latencies.len(), s.attempts), (1, 2, 4));
+        assert_eq!(s.per_proxy_ok, vec![1, 1]);
+        assert_eq!(s.outcomes.get("ResourceExhausted"), Some(&2));
+    }
+
+    /// A peak's sheds: every reason's delta, a reason new in the second
+    /// scrape included, and no negative delta after a counter reset.
+    #[test]
+    fn peak_sheds_are_the_sum_of_every_reason_delta() {
+        let scraped = |pairs: &[(&str, u64)]| Scraped {
+            shed: pairs.iter().map(|&(k, v)| (k.to_string(), v)).collect(),
+            ..Default::default()
+        };
+        let cases = [
+            (vec![], vec![], 0),
+            (vec![("a", 5)], vec![("a", 5)], 0),
+            (vec![("a", 5)], vec![("a", 9), ("b", 3)], 7),
+            (vec![("a", 5), ("b", 2)], vec![("a", 1), ("b", 4)], 2),
+        ];
+        for (before, after, want) in cases {
+            assert_eq!(
+                sheds_between(&scraped(&before), &scraped(&after)),
+                want,
+                "{before:?} -> {after:?}"
+            );
+        }
     }
 
     #[test]

@@ -47,6 +47,7 @@ fn args(ca_dir: PathBuf, target: SocketAddr, mode: Mode) -> BenchArgs {
         storm_greedy: 10,
         storm_seconds: 0.5,
         storm_peak_proxies: 4,
+        storm_peak_streams: 2,
         storm_peak_after: true,
         admin_target: "127.0.0.1:1".parse().unwrap(),
         storm_client: storm::ClientModel::Open,
