@@ -734,8 +734,8 @@ mod tests {
                 max_running: 1,
                 max_queued: 1,
                 sign_inline: false,
-                // Fresh age: half the target, 500 ms.
-                queue_target: Duration::from_secs(1),
+                // Fresh age: a quarter of the target, 500 ms.
+                queue_target: Duration::from_secs(2),
                 stream_park: Duration::from_millis(1500),
                 max_streams_per_connection: 1,
                 ..Default::default()
