@@ -449,8 +449,8 @@ async fn peak(
 }
 
 /// One closed-loop peak phase: its rate, its successes, the server's CPU and
-/// the requests the server shed in it (a peak that sheds wastes work on
-/// them and understates the capacity).
+/// the requests the server shed in it (a peak that sheds spends CPU on
+/// requests it does not answer).
 struct TimedPeak {
     per_s: f64,
     certs: usize,
@@ -829,7 +829,7 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<StormResult> {
     for p in &peaks {
         if let Some(n) = p.sheds.filter(|&n| n as f64 > 0.01 * p.certs as f64) {
             eprintln!(
-                "storm: WARNING the server shed {n} requests in a peak phase ({} issued): the peak understates its capacity; lower --storm-peak-streams or --storm-peak-proxies",
+                "storm: WARNING the server shed {n} requests in a peak phase ({} issued): the peak spends CPU on requests it does not answer; lower --storm-peak-streams or --storm-peak-proxies",
                 p.certs
             );
         }
