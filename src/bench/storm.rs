@@ -250,6 +250,21 @@ struct Scraped {
     issued_latency: Buckets,
 }
 
+impl Scraped {
+    /// Sheds by reason since `before` (reasons with none left out; a
+    /// counter that went back counts none).
+    fn sheds_since(&self, before: &Scraped) -> BTreeMap<String, u64> {
+        self.shed
+            .iter()
+            .map(|(k, v)| {
+                let was = before.shed.get(k).copied().unwrap_or(0);
+                (k.clone(), v.saturating_sub(was))
+            })
+            .filter(|(_, v)| *v > 0)
+            .collect()
+    }
+}
+
 /// Scrapes the admin port's /metrics.
 async fn scrape(admin: std::net::SocketAddr) -> Option<Scraped> {
     let (_, body) = super::cold::http_get(admin, "/metrics").await?;
@@ -458,15 +473,6 @@ struct TimedPeak {
     sheds: Option<u64>,
 }
 
-/// All sheds between two scrapes.
-fn sheds_between(before: &Scraped, after: &Scraped) -> u64 {
-    after
-        .shed
-        .iter()
-        .map(|(k, v)| v.saturating_sub(before.shed.get(k).copied().unwrap_or(0)))
-        .sum()
-}
-
 async fn timed_peak(
     args: &BenchArgs,
     proxies: &Arc<Vec<Proxy>>,
@@ -474,19 +480,23 @@ async fn timed_peak(
     secs: f64,
     deadline: Duration,
 ) -> TimedPeak {
+    // Scraped outside the CPU reading: rendering /metrics is not peak work.
     let scraped = scrape(args.admin_target).await;
     let cpu0 = args.server_pid.and_then(super::proc_cpu_seconds);
     let (per_s, certs) = peak(proxies, k, args.storm_peak_streams, secs, deadline).await;
+    let server_cpu_s = args
+        .server_pid
+        .and_then(super::proc_cpu_seconds)
+        .zip(cpu0)
+        .map(|(a, b)| a - b);
     let after = scrape(args.admin_target).await;
     TimedPeak {
         per_s,
         certs,
-        sheds: scraped.zip(after).map(|(b, a)| sheds_between(&b, &a)),
-        server_cpu_s: args
-            .server_pid
-            .and_then(super::proc_cpu_seconds)
-            .zip(cpu0)
-            .map(|(a, b)| a - b),
+        sheds: scraped
+            .zip(after)
+            .map(|(b, a)| a.sheds_since(&b).values().sum()),
+        server_cpu_s,
     }
 }
 
@@ -792,19 +802,7 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<StormResult> {
     let mean = ratios.iter().sum::<f64>() / ratios.len().max(1) as f64;
     let p10 = ratios.get(ratios.len() / 10).copied().unwrap_or(0.0);
     let (server_issued, server_shed) = match (&before, &after) {
-        (Some(b), Some(a)) => (
-            Some(a.issued.saturating_sub(b.issued)),
-            a.shed
-                .iter()
-                .map(|(k, v)| {
-                    (
-                        k.clone(),
-                        v.saturating_sub(b.shed.get(k).copied().unwrap_or(0)),
-                    )
-                })
-                .filter(|(_, v)| *v > 0)
-                .collect(),
-        ),
+        (Some(b), Some(a)) => (Some(a.issued.saturating_sub(b.issued)), a.sheds_since(b)),
         _ => (None, BTreeMap::new()),
     };
     let server_q = |q: f64| match (&before, &after) {
@@ -1019,26 +1017,32 @@ mod tests {
         assert_eq!(s.outcomes.get("ResourceExhausted"), Some(&2));
     }
 
-    /// A peak's sheds: every reason's delta, a reason new in the second
-    /// scrape included, and no negative delta after a counter reset.
+    /// Sheds between two scrapes: every reason's delta, a reason new in
+    /// the second scrape included, none for a reason that did not move, and
+    /// no negative delta after a counter reset.
     #[test]
-    fn peak_sheds_are_the_sum_of_every_reason_delta() {
+    fn sheds_since_are_every_reason_delta() {
         let scraped = |pairs: &[(&str, u64)]| Scraped {
             shed: pairs.iter().map(|&(k, v)| (k.to_string(), v)).collect(),
             ..Default::default()
         };
         let cases = [
-            (vec![], vec![], 0),
-            (vec![("a", 5)], vec![("a", 5)], 0),
-            (vec![("a", 5)], vec![("a", 9), ("b", 3)], 7),
-            (vec![("a", 5), ("b", 2)], vec![("a", 1), ("b", 4)], 2),
+            (vec![], vec![], vec![]),
+            (vec![("a", 5)], vec![("a", 5)], vec![]),
+            (
+                vec![("a", 5)],
+                vec![("a", 9), ("b", 3)],
+                vec![("a", 4), ("b", 3)],
+            ),
+            (
+                vec![("a", 5), ("b", 2)],
+                vec![("a", 1), ("b", 4)],
+                vec![("b", 2)],
+            ),
         ];
         for (before, after, want) in cases {
-            assert_eq!(
-                sheds_between(&scraped(&before), &scraped(&after)),
-                want,
-                "{before:?} -> {after:?}"
-            );
+            let got = scraped(&after).sheds_since(&scraped(&before));
+            assert_eq!(got, scraped(&want).shed, "{before:?} -> {after:?}");
         }
     }
 
