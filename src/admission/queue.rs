@@ -23,8 +23,10 @@ use super::decide::{admit, hold_stale, pick, stale, Admit, QueueState};
 use super::fair::{Entry, FairTable};
 use super::ShedReason;
 
-/// A queued job: called once, with `Ok` to run it or the reason it was shed.
-type Job = Box<dyn FnOnce(Result<(), ShedReason>) + Send>;
+/// A queued job: called once, with the pool to run it in (which times it
+/// before the caller hears back, so a caller that has its answer sees the
+/// job counted) or the reason it was shed.
+type Job = Box<dyn FnOnce(Result<&Inner, ShedReason>) + Send>;
 
 struct Waiter {
     start_by: Instant,
@@ -458,7 +460,7 @@ impl Inner {
     fn run_one<'a>(&'a self, mut s: MutexGuard<'a, State>, w: Waiter) -> MutexGuard<'a, State> {
         let slot = self.take_slot(&mut s);
         drop(s);
-        self.timed(false, || (w.job)(Ok(())));
+        (w.job)(Ok(self));
         slot.give_back()
     }
 
@@ -685,7 +687,7 @@ impl FairQueue {
                 Admit::EnqueueEvicting => s.table.pop_last().map(|(_, w)| w),
             };
             let job: Job = Box::new(move |go| {
-                let _ = tx.send(go.map(|()| f()));
+                let _ = tx.send(go.map(|pool| pool.timed(false, f)));
             });
             let entry = s.table.push(
                 Arc::from(key),
