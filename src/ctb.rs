@@ -183,20 +183,7 @@ pub fn resource(version: &str) -> ApiResource {
 /// The served ClusterTrustBundle version, newest first; `None` when the API
 /// server serves none (before 1.37 without the beta API turned on).
 pub async fn discover(client: &Client) -> Result<Option<ApiResource>, kube::Error> {
-    for v in VERSIONS {
-        match client
-            .list_api_group_resources(&format!("{GROUP}/{v}"))
-            .await
-        {
-            Ok(list) if list.resources.iter().any(|r| r.name == PLURAL) => {
-                return Ok(Some(resource(v)))
-            }
-            Ok(_) => {}
-            Err(kube::Error::Api(e)) if e.code == 404 => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(None)
+    crate::primitives::served_resource(client, GROUP, &VERSIONS, "ClusterTrustBundle", PLURAL).await
 }
 
 /// The spec of a fetched bundle (`None` if it does not read as one, which

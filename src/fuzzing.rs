@@ -77,13 +77,7 @@ fn signing_bundle() -> &'static CaBundle {
 
 /// The `cacerts` texts of a generated CA.
 pub fn files_of(ca: &generate::GeneratedCa) -> BundleFiles {
-    BundleFiles {
-        signing_cert: ca.ca_cert.clone(),
-        signing_key: ca.ca_key.clone(),
-        cert_chain: ca.cert_chain(),
-        root_bundle: ca.root_cert.clone(),
-        source: "fuzz".into(),
-    }
+    BundleFiles::generated(ca, "fuzz")
 }
 
 /// CSR parsing, signature verification and the strict/istiod policies.

@@ -663,21 +663,7 @@ mod tests {
     use crate::authz::Evidence;
     use crate::ca::generate::KeyType;
     use crate::identity::{IdentityError, SpiffeId};
-    use crate::testing::{client_identity, csr_for, validity_hours, TestPki};
-    use rustls_pki_types::pem::PemObject;
-    use rustls_pki_types::CertificateDer;
-
-    /// Credentials of a connection that presented `chain` (already verified).
-    fn mtls_creds(chain: &str) -> Credentials {
-        let peer_chain: Vec<CertificateDer<'static>> =
-            CertificateDer::pem_slice_iter(chain.as_bytes())
-                .collect::<Result<_, _>>()
-                .unwrap();
-        Credentials {
-            peer_chain: Some(peer_chain.into()),
-            ..Default::default()
-        }
-    }
+    use crate::testing::{client_identity, csr_for, mtls_credentials, validity_hours, TestPki};
 
     /// Denies every impersonation with a fixed error.
     #[derive(Debug)]
@@ -725,7 +711,7 @@ mod tests {
             "spiffe://cluster.local/ns/istio-system/sa/ztunnel",
             &validity_hours(-1, 1),
         );
-        let creds = mtls_creds(&chain);
+        let creds = mtls_credentials(&chain);
         let requested = "spiffe://cluster.local/ns/app/sa/app";
         let csr = csr_for(&rcgen::KeyPair::generate().unwrap(), requested);
         let mut reasons = std::collections::BTreeSet::new();
@@ -793,7 +779,7 @@ mod tests {
             impersonate: None,
         };
         let err = issuer
-            .issue(&mtls_creds(&chain), Ok(req))
+            .issue(&mtls_credentials(&chain), Ok(req))
             .await
             .unwrap_err();
         assert_eq!(err.reason(), "csr_san_not_authorized");
@@ -801,7 +787,7 @@ mod tests {
         assert_eq!(r.csr_sans.as_deref(), Some(&[other.to_string()][..]));
         // A refusal names the certificate presented, as an issuance does.
         let presented =
-            crate::authn::mtls::leaf_of(&mtls_creds(&chain).peer_chain.unwrap()[0], None)
+            crate::authn::mtls::leaf_of(&mtls_credentials(&chain).peer_chain.unwrap()[0], None)
                 .unwrap()
                 .serial_hex;
         assert_eq!(r.presented_serial.as_deref(), Some(presented.as_str()));
@@ -953,7 +939,7 @@ mod tests {
                 assert_eq!(got, Err(reason), "{entry} x {m:?}");
                 checked += 1;
             }
-            let got = run(issuer(None), mtls_creds(&chain)).await;
+            let got = run(issuer(None), mtls_credentials(&chain)).await;
             let want = if mtls_applies.contains(&reason) {
                 Err(reason)
             } else {
@@ -961,7 +947,7 @@ mod tests {
             };
             assert_eq!(got, want, "{entry} x mtls");
             // A token beside the certificate is still checked for its key.
-            let mut both = mtls_creds(&chain);
+            let mut both = mtls_credentials(&chain);
             both.bearer = Some(token.into());
             let got = run(issuer(None), both).await;
             let want = if mtls_applies.contains(&reason) || reason == "denylist_token_key" {
@@ -1063,7 +1049,7 @@ mod tests {
         let ca = Arc::new(crate::ca::CaStore::from_dir(pki.path(), false).unwrap());
         let id = "spiffe://cluster.local/ns/app/sa/app";
         let (chain, _) = client_identity(&ca.snapshot(), id, &validity_hours(-1, 1));
-        let creds = mtls_creds(&chain);
+        let creds = mtls_credentials(&chain);
         let issuer = CertificateIssuer {
             ca,
             ttl: TtlPolicy::default(),

@@ -1,5 +1,5 @@
-//! Small primitives every domain may use: SHA-256, PEM text and a lock that
-//! survives poisoning. This module imports nothing from the crate, so any
+//! Small primitives every domain may use: SHA-256, PEM text, a lock that
+//! survives poisoning and API discovery. This module imports nothing from the crate, so any
 //! module can depend on it without tying the import graph into a circle.
 
 use std::sync::{Mutex, MutexGuard, PoisonError};
@@ -29,6 +29,35 @@ pub fn pem_encode(label: &str, der: &[u8]) -> String {
 /// one panic must not make every later caller panic too.
 pub fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The first of `versions` (newest first) in which the API server serves
+/// `plural` of `group`, as the resource of `kind`; `None` when it serves
+/// none of them (a 404 for a version means not served).
+pub async fn served_resource(
+    client: &kube::Client,
+    group: &str,
+    versions: &[&str],
+    kind: &str,
+    plural: &str,
+) -> Result<Option<kube::api::ApiResource>, kube::Error> {
+    for v in versions {
+        match client
+            .list_api_group_resources(&format!("{group}/{v}"))
+            .await
+        {
+            Ok(list) if list.resources.iter().any(|r| r.name == plural) => {
+                let gvk = kube::api::GroupVersionKind::gvk(group, v, kind);
+                return Ok(Some(kube::api::ApiResource::from_gvk_with_plural(
+                    &gvk, plural,
+                )));
+            }
+            Ok(_) => {}
+            Err(kube::Error::Api(e)) if e.code == 404 => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(None)
 }
 
 #[cfg(test)]

@@ -132,6 +132,20 @@ pub fn write_client_identity(
     Ok(())
 }
 
+/// The credentials of a connection that presented `chain` (PEM, leaf
+/// first), as the TLS layer hands them on once it verified the chain.
+pub fn mtls_credentials(chain: &str) -> crate::authn::Credentials {
+    use rustls_pki_types::pem::PemObject;
+    let peer_chain: Vec<rustls_pki_types::CertificateDer<'static>> =
+        rustls_pki_types::CertificateDer::pem_slice_iter(chain.as_bytes())
+            .collect::<Result<_, _>>()
+            .expect("a PEM chain");
+    crate::authn::Credentials {
+        peer_chain: Some(peer_chain.into()),
+        ..Default::default()
+    }
+}
+
 /// A leaf for `id` with a fresh key, signed by `bundle`, valid from two
 /// minutes before `now` to half an hour after.
 pub fn leaf(bundle: &crate::ca::CaBundle, id: &str, now: OffsetDateTime) -> crate::ca::IssuedLeaf {

@@ -270,8 +270,7 @@ pub async fn authenticate(
 mod tests {
     use super::*;
     use crate::ca::generate::KeyType;
-    use crate::testing::{client_identity, TestPki};
-    use rustls_pki_types::pem::PemObject;
+    use crate::testing::{client_identity, mtls_credentials, TestPki};
 
     fn creds_for(secs_left: i64) -> Credentials {
         let pki = TestPki::new(KeyType::EcdsaP256);
@@ -284,14 +283,7 @@ mod tests {
             clamped: false,
         };
         let (chain, _) = client_identity(&bundle, "spiffe://cluster.local/ns/a/sa/b", &v);
-        let peer_chain: Vec<CertificateDer<'static>> =
-            CertificateDer::pem_slice_iter(chain.as_bytes())
-                .collect::<Result<_, _>>()
-                .unwrap();
-        Credentials {
-            peer_chain: Some(peer_chain.into()),
-            ..Default::default()
-        }
+        mtls_credentials(&chain)
     }
 
     /// The handshake's check is not enough: a connection (or anything that

@@ -136,6 +136,18 @@ pub struct BundleFiles {
 }
 
 impl BundleFiles {
+    /// The texts of a CA generated in memory (`meshca init`'s material),
+    /// from `source`.
+    pub fn generated(ca: &crate::ca::generate::GeneratedCa, source: &str) -> Self {
+        Self {
+            signing_cert: ca.ca_cert.clone(),
+            signing_key: ca.ca_key.clone(),
+            cert_chain: ca.cert_chain(),
+            root_bundle: ca.root_cert.clone(),
+            source: source.to_string(),
+        }
+    }
+
     /// Reads either layout from `dir`. A Kubernetes Secret volume is read
     /// through its `..data` link once, so all files come from one generation.
     pub fn read_dir(dir: &Path) -> Result<Self, MaterialError> {
@@ -785,13 +797,7 @@ mod tests {
     use crate::primitives::pem_encode;
 
     fn files(ca: &crate::ca::generate::GeneratedCa) -> BundleFiles {
-        BundleFiles {
-            signing_cert: ca.ca_cert.clone(),
-            signing_key: ca.ca_key.clone(),
-            cert_chain: ca.cert_chain(),
-            root_bundle: ca.root_cert.clone(),
-            source: "test".into(),
-        }
+        BundleFiles::generated(ca, "test")
     }
 
     // Found by the property test bundle_signing_cert_byte_change_is_refused:

@@ -362,17 +362,7 @@ mod tests {
 
     fn custody(now: OffsetDateTime) -> CaBundle {
         let ca = generate(&InitOptions::default(), now).unwrap();
-        CaBundle::from_files(
-            BundleFiles {
-                signing_cert: ca.ca_cert.clone(),
-                signing_key: ca.ca_key.clone(),
-                cert_chain: ca.cert_chain(),
-                root_bundle: ca.root_cert.clone(),
-                source: "test".into(),
-            },
-            now,
-        )
-        .unwrap()
+        CaBundle::from_files(BundleFiles::generated(&ca, "test"), now).unwrap()
     }
 
     #[test]

@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, PostParams};
+use kube::api::{Api, ApiResource, DynamicObject, PostParams};
 use kube::runtime::watcher::{self, Event};
 use kube::runtime::WatchStreamExt;
 use kube::Client;
@@ -109,21 +109,8 @@ pub struct Signer {
 /// The served PodCertificateRequest version, newest first; `None` when the
 /// API server serves none (the feature is off before 1.37).
 pub async fn discover(client: &Client) -> Result<Option<ApiResource>, kube::Error> {
-    for v in VERSIONS {
-        match client
-            .list_api_group_resources(&format!("{GROUP}/{v}"))
-            .await
-        {
-            Ok(list) if list.resources.iter().any(|r| r.name == PLURAL) => {
-                let gvk = GroupVersionKind::gvk(GROUP, v, "PodCertificateRequest");
-                return Ok(Some(ApiResource::from_gvk_with_plural(&gvk, PLURAL)));
-            }
-            Ok(_) => {}
-            Err(kube::Error::Api(e)) if e.code == 404 => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(None)
+    crate::primitives::served_resource(client, GROUP, &VERSIONS, "PodCertificateRequest", PLURAL)
+        .await
 }
 
 /// Starts the signer and, when configured, its ClusterTrustBundle
