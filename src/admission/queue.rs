@@ -23,10 +23,8 @@ use super::decide::{admit, hold_stale, pick, stale, Admit, QueueState};
 use super::fair::{Entry, FairTable};
 use super::ShedReason;
 
-/// A queued job: called once, with the pool to run it in (which times it
-/// before the caller hears back, so a caller that has its answer sees the
-/// job counted) or the reason it was shed.
-type Job = Box<dyn FnOnce(Result<&Inner, ShedReason>) + Send>;
+/// A queued job: called once, with `Ok` to run it or the reason it was shed.
+type Job = Box<dyn FnOnce(Result<(), ShedReason>) + Send>;
 
 struct Waiter {
     start_by: Instant,
@@ -460,7 +458,7 @@ impl Inner {
     fn run_one<'a>(&'a self, mut s: MutexGuard<'a, State>, w: Waiter) -> MutexGuard<'a, State> {
         let slot = self.take_slot(&mut s);
         drop(s);
-        (w.job)(Ok(self));
+        self.timed(false, || (w.job)(Ok(())));
         slot.give_back()
     }
 
@@ -687,7 +685,7 @@ impl FairQueue {
                 Admit::EnqueueEvicting => s.table.pop_last().map(|(_, w)| w),
             };
             let job: Job = Box::new(move |go| {
-                let _ = tx.send(go.map(|pool| pool.timed(false, f)));
+                let _ = tx.send(go.map(|()| f()));
             });
             let entry = s.table.push(
                 Arc::from(key),
