@@ -1,6 +1,7 @@
 //! Small primitives every domain may use: SHA-256, PEM text, a lock that
-//! survives poisoning and API discovery. This module imports nothing from the crate, so any
-//! module can depend on it without tying the import graph into a circle.
+//! survives poisoning and API discovery. This module imports nothing from
+//! the crate, so any module can depend on it without tying the import graph
+//! into a circle.
 
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
