@@ -158,6 +158,10 @@ pub struct BenchArgs {
     /// storm with the mean of both (a VM's speed drifts between phases).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub storm_peak_after: bool,
+    /// Storm: storm phases, each followed by a peak (the last one only with
+    /// `--storm-peak-after`); each storm is compared with its neighbouring peaks.
+    #[arg(long, default_value_t = 1)]
+    pub storm_rounds: usize,
     /// Storm: the server's admin port (to count issued and shed requests).
     #[arg(long, default_value = "127.0.0.1:15014")]
     pub admin_target: SocketAddr,
@@ -925,6 +929,41 @@ fn proc_cpu_seconds(pid: u32) -> Option<f64> {
     let utime: f64 = f.get(11)?.parse().ok()?;
     let stime: f64 = f.get(12)?.parse().ok()?;
     Some((utime + stime) / clock_ticks())
+}
+
+/// Time the hypervisor ran something else while each CPU wanted to run
+/// (`steal` of each `cpuN` line of /proc/stat), in seconds: a VM's speed
+/// drifts with it, and a CPU quota may count it as the confined server's.
+fn steal_seconds_per_cpu() -> Option<Vec<f64>> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    stat.lines()
+        .filter(|l| l.starts_with("cpu") && l.as_bytes().get(3).is_some_and(u8::is_ascii_digit))
+        .map(|l| {
+            let steal: f64 = l.split_whitespace().nth(8)?.parse().ok()?;
+            Some(steal / clock_ticks())
+        })
+        .collect()
+}
+
+/// The CPU a process last ran on (field 39 of /proc/PID/stat): the one it
+/// is pinned to when it is.
+fn proc_last_cpu(pid: u32) -> Option<usize> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = stat.rsplit_once(')')?.1;
+    rest.split_whitespace().nth(36)?.parse().ok()
+}
+
+/// Per-CPU differences of two `steal_seconds_per_cpu` readings.
+fn steal_since(before: Option<Vec<f64>>) -> Option<Vec<f64>> {
+    let after = steal_seconds_per_cpu()?;
+    let before = before.filter(|b| b.len() == after.len())?;
+    Some(
+        after
+            .iter()
+            .zip(&before)
+            .map(|(a, b)| ((a - b) * 100.0).round() / 100.0)
+            .collect(),
+    )
 }
 
 /// CPU time of the calling thread (scheduler run time, nanosecond resolution).

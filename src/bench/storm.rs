@@ -10,6 +10,10 @@
 //! 3. Peak again (`--storm-peak-after`, the default): a VM's speed drifts
 //!    by tens of percent within a minute, so the storm is compared with the
 //!    mean of the peaks measured before and after it. Both are reported.
+//! 4. With `--storm-rounds N`, steps 2 and 3 N times: each storm is compared
+//!    with the peaks on either side of it, and the whole with the mean of
+//!    those references, so a drift slower than a phase weighs on storm and
+//!    peak alike. Each round is reported too.
 //!
 //! Reported: storm goodput / peak, p99 of the successes, each proxy's
 //! goodput against its fair share, server RSS, and the server's own count
@@ -107,7 +111,8 @@ pub struct StormResult {
     pub streams: usize,
     pub deadline_ms: u64,
     /// The capacity the storm is compared with: the mean of the peaks
-    /// before and after it (the one before without `--storm-peak-after`).
+    /// before and after it (the one before without `--storm-peak-after`);
+    /// with several rounds, the mean of each round's.
     pub peak_per_s: f64,
     /// The closed-loop peak before the storm (it sets the offered rate).
     pub peak_before_per_s: f64,
@@ -115,12 +120,22 @@ pub struct StormResult {
     pub peak_after_per_s: Option<f64>,
     /// Requests the server shed in the peak phases, before and after.
     pub peak_before_sheds: Option<u64>,
+    /// Seconds each CPU was stolen by the hypervisor during the first peak
+    /// (each round lists its storm's and its next peak's).
+    pub peak_before_steal_per_cpu_s: Option<Vec<f64>>,
     pub peak_after_sheds: Option<u64>,
+    /// The mean of the rounds' offered rates.
     pub offered_per_s: f64,
+    /// Each storm round against the peaks next to it (one with the default
+    /// `--storm-rounds 1`).
+    pub rounds: Vec<StormRound>,
     /// Successes answered while the load was offered, per second of it.
     pub storm_ok_per_s: f64,
     /// `storm_ok_per_s / peak_per_s` (target >= 0.9).
     pub goodput_ratio: f64,
+    /// The mean of the rounds' `goodput_ratio_steal_adjusted` (None when
+    /// the steal time could not be read).
+    pub goodput_ratio_steal_adjusted: Option<f64>,
     /// Every success over the time until the last request ended (the load
     /// window and the drain after it, in which no new work is offered and
     /// parked streams wait out their park before they are refused).
@@ -186,6 +201,55 @@ pub struct StormResult {
     pub server_p50_ms: Option<f64>,
     #[serde(serialize_with = "finite_or_inf")]
     pub server_p99_ms: Option<f64>,
+}
+
+/// One storm phase and the closed-loop peaks on either side of it.
+#[derive(Debug, Clone, Serialize)]
+pub struct StormRound {
+    pub peak_before_per_s: f64,
+    /// None after the last round without `--storm-peak-after`.
+    pub peak_after_per_s: Option<f64>,
+    pub offered_per_s: f64,
+    /// Successes answered within this storm's window, per second of it.
+    pub ok_per_s: f64,
+    /// `ok_per_s` over the mean of the peaks next to it.
+    pub goodput_ratio: f64,
+    /// The same with each phase's rate divided by the share of the server's
+    /// CPU the hypervisor did not steal in it: a correction for a VM whose
+    /// steal time moves between phases (a model; `goodput_ratio` is the
+    /// measurement).
+    pub goodput_ratio_steal_adjusted: Option<f64>,
+    /// Successes answered in each whole second of the window (the onset
+    /// of overload shows in the first ones).
+    pub ok_by_second: Vec<usize>,
+    /// Seconds each CPU was stolen by the hypervisor during this storm and
+    /// during the peak after it.
+    pub steal_per_cpu_s: Option<Vec<f64>>,
+    pub peak_after_steal_per_cpu_s: Option<Vec<f64>>,
+}
+
+/// Adds the observations between two scrapes of a cumulative histogram to
+/// `acc` (cumulative too). False when the scrapes' bounds differ from each
+/// other or from `acc`'s, or a bucket went down (the server restarted).
+fn add_bucket_deltas(
+    acc: &mut Option<Vec<(f64, u64)>>,
+    before: &[(f64, u64)],
+    after: &[(f64, u64)],
+) -> bool {
+    if before.len() != after.len() {
+        return false;
+    }
+    let sum = acc.get_or_insert_with(|| after.iter().map(|&(b, _)| (b, 0)).collect());
+    if sum.len() != after.len() {
+        return false;
+    }
+    for ((total, &(b0, c0)), &(b1, c1)) in sum.iter_mut().zip(before).zip(after) {
+        if b0 != b1 || total.0 != b1 || c1 < c0 {
+            return false;
+        }
+        total.1 += c1 - c0;
+    }
+    true
 }
 
 /// JSON has no infinity (serde_json would write `null`, which reads as "not
@@ -471,6 +535,7 @@ struct TimedPeak {
     certs: usize,
     server_cpu_s: Option<f64>,
     sheds: Option<u64>,
+    steal_per_cpu_s: Option<Vec<f64>>,
 }
 
 async fn timed_peak(
@@ -483,15 +548,18 @@ async fn timed_peak(
     // Scraped outside the CPU reading: rendering /metrics is not peak work.
     let scraped = scrape(args.admin_target).await;
     let cpu0 = args.server_pid.and_then(super::proc_cpu_seconds);
+    let steal0 = super::steal_seconds_per_cpu();
     let (per_s, certs) = peak(proxies, k, args.storm_peak_streams, secs, deadline).await;
     let server_cpu_s = args
         .server_pid
         .and_then(super::proc_cpu_seconds)
         .zip(cpu0)
         .map(|(a, b)| a - b);
+    let steal_per_cpu_s = super::steal_since(steal0);
     let after = scrape(args.admin_target).await;
     TimedPeak {
         per_s,
+        steal_per_cpu_s,
         certs,
         sheds: scraped
             .zip(after)
@@ -505,6 +573,8 @@ struct StormSamples {
     latencies: Vec<u64>,
     /// Successes answered before the load window closed.
     ok_in_window: usize,
+    /// Those successes by the whole second of the window they ended in.
+    ok_by_second: Vec<usize>,
     outcomes: BTreeMap<String, usize>,
     per_proxy_ok: Vec<usize>,
     skipped: usize,
@@ -514,19 +584,48 @@ struct StormSamples {
 }
 
 impl StormSamples {
-    /// One request's outcome; `in_window`: it ended before the load window closed.
-    fn record(&mut self, i: usize, r: &Result<u64, String>, in_window: bool) {
+    /// Adds another round's samples (latencies unsorted).
+    fn absorb(&mut self, o: StormSamples) {
+        self.latencies.extend(o.latencies);
+        self.ok_in_window += o.ok_in_window;
+        for (k, v) in o.outcomes {
+            *self.outcomes.entry(k).or_default() += v;
+        }
+        for (mine, theirs) in self.per_proxy_ok.iter_mut().zip(o.per_proxy_ok) {
+            *mine += theirs;
+        }
+        self.skipped += o.skipped;
+        self.renewals += o.renewals;
+        self.attempts += o.attempts;
+        self.gave_up += o.gave_up;
+    }
+
+    /// One request's outcome; `second`: the whole second of the load
+    /// window in which it ended (None: after the window closed).
+    fn record(&mut self, i: usize, r: &Result<u64, String>, second: Option<usize>) {
         self.attempts += 1;
         match r {
             Ok(ns) => {
                 self.latencies.push(*ns);
-                self.ok_in_window += usize::from(in_window);
+                if let Some(at) = second {
+                    self.ok_in_window += 1;
+                    if self.ok_by_second.len() <= at {
+                        self.ok_by_second.resize(at + 1, 0);
+                    }
+                    self.ok_by_second[at] += 1;
+                }
                 self.per_proxy_ok[i] += 1;
                 *self.outcomes.entry("Ok".into()).or_default() += 1;
             }
             Err(e) => *self.outcomes.entry(e.clone()).or_default() += 1,
         }
     }
+}
+
+/// The whole second of the window `start..=stop` that is now, if within it.
+fn window_second(start: Instant, stop: Instant) -> Option<usize> {
+    let now = Instant::now();
+    (now <= stop).then(|| now.duration_since(start).as_secs() as usize)
 }
 
 /// One renewal under a retrying client model: attempts (each holding one
@@ -538,7 +637,7 @@ async fn renewal(
     i: usize,
     slots: Arc<tokio::sync::Semaphore>,
     samples: Arc<Mutex<StormSamples>>,
-    stop: Instant,
+    (start, stop): (Instant, Instant),
     deadline: Duration,
 ) {
     let mut attempt = 0u32;
@@ -558,7 +657,7 @@ async fn renewal(
             one(&proxies[i], deadline).await
         };
         if let Ok(mut s) = samples.lock() {
-            s.record(i, &r, Instant::now() <= stop);
+            s.record(i, &r, window_second(start, stop));
         }
         let Err(outcome) = r else { return };
         let draw = crate::ca::ttl::random_draw();
@@ -593,7 +692,8 @@ async fn storm(
         per_proxy_ok: vec![0; proxies.len()],
         ..Default::default()
     }));
-    let stop = Instant::now() + Duration::from_secs_f64(secs);
+    let start = Instant::now();
+    let stop = start + Duration::from_secs_f64(secs);
     let mut tickers = Vec::new();
     for i in 0..proxies.len() {
         let factor = if i == 0 { greedy as f64 } else { 1.0 };
@@ -620,7 +720,7 @@ async fn storm(
                         i,
                         slots.clone(),
                         samples.clone(),
-                        stop,
+                        (start, stop),
                         deadline,
                     )));
                     running.retain(|t: &tokio::task::JoinHandle<()>| !t.is_finished());
@@ -653,7 +753,7 @@ async fn storm(
                     let r = one(&proxies[i], deadline).await;
                     inflight.fetch_sub(1, Ordering::Relaxed);
                     if let Ok(mut s) = samples.lock() {
-                        s.record(i, &r, Instant::now() <= stop);
+                        s.record(i, &r, window_second(start, stop));
                     }
                 }));
                 running.retain(|t: &tokio::task::JoinHandle<()>| !t.is_finished());
@@ -751,48 +851,146 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<StormResult> {
     // that admission sheds (the sheds are counted and warned about below).
     let k = args.storm_peak_proxies.min(n);
     let per = args.storm_peak_streams;
+    let rounds = args.storm_rounds.max(1);
     eprintln!("storm: peak phase, {k} proxies x {per} in flight, {secs}s");
-    let before_peak = timed_peak(args, &proxies, k, secs, deadline).await;
-    let peak_before_per_s = before_peak.per_s;
-    let offered = peak_before_per_s * args.storm_overload;
-    let rate_each = offered / (n - 1 + args.storm_greedy) as f64;
-    eprintln!(
-        "storm: peak {peak_before_per_s:.0}/s; storm phase, {n} proxies x {streams} in flight at {offered:.0}/s offered, {secs}s"
-    );
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    let before = scrape(args.admin_target).await;
-    let rss_before = args.server_pid.and_then(|p| rss_mib(p, "VmRSS:"));
-    let server_cpu0 = args.server_pid.and_then(super::proc_cpu_seconds);
-    let own_cpu0 = super::proc_cpu_seconds(std::process::id());
-    let t = Instant::now();
-    let s = storm(
-        &proxies,
-        args.storm_client,
-        rate_each,
-        streams,
-        args.storm_greedy,
-        secs,
-        deadline,
-    )
-    .await;
-    let elapsed = t.elapsed().as_secs_f64();
+    let mut peaks = vec![timed_peak(args, &proxies, k, secs, deadline).await];
+    let mut s = StormSamples {
+        per_proxy_ok: vec![0; n],
+        ..Default::default()
+    };
+    let mut round_results = Vec::with_capacity(rounds);
+    let (mut server_issued, mut server_shed) = (Some(0u64), BTreeMap::new());
+    let mut issued_latency: Option<Vec<(f64, u64)>> = None;
+    let mut latency_ok = true;
+    let (mut server_cpu_s, mut generator_cpu_s) = (Some(0.0), Some(0.0));
+    let (mut elapsed, mut offered_sum) = (0.0, 0.0);
+    let mut rss_before = None;
+    let mut loadavg_1m = None;
+    // The server's CPU (it is pinned when confined), for its steal time.
+    let server_cpu = args.server_pid.and_then(super::proc_last_cpu);
     let cpu = |before: Option<f64>, pid: Option<u32>| {
         Some(pid.and_then(super::proc_cpu_seconds)? - before?)
     };
-    let server_cpu_s = cpu(server_cpu0, args.server_pid);
-    let generator_cpu_s = cpu(own_cpu0, Some(std::process::id()));
-    let loadavg_1m = std::fs::read_to_string("/proc/loadavg")
-        .ok()
-        .and_then(|l| l.split_whitespace().next()?.parse().ok());
-    // Let the server finish what it admitted before counting.
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    let after = scrape(args.admin_target).await;
+    for round in 0..rounds {
+        // Each storm offers the overload against the peak just before it.
+        let last_peak = peaks.last().map_or(0.0, |p| p.per_s);
+        let offered = last_peak * args.storm_overload;
+        offered_sum += offered;
+        let rate_each = offered / (n - 1 + args.storm_greedy) as f64;
+        eprintln!(
+            "storm: peak {last_peak:.0}/s; storm phase {}/{rounds}, {n} proxies x {streams} in flight at {offered:.0}/s offered, {secs}s",
+            round + 1
+        );
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let before = scrape(args.admin_target).await;
+        if round == 0 {
+            rss_before = args.server_pid.and_then(|p| rss_mib(p, "VmRSS:"));
+        }
+        let server_cpu0 = args.server_pid.and_then(super::proc_cpu_seconds);
+        let own_cpu0 = super::proc_cpu_seconds(std::process::id());
+        let steal0 = super::steal_seconds_per_cpu();
+        let t = Instant::now();
+        let one_round = storm(
+            &proxies,
+            args.storm_client,
+            rate_each,
+            streams,
+            args.storm_greedy,
+            secs,
+            deadline,
+        )
+        .await;
+        let round_elapsed = t.elapsed().as_secs_f64();
+        let steal_per_cpu_s = super::steal_since(steal0);
+        elapsed += round_elapsed;
+        server_cpu_s = server_cpu_s
+            .zip(cpu(server_cpu0, args.server_pid))
+            .map(|(a, b)| a + b);
+        generator_cpu_s = generator_cpu_s
+            .zip(cpu(own_cpu0, Some(std::process::id())))
+            .map(|(a, b)| a + b);
+        loadavg_1m = std::fs::read_to_string("/proc/loadavg")
+            .ok()
+            .and_then(|l| l.split_whitespace().next()?.parse().ok());
+        // Let the server finish what it admitted before counting.
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let after = scrape(args.admin_target).await;
+        match (&before, &after) {
+            (Some(b), Some(a)) => {
+                server_issued = server_issued.map(|i| i + a.issued.saturating_sub(b.issued));
+                for (reason, count) in a.sheds_since(b) {
+                    *server_shed.entry(reason).or_default() += count;
+                }
+                latency_ok &=
+                    add_bucket_deltas(&mut issued_latency, &b.issued_latency, &a.issued_latency);
+            }
+            _ => {
+                server_issued = None;
+                latency_ok = false;
+            }
+        }
+        let ok_per_s = one_round.ok_in_window as f64 / secs.max(1e-9);
+        let ok_by_second = one_round.ok_by_second.clone();
+        s.absorb(one_round);
+        // The peak after this storm: always between rounds; after the last
+        // one with `--storm-peak-after`. As long a pause as before the
+        // storm, so that no peak starts in the wake of a storm.
+        if round + 1 < rounds || args.storm_peak_after {
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            eprintln!("storm: peak phase again, {k} proxies x {per} in flight, {secs}s");
+            let p = timed_peak(args, &proxies, k, secs, deadline).await;
+            eprintln!("storm: peak after storm {} {:.0}/s", round + 1, p.per_s);
+            peaks.push(p);
+        }
+        let after_peak = (peaks.len() == round + 2).then(|| peaks[round + 1].per_s);
+        let reference = after_peak.map_or(last_peak, |a| (last_peak + a) / 2.0);
+        // The same with each rate divided by the share of the server's CPU
+        // the hypervisor left it in that phase.
+        let left = |steal: &Option<Vec<f64>>, window: f64| {
+            let stolen = steal.as_ref()?.get(server_cpu?)?;
+            Some((1.0 - stolen / window.max(1e-9)).max(0.05))
+        };
+        let neighbours = &peaks[round..peaks.len().min(round + 2)];
+        let steal_adjusted = neighbours
+            .iter()
+            .map(|p| Some(p.per_s / left(&p.steal_per_cpu_s, secs)?))
+            .sum::<Option<f64>>()
+            .zip(left(&steal_per_cpu_s, round_elapsed))
+            .map(|(sum, l)| (ok_per_s / l) / (sum / neighbours.len() as f64).max(1e-9));
+        round_results.push(StormRound {
+            peak_before_per_s: last_peak,
+            peak_after_per_s: after_peak,
+            offered_per_s: offered,
+            ok_per_s,
+            goodput_ratio: ok_per_s / reference.max(1e-9),
+            goodput_ratio_steal_adjusted: steal_adjusted,
+            ok_by_second,
+            steal_per_cpu_s,
+            peak_after_steal_per_cpu_s: peaks
+                .get(round + 1)
+                .and_then(|p| p.steal_per_cpu_s.clone()),
+        });
+    }
+    s.latencies.sort_unstable();
+    let rss_after = args.server_pid.and_then(|p| rss_mib(p, "VmRSS:"));
+    let rss_hwm = args.server_pid.and_then(|p| rss_mib(p, "VmHWM:"));
     let ok = s.latencies.len();
+    let window = secs * rounds as f64;
     // Goodput while the storm was offered: after the window no new work
     // arrives, and the streams still parked wait out their park before they
     // are refused, so the drain would count time without load.
-    let storm_ok_per_s = s.ok_in_window as f64 / secs.max(1e-9);
+    let storm_ok_per_s = s.ok_in_window as f64 / window.max(1e-9);
     let storm_ok_per_s_with_drain = ok as f64 / elapsed;
+    // Each storm is compared with the peaks next to it: the capacity is the
+    // mean of the rounds' references.
+    let peak_per_s = round_results
+        .iter()
+        .map(|r| {
+            r.peak_after_per_s
+                .map_or(r.peak_before_per_s, |a| (r.peak_before_per_s + a) / 2.0)
+        })
+        .sum::<f64>()
+        / rounds as f64;
     let fair = ok as f64 / n as f64;
     let mut ratios: Vec<f64> = s.per_proxy_ok[1..]
         .iter()
@@ -801,29 +999,11 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<StormResult> {
     ratios.sort_by(|a, b| a.total_cmp(b));
     let mean = ratios.iter().sum::<f64>() / ratios.len().max(1) as f64;
     let p10 = ratios.get(ratios.len() / 10).copied().unwrap_or(0.0);
-    let (server_issued, server_shed) = match (&before, &after) {
-        (Some(b), Some(a)) => (Some(a.issued.saturating_sub(b.issued)), a.sheds_since(b)),
-        _ => (None, BTreeMap::new()),
+    let server_q = |q: f64| {
+        let acc = issued_latency.as_ref().filter(|_| latency_ok)?;
+        let zero: Vec<(f64, u64)> = acc.iter().map(|&(b, _)| (b, 0)).collect();
+        quantile_ms_from_deltas(&zero, acc, q)
     };
-    let server_q = |q: f64| match (&before, &after) {
-        (Some(b), Some(a)) => quantile_ms_from_deltas(&b.issued_latency, &a.issued_latency, q),
-        _ => None,
-    };
-    let rss_after = args.server_pid.and_then(|p| rss_mib(p, "VmRSS:"));
-    let rss_hwm = args.server_pid.and_then(|p| rss_mib(p, "VmHWM:"));
-    let after_peak = if args.storm_peak_after {
-        // As long a pause as before the storm, so that neither peak starts
-        // in the wake of a storm.
-        tokio::time::sleep(Duration::from_secs(2)).await;
-        eprintln!("storm: peak phase again, {k} proxies x {per} in flight, {secs}s");
-        let p = timed_peak(args, &proxies, k, secs, deadline).await;
-        eprintln!("storm: peak after the storm {:.0}/s", p.per_s);
-        Some(p)
-    } else {
-        None
-    };
-    let peaks = [Some(&before_peak), after_peak.as_ref()];
-    let peaks: Vec<&TimedPeak> = peaks.into_iter().flatten().collect();
     for p in &peaks {
         if let Some(n) = p.sheds.filter(|&n| n as f64 > 0.01 * p.certs as f64) {
             eprintln!(
@@ -832,9 +1012,10 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<StormResult> {
             );
         }
     }
-    let peak_per_s = peaks.iter().map(|p| p.per_s).sum::<f64>() / peaks.len() as f64;
     let peak_certs: f64 = peaks.iter().map(|p| p.certs as f64).sum();
     let peak_server_cpu_s = peaks.iter().map(|p| p.server_cpu_s).sum::<Option<f64>>();
+    let first_peak = &peaks[0];
+    let after_peak = (peaks.len() > rounds).then(|| &peaks[rounds]);
     let r = StormResult {
         auth: args.storm_auth,
         client_model: args.storm_client,
@@ -842,16 +1023,23 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<StormResult> {
         streams,
         deadline_ms: args.storm_deadline_ms,
         peak_per_s,
-        peak_before_per_s,
-        peak_after_per_s: after_peak.as_ref().map(|p| p.per_s),
-        peak_before_sheds: before_peak.sheds,
-        peak_after_sheds: after_peak.as_ref().and_then(|p| p.sheds),
-        offered_per_s: offered,
+        peak_before_per_s: first_peak.per_s,
+        peak_after_per_s: after_peak.map(|p| p.per_s),
+        peak_before_sheds: first_peak.sheds,
+        peak_before_steal_per_cpu_s: first_peak.steal_per_cpu_s.clone(),
+        peak_after_sheds: after_peak.and_then(|p| p.sheds),
+        offered_per_s: offered_sum / rounds as f64,
+        goodput_ratio_steal_adjusted: round_results
+            .iter()
+            .map(|r| r.goodput_ratio_steal_adjusted)
+            .sum::<Option<f64>>()
+            .map(|sum| sum / rounds as f64),
+        rounds: round_results,
         storm_ok_per_s,
         goodput_ratio: storm_ok_per_s / peak_per_s.max(1e-9),
         storm_ok_per_s_with_drain,
         goodput_ratio_with_drain: storm_ok_per_s_with_drain / peak_per_s.max(1e-9),
-        drain_seconds: (elapsed - secs).max(0.0),
+        drain_seconds: ((elapsed - window) / rounds as f64).max(0.0),
         storm_p50_ms: percentile(&s.latencies, 50.0),
         storm_p99_ms: percentile(&s.latencies, 99.0),
         storm_max_ms: percentile(&s.latencies, 100.0),
@@ -867,7 +1055,7 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<StormResult> {
         server_rss_mib_before: rss_before,
         server_rss_mib_after: rss_after,
         server_rss_hwm_mib: rss_hwm,
-        renewals_per_s: s.renewals as f64 / secs,
+        renewals_per_s: s.renewals as f64 / window.max(1e-9),
         attempts_per_s: s.attempts as f64 / elapsed,
         gave_up: s.gave_up,
         server_cpu_s,
@@ -1008,11 +1196,12 @@ mod tests {
             per_proxy_ok: vec![0; 2],
             ..Default::default()
         };
-        s.record(0, &Ok(5_000_000), true);
-        s.record(1, &Ok(900_000_000), false);
-        s.record(1, &Err("ResourceExhausted".into()), true);
-        s.record(0, &Err("ResourceExhausted".into()), false);
+        s.record(0, &Ok(5_000_000), Some(2));
+        s.record(1, &Ok(900_000_000), None);
+        s.record(1, &Err("ResourceExhausted".into()), Some(0));
+        s.record(0, &Err("ResourceExhausted".into()), None);
         assert_eq!((s.ok_in_window, s.latencies.len(), s.attempts), (1, 2, 4));
+        assert_eq!(s.ok_by_second, vec![0, 0, 1]);
         assert_eq!(s.per_proxy_ok, vec![1, 1]);
         assert_eq!(s.outcomes.get("ResourceExhausted"), Some(&2));
     }

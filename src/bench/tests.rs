@@ -49,6 +49,7 @@ fn args(ca_dir: PathBuf, target: SocketAddr, mode: Mode) -> BenchArgs {
         storm_peak_proxies: 4,
         storm_peak_streams: 2,
         storm_peak_after: true,
+        storm_rounds: 1,
         admin_target: "127.0.0.1:1".parse().unwrap(),
         storm_client: storm::ClientModel::Open,
         cold: Default::default(),
