@@ -139,6 +139,11 @@ pub struct Sizing {
     /// Requests in progress per connection; more are refused before their
     /// message is read.
     pub per_connection: usize,
+    /// What every busy connection may hold whatever the others do: its
+    /// equal part of `shared`, rounded down (at least the floor).
+    pub floor_per_connection: usize,
+    /// Requests in progress all connections together hold while pressed.
+    pub shared: usize,
 }
 
 /// Accept only what can be answered in time. `running` signing threads,
@@ -180,13 +185,24 @@ pub fn size(
         answerable(target).min(whole)
     };
     let min_per = b.min_per_connection.min(b.max_per_connection);
-    let per_connection = shared
-        .div_ceil(busy_connections.max(1))
-        .clamp(min_per, b.max_per_connection);
+    let busy = busy_connections.max(1);
+    let per_connection = shared.div_ceil(busy).clamp(min_per, b.max_per_connection);
     Sizing {
         queued,
         per_connection,
+        floor_per_connection: (shared / busy).clamp(min_per, b.max_per_connection),
+        shared,
     }
+}
+
+/// Whether a connection holding `before` of the `total` streams in
+/// progress may start one more while the signing queue is pressed. Each
+/// connection may hold its equal part rounded down; the part rounded up
+/// (`per_connection`) only while all together hold less than `shared`.
+/// Rounded up for every connection, 20 connections sharing 35 places held
+/// 40: work past the queue target, shed after it was read and authenticated.
+pub fn admits_stream(before: usize, total: usize, s: &Sizing) -> bool {
+    before < s.floor_per_connection || (before < s.per_connection && total < s.shared)
 }
 
 /// What a stream over its connection's share does when it looks for a
@@ -490,24 +506,24 @@ mod tests {
         for (i, (service, running, deadline, busy, bounds, queued, per)) in
             cases.into_iter().enumerate()
         {
-            assert_eq!(
-                size(service, running, deadline, Duration::ZERO, busy, bounds),
-                Sizing {
-                    queued,
-                    per_connection: per
-                },
-                "case {i}"
-            );
+            let s = size(service, running, deadline, Duration::ZERO, busy, bounds);
+            assert_eq!((s.queued, s.per_connection), (queued, per), "case {i}");
         }
     }
 
-    #[test_case(50, 20, 4 ; "a 50 ms target: 62 answerable, 20 connections")]
-    #[test_case(20, 20, 2 ; "a 20 ms target")]
-    #[test_case(5_000, 20, 63 ; "a target past the deadline: the deadline")]
-    #[test_case(0, 20, 63 ; "no target: the deadline")]
-    #[test_case(50, 1, 62 ; "one busy connection takes all")]
-    #[test_case(50, 1000, 1 ; "a thousand connections: the floor")]
-    fn sizing_shares_what_the_target_answers(target_ms: u64, busy: usize, per: usize) {
+    #[test_case(50, 20, 4, 3, 62 ; "a 50 ms target: 62 answerable, 20 connections")]
+    #[test_case(20, 20, 2, 1, 25 ; "a 20 ms target")]
+    #[test_case(5_000, 20, 63, 62, 1_250 ; "a target past the deadline: the deadline")]
+    #[test_case(0, 20, 63, 62, 1_250 ; "no target: the deadline")]
+    #[test_case(50, 1, 62, 62, 62 ; "one busy connection takes all")]
+    #[test_case(50, 1000, 1, 1, 62 ; "a thousand connections: the floor")]
+    fn sizing_shares_what_the_target_answers(
+        target_ms: u64,
+        busy: usize,
+        per: usize,
+        floor: usize,
+        shared: usize,
+    ) {
         let b = SizingBounds {
             min_queued: 16,
             max_queued: 65_536,
@@ -524,7 +540,27 @@ mod tests {
         );
         // The queue bound stays what the deadline answers.
         assert_eq!(s.queued, 1_249);
-        assert_eq!(s.per_connection, per);
+        assert_eq!(
+            (s.per_connection, s.floor_per_connection, s.shared),
+            (per, floor, shared)
+        );
+    }
+
+    /// 20 connections sharing 62 places: each holds 3 whatever the others
+    /// do, a fourth only while all together hold fewer than 62.
+    #[test_case(2, 61, true ; "under its equal part")]
+    #[test_case(2, 70, true ; "under its equal part however full")]
+    #[test_case(3, 61, true ; "the part rounded up while places are left")]
+    #[test_case(3, 62, false ; "the part rounded up once all places are held")]
+    #[test_case(4, 0, false ; "never past the part rounded up")]
+    fn streams_share_places_rounded_down_then_up(before: usize, total: usize, want: bool) {
+        let s = Sizing {
+            queued: 1_249,
+            per_connection: 4,
+            floor_per_connection: 3,
+            shared: 62,
+        };
+        assert_eq!(admits_stream(before, total, &s), want);
     }
 
     #[test_case(0, true, true, 0, true, ParkStep::TryPlace ; "first look always tries, even with no fresh age")]

@@ -343,7 +343,11 @@ impl AdmissionArgs {
 #[derive(Debug)]
 pub struct Concurrency {
     busy_connections: AtomicUsize,
+    /// Streams in progress on all connections.
+    in_progress: AtomicUsize,
     per_connection: AtomicUsize,
+    floor_per_connection: AtomicUsize,
+    shared: AtomicUsize,
     /// Requests waiting for a signing thread: the share is enforced only
     /// while some do or did lately, so an unloaded server never refuses a
     /// stream.
@@ -359,7 +363,10 @@ impl Concurrency {
         let park = cfg.stream_park;
         Arc::new(Self {
             busy_connections: AtomicUsize::new(0),
+            in_progress: AtomicUsize::new(0),
             per_connection: AtomicUsize::new(cfg.max_streams_per_connection.max(1)),
+            floor_per_connection: AtomicUsize::new(cfg.max_streams_per_connection.max(1)),
+            shared: AtomicUsize::new(usize::MAX),
             backlog,
             park,
             max_wait: cfg.max_wait,
@@ -409,10 +416,17 @@ impl Concurrency {
     }
 
     /// Whether a connection that had `before` streams in progress may open
-    /// one more: within its share, or while no request has waited for
-    /// signing for a second.
+    /// one more: within its share ([`decide::admits_stream`]), or while no
+    /// request has waited for signing for a second.
     pub fn admits(&self, before: usize) -> bool {
-        before < self.per_connection() || !self.backlog.pressed(PRESSURE_MEMORY)
+        let sizing = decide::Sizing {
+            queued: 0,
+            per_connection: self.per_connection(),
+            floor_per_connection: self.floor_per_connection.load(Ordering::Relaxed),
+            shared: self.shared.load(Ordering::Relaxed),
+        };
+        decide::admits_stream(before, self.in_progress.load(Ordering::Relaxed), &sizing)
+            || !self.backlog.pressed(PRESSURE_MEMORY)
     }
 
     pub fn busy_connections(&self) -> usize {
@@ -421,6 +435,7 @@ impl Concurrency {
 
     /// A connection went from `before` streams in progress to one more.
     pub fn opened(&self, before: usize) {
+        self.in_progress.fetch_add(1, Ordering::Relaxed);
         if before == 0 {
             self.busy_connections.fetch_add(1, Ordering::Relaxed);
         }
@@ -428,6 +443,9 @@ impl Concurrency {
 
     /// A connection's stream ended, leaving `after` in progress.
     pub fn closed(&self, after: usize) {
+        let _ = self
+            .in_progress
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
         if after == 0 {
             let _ = self
                 .busy_connections
@@ -554,6 +572,10 @@ impl Admission {
         self.concurrency
             .per_connection
             .store(s.per_connection, Ordering::Relaxed);
+        self.concurrency
+            .floor_per_connection
+            .store(s.floor_per_connection, Ordering::Relaxed);
+        self.concurrency.shared.store(s.shared, Ordering::Relaxed);
         if let Some(m) = &self.metrics {
             m.sizing(s.queued, s.per_connection, self.queue.effective_service());
         }
