@@ -228,26 +228,33 @@ pub struct StormRound {
     pub peak_after_steal_per_cpu_s: Option<Vec<f64>>,
 }
 
-/// Adds the observations between two scrapes of a cumulative histogram to
-/// `acc` (cumulative too). False when the scrapes' bounds differ from each
-/// other or from `acc`'s, or a bucket went down (the server restarted).
+impl StormRound {
+    /// The capacity this storm is compared with: the mean of the peaks
+    /// next to it (the one before when there is none after).
+    fn reference(&self) -> f64 {
+        self.peak_after_per_s.map_or(self.peak_before_per_s, |a| {
+            (self.peak_before_per_s + a) / 2.0
+        })
+    }
+}
+
+/// Adds the observations between two scrapes of a cumulative histogram
+/// ([`bucket_deltas`]) to `acc`. False when they cannot be read or their
+/// bounds differ from `acc`'s.
 fn add_bucket_deltas(
-    acc: &mut Option<Vec<(f64, u64)>>,
+    acc: &mut Option<Buckets>,
     before: &[(f64, u64)],
     after: &[(f64, u64)],
 ) -> bool {
-    if before.len() != after.len() {
+    let Some(deltas) = bucket_deltas(before, after) else {
+        return false;
+    };
+    let sum = acc.get_or_insert_with(|| deltas.iter().map(|&(b, _)| (b, 0)).collect());
+    if sum.len() != deltas.len() || sum.iter().zip(&deltas).any(|(t, d)| t.0 != d.0) {
         return false;
     }
-    let sum = acc.get_or_insert_with(|| after.iter().map(|&(b, _)| (b, 0)).collect());
-    if sum.len() != after.len() {
-        return false;
-    }
-    for ((total, &(b0, c0)), &(b1, c1)) in sum.iter_mut().zip(before).zip(after) {
-        if b0 != b1 || total.0 != b1 || c1 < c0 {
-            return false;
-        }
-        total.1 += c1 - c0;
+    for (total, (_, n)) in sum.iter_mut().zip(deltas) {
+        total.1 += n;
     }
     true
 }
@@ -274,15 +281,28 @@ pub type Buckets = Vec<(f64, u64)>;
 /// bounds differ, or any bucket went down (a counter reset: the server
 /// restarted).
 pub fn quantile_ms_from_deltas(before: &[(f64, u64)], after: &[(f64, u64)], q: f64) -> Option<f64> {
-    if before.len() != after.len() || after.is_empty() || !(q > 0.0 && q <= 1.0) {
+    quantile_ms(&bucket_deltas(before, after)?, q)
+}
+
+/// The observations between two scrapes of the same cumulative histogram,
+/// cumulative too. None when the scrapes' bounds differ or any bucket went
+/// down (a counter reset: the server restarted).
+fn bucket_deltas(before: &[(f64, u64)], after: &[(f64, u64)]) -> Option<Buckets> {
+    if before.len() != after.len() {
         return None;
     }
-    let mut deltas = Vec::with_capacity(after.len());
-    for (&(b0, c0), &(b1, c1)) in before.iter().zip(after) {
-        if b0 != b1 || c1 < c0 {
-            return None;
-        }
-        deltas.push((b1, c1 - c0));
+    before
+        .iter()
+        .zip(after)
+        .map(|(&(b0, c0), &(b1, c1))| (b0 == b1 && c1 >= c0).then(|| (b1, c1 - c0)))
+        .collect()
+}
+
+/// The `q` quantile (0 < q <= 1) of a cumulative histogram, in ms, as
+/// [`quantile_ms_from_deltas`] gives it.
+fn quantile_ms(deltas: &[(f64, u64)], q: f64) -> Option<f64> {
+    if !(q > 0.0 && q <= 1.0) {
+        return None;
     }
     let total = deltas.last()?.1;
     if total == 0 {
@@ -864,7 +884,7 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<StormResult> {
     let mut latency_ok = true;
     let (mut server_cpu_s, mut generator_cpu_s) = (Some(0.0), Some(0.0));
     let (mut elapsed, mut offered_sum) = (0.0, 0.0);
-    let mut rss_before = None;
+    let (mut rss_before, mut rss_after) = (None, None);
     let mut loadavg_1m = None;
     // The server's CPU (it is pinned when confined), for its steal time.
     let server_cpu = args.server_pid.and_then(super::proc_last_cpu);
@@ -915,6 +935,8 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<StormResult> {
         // Let the server finish what it admitted before counting.
         tokio::time::sleep(Duration::from_secs(1)).await;
         let after = scrape(args.admin_target).await;
+        // Right after the last storm, before the peak after it, as with one round.
+        rss_after = args.server_pid.and_then(|p| rss_mib(p, "VmRSS:"));
         match (&before, &after) {
             (Some(b), Some(a)) => {
                 server_issued = server_issued.map(|i| i + a.issued.saturating_sub(b.issued));
@@ -943,7 +965,6 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<StormResult> {
             peaks.push(p);
         }
         let after_peak = (peaks.len() == round + 2).then(|| peaks[round + 1].per_s);
-        let reference = after_peak.map_or(last_peak, |a| (last_peak + a) / 2.0);
         // The same with each rate divided by the share of the server's CPU
         // the hypervisor left it in that phase.
         let left = |steal: &Option<Vec<f64>>, window: f64| {
@@ -957,22 +978,23 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<StormResult> {
             .sum::<Option<f64>>()
             .zip(left(&steal_per_cpu_s, round_elapsed))
             .map(|(sum, l)| (ok_per_s / l) / (sum / neighbours.len() as f64).max(1e-9));
-        round_results.push(StormRound {
+        let mut r = StormRound {
             peak_before_per_s: last_peak,
             peak_after_per_s: after_peak,
             offered_per_s: offered,
             ok_per_s,
-            goodput_ratio: ok_per_s / reference.max(1e-9),
+            goodput_ratio: 0.0,
             goodput_ratio_steal_adjusted: steal_adjusted,
             ok_by_second,
             steal_per_cpu_s,
             peak_after_steal_per_cpu_s: peaks
                 .get(round + 1)
                 .and_then(|p| p.steal_per_cpu_s.clone()),
-        });
+        };
+        r.goodput_ratio = ok_per_s / r.reference().max(1e-9);
+        round_results.push(r);
     }
     s.latencies.sort_unstable();
-    let rss_after = args.server_pid.and_then(|p| rss_mib(p, "VmRSS:"));
     let rss_hwm = args.server_pid.and_then(|p| rss_mib(p, "VmHWM:"));
     let ok = s.latencies.len();
     let window = secs * rounds as f64;
@@ -983,14 +1005,7 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<StormResult> {
     let storm_ok_per_s_with_drain = ok as f64 / elapsed;
     // Each storm is compared with the peaks next to it: the capacity is the
     // mean of the rounds' references.
-    let peak_per_s = round_results
-        .iter()
-        .map(|r| {
-            r.peak_after_per_s
-                .map_or(r.peak_before_per_s, |a| (r.peak_before_per_s + a) / 2.0)
-        })
-        .sum::<f64>()
-        / rounds as f64;
+    let peak_per_s = round_results.iter().map(StormRound::reference).sum::<f64>() / rounds as f64;
     let fair = ok as f64 / n as f64;
     let mut ratios: Vec<f64> = s.per_proxy_ok[1..]
         .iter()
@@ -999,11 +1014,7 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<StormResult> {
     ratios.sort_by(|a, b| a.total_cmp(b));
     let mean = ratios.iter().sum::<f64>() / ratios.len().max(1) as f64;
     let p10 = ratios.get(ratios.len() / 10).copied().unwrap_or(0.0);
-    let server_q = |q: f64| {
-        let acc = issued_latency.as_ref().filter(|_| latency_ok)?;
-        let zero: Vec<(f64, u64)> = acc.iter().map(|&(b, _)| (b, 0)).collect();
-        quantile_ms_from_deltas(&zero, acc, q)
-    };
+    let server_q = |q: f64| quantile_ms(issued_latency.as_ref().filter(|_| latency_ok)?, q);
     for p in &peaks {
         if let Some(n) = p.sheds.filter(|&n| n as f64 > 0.01 * p.certs as f64) {
             eprintln!(
