@@ -56,6 +56,13 @@ fn a_storm_on_a_confined_server_answers_in_time_and_fairly() {
     // Overload did not collapse goodput, and the greedy caller took no one
     // else's share.
     assert!(f("goodput_ratio") >= 0.5, "goodput collapsed: {run}");
+    // The speed probe ran on the server's CPU (the script's default when
+    // confined) and measured both phases: the same bound against the
+    // capacity it estimates.
+    assert!(
+        f("goodput_ratio_speed_adjusted") >= 0.5,
+        "goodput collapsed against the probe's capacity: {run}"
+    );
     assert!(
         f("fair_share_min") >= 0.8,
         "a well-behaved caller starved: {run}"

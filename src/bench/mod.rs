@@ -27,6 +27,7 @@ use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
 
 pub mod cold;
 pub mod idle;
+pub mod probe;
 pub mod storm;
 
 use crate::ca::generate::KeyType;
@@ -162,6 +163,10 @@ pub struct BenchArgs {
     /// `--storm-peak-after`); each storm is compared with its neighbouring peaks.
     #[arg(long, default_value_t = 1)]
     pub storm_rounds: usize,
+    /// Storm: run a speed probe pinned to this CPU (the server's) at nice 19
+    /// and estimate each storm's capacity from its rate (see `bench::probe`).
+    #[arg(long)]
+    pub storm_speed_probe_cpu: Option<usize>,
     /// Storm: the server's admin port (to count issued and shed requests).
     #[arg(long, default_value = "127.0.0.1:15014")]
     pub admin_target: SocketAddr,

@@ -123,6 +123,10 @@ pub struct StormResult {
     /// Seconds each CPU was stolen by the hypervisor during the first peak
     /// (each round lists its storm's and its next peak's).
     pub peak_before_steal_per_cpu_s: Option<Vec<f64>>,
+    /// The speed probe's signatures per second of its own CPU time in the first peak (each
+    /// round lists its storm's and its next peak's); None without
+    /// `--storm-speed-probe-cpu`.
+    pub peak_before_probe_per_cpu_s: Option<f64>,
     pub peak_after_sheds: Option<u64>,
     /// The mean of the rounds' offered rates.
     pub offered_per_s: f64,
@@ -136,6 +140,9 @@ pub struct StormResult {
     /// The mean of the rounds' `goodput_ratio_steal_adjusted` (None when
     /// the steal time could not be read).
     pub goodput_ratio_steal_adjusted: Option<f64>,
+    /// `storm_ok_per_s` over the mean of the rounds' capacities estimated
+    /// with the speed probe ([`StormRound::capacity_speed_adjusted`]).
+    pub goodput_ratio_speed_adjusted: Option<f64>,
     /// Every success over the time until the last request ended (the load
     /// window and the drain after it, in which no new work is offered and
     /// parked streams wait out their park before they are refused).
@@ -226,6 +233,16 @@ pub struct StormRound {
     /// during the peak after it.
     pub steal_per_cpu_s: Option<Vec<f64>>,
     pub peak_after_steal_per_cpu_s: Option<Vec<f64>>,
+    /// The speed probe's signatures per second of its CPU time (on the server's CPU) during
+    /// this storm and during the peak after it.
+    pub probe_per_cpu_s: Option<f64>,
+    pub peak_after_probe_per_cpu_s: Option<f64>,
+    /// The capacity during this storm: each neighbouring peak scaled by the
+    /// probe's rate in the storm over its rate in that peak (the VM's speed
+    /// moves without steal time; see `super::probe`).
+    pub capacity_speed_adjusted: Option<f64>,
+    /// `ok_per_s / capacity_speed_adjusted`.
+    pub goodput_ratio_speed_adjusted: Option<f64>,
 }
 
 impl StormRound {
@@ -556,10 +573,12 @@ struct TimedPeak {
     server_cpu_s: Option<f64>,
     sheds: Option<u64>,
     steal_per_cpu_s: Option<Vec<f64>>,
+    probe_per_cpu_s: Option<f64>,
 }
 
 async fn timed_peak(
     args: &BenchArgs,
+    probe: Option<&super::probe::SpeedProbe>,
     proxies: &Arc<Vec<Proxy>>,
     k: usize,
     secs: f64,
@@ -569,6 +588,7 @@ async fn timed_peak(
     let scraped = scrape(args.admin_target).await;
     let cpu0 = args.server_pid.and_then(super::proc_cpu_seconds);
     let steal0 = super::steal_seconds_per_cpu();
+    let probe0 = probe.map(|p| p.mark());
     let (per_s, certs) = peak(proxies, k, args.storm_peak_streams, secs, deadline).await;
     let server_cpu_s = args
         .server_pid
@@ -576,10 +596,12 @@ async fn timed_peak(
         .zip(cpu0)
         .map(|(a, b)| a - b);
     let steal_per_cpu_s = super::steal_since(steal0);
+    let probe_per_cpu_s = probe.zip(probe0).and_then(|(p, m)| p.per_cpu_s_since(m));
     let after = scrape(args.admin_target).await;
     TimedPeak {
         per_s,
         steal_per_cpu_s,
+        probe_per_cpu_s,
         certs,
         sheds: scraped
             .zip(after)
@@ -873,7 +895,12 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<StormResult> {
     let per = args.storm_peak_streams;
     let rounds = args.storm_rounds.max(1);
     eprintln!("storm: peak phase, {k} proxies x {per} in flight, {secs}s");
-    let mut peaks = vec![timed_peak(args, &proxies, k, secs, deadline).await];
+    let probe = args
+        .storm_speed_probe_cpu
+        .map(super::probe::SpeedProbe::start)
+        .transpose()?;
+    let probe = probe.as_ref();
+    let mut peaks = vec![timed_peak(args, probe, &proxies, k, secs, deadline).await];
     let mut s = StormSamples {
         per_proxy_ok: vec![0; n],
         ..Default::default()
@@ -908,7 +935,9 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<StormResult> {
         }
         let server_cpu0 = args.server_pid.and_then(super::proc_cpu_seconds);
         let own_cpu0 = super::proc_cpu_seconds(std::process::id());
+        let probe_cpu0 = probe.map(|p| p.cpu_seconds());
         let steal0 = super::steal_seconds_per_cpu();
+        let probe0 = probe.map(|p| p.mark());
         let t = Instant::now();
         let one_round = storm(
             &proxies,
@@ -922,13 +951,18 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<StormResult> {
         .await;
         let round_elapsed = t.elapsed().as_secs_f64();
         let steal_per_cpu_s = super::steal_since(steal0);
+        let probe_per_cpu_s = probe.zip(probe0).and_then(|(p, m)| p.per_cpu_s_since(m));
         elapsed += round_elapsed;
         server_cpu_s = server_cpu_s
             .zip(cpu(server_cpu0, args.server_pid))
             .map(|(a, b)| a + b);
+        // The generator's own CPU, without the speed probe's (it runs on the server's CPU).
+        let probe_cpu = probe
+            .zip(probe_cpu0)
+            .map_or(0.0, |(p, c)| p.cpu_seconds() - c);
         generator_cpu_s = generator_cpu_s
             .zip(cpu(own_cpu0, Some(std::process::id())))
-            .map(|(a, b)| a + b);
+            .map(|(a, b)| a + b - probe_cpu);
         loadavg_1m = std::fs::read_to_string("/proc/loadavg")
             .ok()
             .and_then(|l| l.split_whitespace().next()?.parse().ok());
@@ -960,7 +994,7 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<StormResult> {
         if round + 1 < rounds || args.storm_peak_after {
             tokio::time::sleep(Duration::from_secs(2)).await;
             eprintln!("storm: peak phase again, {k} proxies x {per} in flight, {secs}s");
-            let p = timed_peak(args, &proxies, k, secs, deadline).await;
+            let p = timed_peak(args, probe, &proxies, k, secs, deadline).await;
             eprintln!("storm: peak after storm {} {:.0}/s", round + 1, p.per_s);
             peaks.push(p);
         }
@@ -972,12 +1006,15 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<StormResult> {
             Some((1.0 - stolen / window.max(1e-9)).max(0.05))
         };
         let neighbours = &peaks[round..peaks.len().min(round + 2)];
-        let steal_adjusted = neighbours
-            .iter()
-            .map(|p| Some(p.per_s / left(&p.steal_per_cpu_s, secs)?))
-            .sum::<Option<f64>>()
-            .zip(left(&steal_per_cpu_s, round_elapsed))
-            .map(|(sum, l)| (ok_per_s / l) / (sum / neighbours.len() as f64).max(1e-9));
+        let scaled = |storm: Option<f64>, factor: &dyn Fn(&TimedPeak) -> Option<f64>| {
+            let peaks: Vec<_> = neighbours.iter().map(|p| (p.per_s, factor(p))).collect();
+            super::probe::capacity_during(storm, &peaks)
+        };
+        let steal_adjusted = scaled(left(&steal_per_cpu_s, round_elapsed), &|p| {
+            left(&p.steal_per_cpu_s, secs)
+        })
+        .map(|c| ok_per_s / c.max(1e-9));
+        let capacity_speed_adjusted = scaled(probe_per_cpu_s, &|p| p.probe_per_cpu_s);
         let mut r = StormRound {
             peak_before_per_s: last_peak,
             peak_after_per_s: after_peak,
@@ -990,6 +1027,10 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<StormResult> {
             peak_after_steal_per_cpu_s: peaks
                 .get(round + 1)
                 .and_then(|p| p.steal_per_cpu_s.clone()),
+            probe_per_cpu_s,
+            peak_after_probe_per_cpu_s: peaks.get(round + 1).and_then(|p| p.probe_per_cpu_s),
+            capacity_speed_adjusted,
+            goodput_ratio_speed_adjusted: capacity_speed_adjusted.map(|c| ok_per_s / c.max(1e-9)),
         };
         r.goodput_ratio = ok_per_s / r.reference().max(1e-9);
         round_results.push(r);
@@ -1038,6 +1079,7 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<StormResult> {
         peak_after_per_s: after_peak.map(|p| p.per_s),
         peak_before_sheds: first_peak.sheds,
         peak_before_steal_per_cpu_s: first_peak.steal_per_cpu_s.clone(),
+        peak_before_probe_per_cpu_s: first_peak.probe_per_cpu_s,
         peak_after_sheds: after_peak.and_then(|p| p.sheds),
         offered_per_s: offered_sum / rounds as f64,
         goodput_ratio_steal_adjusted: round_results
@@ -1045,6 +1087,11 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<StormResult> {
             .map(|r| r.goodput_ratio_steal_adjusted)
             .sum::<Option<f64>>()
             .map(|sum| sum / rounds as f64),
+        goodput_ratio_speed_adjusted: round_results
+            .iter()
+            .map(|r| r.capacity_speed_adjusted)
+            .sum::<Option<f64>>()
+            .map(|sum| storm_ok_per_s / (sum / rounds as f64).max(1e-9)),
         rounds: round_results,
         storm_ok_per_s,
         goodput_ratio: storm_ok_per_s / peak_per_s.max(1e-9),

@@ -50,6 +50,7 @@ fn args(ca_dir: PathBuf, target: SocketAddr, mode: Mode) -> BenchArgs {
         storm_peak_streams: 2,
         storm_peak_after: true,
         storm_rounds: 1,
+        storm_speed_probe_cpu: None,
         admin_target: "127.0.0.1:1".parse().unwrap(),
         storm_client: storm::ClientModel::Open,
         cold: Default::default(),
