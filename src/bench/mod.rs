@@ -937,8 +937,9 @@ fn proc_cpu_seconds(pid: u32) -> Option<f64> {
 }
 
 /// Time the hypervisor ran something else while each CPU wanted to run
-/// (`steal` of each `cpuN` line of /proc/stat), in seconds: a VM's speed
-/// drifts with it, and a CPU quota may count it as the confined server's.
+/// (`steal` of each `cpuN` line of /proc/stat), in seconds: it delays the
+/// confined server (with paravirtual steal accounting the quota is charged
+/// execution time only, so it does not take the server's capacity).
 fn steal_seconds_per_cpu() -> Option<Vec<f64>> {
     let stat = std::fs::read_to_string("/proc/stat").ok()?;
     stat.lines()
