@@ -420,6 +420,7 @@ impl InProgress {
             }
             if ticket.is_none() {
                 ticket = Some(control.wait_ticket());
+                concurrency.gate_waited();
             }
             first_look = false;
             if limit.is_zero() || concurrency.park().is_zero() {

@@ -667,10 +667,6 @@ async fn root_and_intermediate_rotation_under_load_with_zero_failed_requests() {
         jitter: None,
     };
     cfg.reload_poll = Duration::from_millis(200);
-    // Zero failures is the rotation's claim, not admission's: on a CPU-starved
-    // debug run one stall of the process past the 50 ms queue target made
-    // admission shed a few renewals as stale (admission_queue_timeout).
-    cfg.admission.queue_target = Duration::ZERO;
     cfg.serving_names.push("istiod.istio-system.svc".into());
     cfg.kube = Some(KubeSettings {
         // The admin identity stands in for the chart's publisher RBAC
@@ -1231,10 +1227,6 @@ async fn root_rotation_with_two_tier_issuing_under_load() {
         jitter: None,
     };
     cfg.reload_poll = Duration::from_millis(200);
-    // Zero failures is the rotation's claim, not admission's: on a CPU-starved
-    // debug run one stall of the process past the 50 ms queue target made
-    // admission shed a few renewals as stale (admission_queue_timeout).
-    cfg.admission.queue_target = Duration::ZERO;
     cfg.custody.issuing_ttl = Some(Duration::from_secs(8));
     cfg.kube = Some(KubeSettings {
         kubeconfig: Some(k.dir.join("admin.kubeconfig")),

@@ -83,30 +83,29 @@ pub fn pick(oldest_waited: Duration, lifo_after: Duration) -> Pick {
     }
 }
 
-/// Whether a request that has waited `waited` (since it arrived at the
-/// server, its wait at the request gate included) is stale: past the queue
-/// target, which is at least four service times (so a slow signer, an HSM,
-/// with a short queue is not taken for overload) and at least two fair
-/// rounds of the `callers` waiting over the `running` signing threads (a
-/// request waiting its fair turn is not stale). A caller alone in the
-/// queue is never stale: its newest requests go first anyway (adaptive
-/// LIFO), and shedding its older ones would serve no one else (a node
-/// proxy's burst after a restart). Zero turns it off.
-pub fn stale(
-    waited: Duration,
+/// The wait (since a request arrived at the server, its wait at the request
+/// gate included) past which it is stale: the queue target, raised to at
+/// least four service times (so a slow signer, an HSM, with a short queue
+/// is not taken for overload) and at least two fair rounds of the
+/// `callers` waiting over the `running` signing threads (a request waiting
+/// its fair turn is not stale). `None`, never: a caller alone in the queue
+/// (its newest requests go first anyway, adaptive LIFO, and shedding its
+/// older ones would serve no one else: a node proxy's burst after a
+/// restart), or a zero target (off).
+pub fn stale_after(
     target: Duration,
     service: Option<Duration>,
     callers: usize,
     running: usize,
-) -> bool {
+) -> Option<Duration> {
     if target.is_zero() || callers < 2 {
-        return false;
+        return None;
     }
     let rounds = (callers.saturating_mul(2) / running.max(1)).max(4);
     let floor = service.map_or(Duration::ZERO, |s| {
         s.saturating_mul(u32::try_from(rounds).unwrap_or(u32::MAX))
     });
-    waited > target.max(floor)
+    Some(target.max(floor))
 }
 
 /// Whether stale requests are shed: while requests keep arriving (the last
@@ -118,6 +117,50 @@ pub fn stale(
 /// however old. Zero turns it off.
 pub fn hold_stale(quiet: Duration, target: Duration) -> bool {
     !target.is_zero() && quiet < target
+}
+
+/// A run of signing turns that found requests waiting (a backlog): when it
+/// began and when a turn last found one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BacklogRun {
+    pub since: Instant,
+    pub last: Instant,
+}
+
+/// The run after a turn at `now` that found requests waiting: it goes on if
+/// the last such turn was less than `after` (the staleness threshold) ago,
+/// else a new run begins. A queue that empties for a moment does not end
+/// it: in a storm the request gate holds the excess and the signing queue
+/// empties between its arrivals.
+pub fn note_backlog(run: Option<BacklogRun>, now: Instant, after: Duration) -> BacklogRun {
+    match run {
+        Some(r) if now.saturating_duration_since(r.last) < after => BacklogRun { last: now, ..r },
+        _ => BacklogRun {
+            since: now,
+            last: now,
+        },
+    }
+}
+
+/// Whether stale requests are shed: under overload (`overloaded`: the
+/// queue shed work or streams waited at the request gate lately, so that a
+/// storm whose signing queue empties for moments keeps shedding), else only
+/// from a standing queue, a backlog that has lasted two staleness
+/// thresholds and still stands (CoDel's interval). One stall of the whole process (CPU
+/// starvation, a VM pause) leaves a burst that is worked off in a few
+/// service times, and shedding it would refuse callers whose answers were
+/// still of use.
+pub fn sheds_stale(
+    run: Option<BacklogRun>,
+    now: Instant,
+    after: Duration,
+    overloaded: bool,
+) -> bool {
+    overloaded
+        || run.is_some_and(|r| {
+            now.saturating_duration_since(r.last) < after
+                && now.saturating_duration_since(r.since) >= after.saturating_mul(2)
+        })
 }
 
 /// Limits of the concurrency sizing.
@@ -382,6 +425,16 @@ mod tests {
         assert_eq!(pick(ms(waited_ms), ms(lifo_after_ms)), want);
     }
 
+    fn stale(
+        waited: Duration,
+        target: Duration,
+        service: Option<Duration>,
+        callers: usize,
+        running: usize,
+    ) -> bool {
+        stale_after(target, service, callers, running).is_some_and(|after| waited > after)
+    }
+
     #[test_case(0, 50, None, 1, false ; "fresh")]
     #[test_case(50, 50, None, 1, false ; "at the target")]
     #[test_case(51, 50, None, 2, true ; "past the target")]
@@ -420,6 +473,44 @@ mod tests {
     fn hold_stale_table(quiet: u64, target: u64, want: bool) {
         let ms = Duration::from_millis;
         assert_eq!(hold_stale(ms(quiet), ms(target)), want);
+    }
+
+    // (since, last) of the run in ms, now, threshold, overloaded: shed stale?
+    #[test_case(None, 0, 50, false, false ; "no run")]
+    #[test_case(None, 0, 50, true, true ; "overloaded already")]
+    #[test_case(Some((0, 0)), 0, 50, false, false ; "a run that begins now")]
+    #[test_case(Some((0, 90)), 99, 50, false, false ; "one stall's burst, being worked off")]
+    #[test_case(Some((0, 90)), 100, 50, false, true ; "two thresholds long: a standing queue")]
+    #[test_case(Some((0, 40)), 100, 50, false, false ; "over: no backlog for a threshold")]
+    #[test_case(Some((0, 5_000)), 5_010, 50, false, true ; "a storm's run goes on")]
+    fn sheds_stale_table(
+        run: Option<(u64, u64)>,
+        now: u64,
+        after: u64,
+        overloaded: bool,
+        want: bool,
+    ) {
+        let ms = Duration::from_millis;
+        let t0 = Instant::now();
+        let run = run.map(|(since, last)| BacklogRun {
+            since: t0 + ms(since),
+            last: t0 + ms(last),
+        });
+        assert_eq!(sheds_stale(run, t0 + ms(now), ms(after), overloaded), want);
+    }
+
+    // (since, last) of the run in ms, now: (since, last) after a backlogged turn.
+    #[test_case(None, 7, (7, 7) ; "a first backlog begins a run")]
+    #[test_case(Some((0, 30)), 79, (0, 79) ; "within a threshold of the last: goes on")]
+    #[test_case(Some((0, 30)), 80, (80, 80) ; "a threshold after the last: a new run")]
+    fn note_backlog_table(run: Option<(u64, u64)>, now: u64, want: (u64, u64)) {
+        let ms = Duration::from_millis;
+        let t0 = Instant::now();
+        let at = |(since, last): (u64, u64)| BacklogRun {
+            since: t0 + ms(since),
+            last: t0 + ms(last),
+        };
+        assert_eq!(note_backlog(run.map(at), t0 + ms(now), ms(50)), at(want));
     }
 
     #[test]

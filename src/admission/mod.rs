@@ -138,7 +138,7 @@ pub struct AdmissionConfig {
     /// and shedding requests come first under a CPU limit.
     pub signing_nice: i32,
     /// While requests keep arriving, a queued request that has waited
-    /// longer is shed instead of started ([`decide::stale`]).
+    /// longer is shed instead of started ([`decide::stale_after`]).
     pub queue_target: Duration,
     /// Fewest streams in progress one connection is always allowed, however
     /// small the sized share ([`decide::size`]).
@@ -245,7 +245,8 @@ pub struct AdmissionArgs {
     #[arg(long, env = "MESHCA_ADMISSION_LIFO_AFTER", default_value = "10ms")]
     pub admission_lifo_after: String,
     /// While requests keep arriving, a queued request that waited longer is shed, not started
-    /// (at least two fair rounds of the waiting callers; 0s: off).
+    /// (at least two fair rounds of the waiting callers; only under overload or from a queue
+    /// that has stood for two targets; 0s: off).
     #[arg(long, env = "MESHCA_ADMISSION_QUEUE_TARGET", default_value = "50ms")]
     pub admission_queue_target: String,
     /// Niceness added to the signing threads (0-19; 0: same priority as request I/O).
@@ -408,6 +409,12 @@ impl Concurrency {
     /// in time) a stream over its share waits for a place however old.
     pub fn overloaded(&self) -> bool {
         self.backlog.shedding(PRESSURE_MEMORY)
+    }
+
+    /// A stream over its connection's share waits at the request gate:
+    /// more is offered than is answered within the queue target.
+    pub fn gate_waited(&self) {
+        self.backlog.gate_waited();
     }
 
     /// Streams in progress one connection may have now.

@@ -19,7 +19,9 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
 
-use super::decide::{admit, hold_stale, pick, stale, Admit, QueueState};
+use super::decide::{
+    admit, hold_stale, note_backlog, pick, sheds_stale, stale_after, Admit, BacklogRun, QueueState,
+};
 use super::fair::{Entry, FairTable};
 use super::ShedReason;
 
@@ -54,6 +56,9 @@ struct State {
     idle: usize,
     /// When the last request was queued.
     last_arrival: Option<Instant>,
+    /// The signing turns' current run of backlog
+    /// ([`super::decide::sheds_stale`]).
+    backlog_run: Option<BacklogRun>,
     closed: bool,
     drain: DrainMeter,
     table: FairTable<Waiter>,
@@ -71,7 +76,7 @@ pub struct PoolConfig {
     /// Niceness added to the signing threads (0: same priority as the rest).
     pub nice: i32,
     /// Queue target: while requests keep arriving, a job that has waited
-    /// longer is not started ([`super::decide::stale`]; zero: never).
+    /// longer is not started ([`super::decide::stale_after`]; zero: never).
     pub target: Duration,
     /// A job that could start at once runs on the caller's own thread
     /// when no job has waited within this long (`None`: never). Below
@@ -167,6 +172,9 @@ pub struct Backlog {
     shed_ms: AtomicU64,
     /// When the async workers were last seen late ([`FairQueue::watch_lag`]), likewise.
     lag_ms: AtomicU64,
+    /// When a stream last waited at the request gate, over its
+    /// connection's share, likewise.
+    gated_ms: AtomicU64,
 }
 
 impl Backlog {
@@ -177,6 +185,7 @@ impl Backlog {
             last_ms: AtomicU64::new(0),
             shed_ms: AtomicU64::new(0),
             lag_ms: AtomicU64::new(0),
+            gated_ms: AtomicU64::new(0),
         }
     }
 
@@ -211,6 +220,17 @@ impl Backlog {
     /// `within`: more arrives than the signing threads answer in time.
     pub fn shedding(&self, within: Duration) -> bool {
         self.within(&self.shed_ms, within)
+    }
+
+    /// A stream waits at the request gate, over its connection's share.
+    pub fn gate_waited(&self) {
+        self.gated_ms.store(self.now_mark(), Ordering::Relaxed);
+    }
+
+    /// Whether streams waited at the request gate within `within`: more is
+    /// offered than what is answered within the queue target.
+    pub fn gating(&self, within: Duration) -> bool {
+        self.within(&self.gated_ms, within)
     }
 
     /// Whether the async workers ran late within `within`: work waits in
@@ -328,17 +348,20 @@ impl Inner {
             let arriving = hold_stale(quiet, target);
             let callers = s.table.callers_waiting();
             let running = self.max_running;
-            let is_stale = |w: &Waiter| {
-                stale(
-                    now.saturating_duration_since(w.arrived),
-                    target,
-                    service,
-                    callers,
-                    running,
-                )
-            };
+            let after = stale_after(target, service, callers, running);
+            let is_stale =
+                |w: &Waiter| after.is_some_and(|a| now.saturating_duration_since(w.arrived) > a);
+            // Stale requests are shed under overload (the queue sheds, or
+            // streams wait at the request gate) or from a standing queue (a
+            // backlog that has lasted); not from one stall's burst.
+            if let Some(a) = after.filter(|_| !s.table.is_empty()) {
+                s.backlog_run = Some(note_backlog(s.backlog_run, now, a));
+            }
+            let overloaded = self.backlog.shedding(super::PRESSURE_MEMORY)
+                || self.backlog.gating(super::PRESSURE_MEMORY);
+            let armed = after.is_some_and(|a| sheds_stale(s.backlog_run, now, a, overloaded));
             let next = s.table.pop_next_into(
-                |w| w.start_by > now && !(arriving && is_stale(w)),
+                |w| w.start_by > now && !(armed && arriving && is_stale(w)),
                 |oldest| pick(now.saturating_duration_since(oldest.since), lifo_after),
                 |_| true,
                 1,
