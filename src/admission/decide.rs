@@ -146,10 +146,10 @@ pub fn note_backlog(run: Option<BacklogRun>, now: Instant, after: Duration) -> B
 /// queue shed work or streams waited at the request gate lately, so that a
 /// storm whose signing queue empties for moments keeps shedding), else only
 /// from a standing queue, a backlog that has lasted two staleness
-/// thresholds and still stands (CoDel's interval). One stall of the whole process (CPU
-/// starvation, a VM pause) leaves a burst that is worked off in a few
-/// service times, and shedding it would refuse callers whose answers were
-/// still of use.
+/// thresholds and still stands (CoDel's interval). One stall of the whole
+/// process (CPU starvation, a VM pause) leaves a burst that is worked off
+/// in a few service times, and shedding it would refuse callers whose
+/// answers were still of use.
 pub fn sheds_stale(
     run: Option<BacklogRun>,
     now: Instant,

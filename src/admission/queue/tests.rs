@@ -349,10 +349,9 @@ async fn a_job_due_while_its_caller_waits_to_start_is_dropped_unrun() {
     assert_eq!(ran.load(Ordering::SeqCst), 0);
 }
 
-/// One signing thread with queue target `target`, its service time
-/// measured (far below the target), and its thread held busy.
-async fn busy_with_target(target: Duration) -> (FairQueue, Vec<mpsc::Sender<()>>) {
-    let q = FairQueue::new(
+/// One signing thread with queue target `target`, newest first.
+fn with_target(target: Duration) -> FairQueue {
+    FairQueue::new(
         PoolConfig {
             max_queued: 64,
             lifo_after: Duration::ZERO,
@@ -360,7 +359,13 @@ async fn busy_with_target(target: Duration) -> (FairQueue, Vec<mpsc::Sender<()>>
             ..pool_config(1)
         },
         None,
-    );
+    )
+}
+
+/// [`with_target`], its service time measured (far below the target),
+/// and its thread held busy.
+async fn busy_with_target(target: Duration) -> (FairQueue, Vec<mpsc::Sender<()>>) {
+    let q = with_target(target);
     for _ in 0..20 {
         q.run("warm", later(), || ()).await.unwrap();
     }
@@ -388,14 +393,26 @@ fn spawn_noted(
     })
 }
 
-/// One stall (the signing thread busy past the target, as when the whole
-/// process is starved of CPU) leaves a burst that drains in a few service
-/// times: its stale request is served, not shed, though requests keep
-/// arriving. Only a standing queue sheds (next test).
-#[tokio::test]
-async fn one_stall_is_served_not_shed() {
+/// One stall: the signing thread busy past the target (as when the whole
+/// process is starved of CPU) while a request of one caller waits, then a
+/// fresh request of another caller arrives. With `overloaded`, a stream
+/// waits at the request gate meanwhile. Returns the two outcomes (old,
+/// fresh) and the jobs that ran.
+async fn one_stall(
+    overloaded: bool,
+) -> (
+    Result<(), ShedReason>,
+    Result<(), ShedReason>,
+    Vec<&'static str>,
+) {
     let target = Duration::from_millis(60);
     let (q, gates) = busy_with_target(target).await;
+    let gate_waits = || {
+        if overloaded {
+            q.backlog().gate_waited();
+        }
+    };
+    gate_waits();
     let ran = Ran::default();
     let old = spawn_noted(&q, "a", Instant::now(), &ran, "old");
     until_queued(&q, 1).await;
@@ -403,10 +420,23 @@ async fn one_stall_is_served_not_shed() {
     // "old" is stale now; a fresh request of another caller arrives.
     let fresh = spawn_noted(&q, "b", Instant::now(), &ran, "fresh");
     until_queued(&q, 2).await;
+    gate_waits();
     drop(gates);
-    assert_eq!(fresh.await.unwrap(), Ok(()));
-    assert_eq!(old.await.unwrap(), Ok(()));
-    assert_eq!(ran.lock().unwrap().len(), 2);
+    let fresh = fresh.await.unwrap();
+    let old = old.await.unwrap();
+    let ran = ran.lock().unwrap().clone();
+    (old, fresh, ran)
+}
+
+/// Without overload one stall leaves a burst that drains in a few service
+/// times: its stale request is served, not shed, though requests keep
+/// arriving. Only a standing queue sheds without overload (below).
+#[tokio::test]
+async fn one_stall_is_served_not_shed() {
+    let (old, fresh, ran) = one_stall(false).await;
+    assert_eq!(fresh, Ok(()));
+    assert_eq!(old, Ok(()));
+    assert_eq!(ran.len(), 2);
 }
 
 /// The same stall under overload (streams wait at the request gate, over
@@ -414,39 +444,52 @@ async fn one_stall_is_served_not_shed() {
 /// fresh one is served.
 #[tokio::test]
 async fn one_stall_under_overload_sheds_stale_work() {
-    let target = Duration::from_millis(60);
+    let (old, fresh, ran) = one_stall(true).await;
+    assert_eq!(fresh, Ok(()));
+    assert_eq!(old, Err(ShedReason::QueueTimeout));
+    assert_eq!(ran, ["fresh"]);
+}
+
+/// The target bounds a request's whole wait before signing: under
+/// overload, one that spent most of it before the queue (parked at the
+/// request gate) is stale after a short time in the queue, while one that
+/// arrived later with the same time in the queue is served.
+#[tokio::test]
+async fn time_before_the_queue_counts_toward_the_target() {
+    let target = Duration::from_millis(200);
     let (q, gates) = busy_with_target(target).await;
     q.backlog().gate_waited();
     let ran = Ran::default();
-    let old = spawn_noted(&q, "a", Instant::now(), &ran, "old");
-    until_queued(&q, 1).await;
-    tokio::time::sleep(target + Duration::from_millis(20)).await;
-    let fresh = spawn_noted(&q, "b", Instant::now(), &ran, "fresh");
+    let arrived_early = Instant::now()
+        .checked_sub(target - Duration::from_millis(10))
+        .unwrap();
+    let parked = spawn_noted(&q, "a", arrived_early, &ran, "parked");
+    let direct = spawn_noted(&q, "b", Instant::now(), &ran, "direct");
     until_queued(&q, 2).await;
+    // Both have been queued 30 ms: "parked" is 220 ms past its arrival,
+    // "direct" 30 ms (far from the target on a loaded machine too).
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    let fresh = spawn_noted(&q, "c", Instant::now(), &ran, "fresh");
+    until_queued(&q, 3).await;
     q.backlog().gate_waited();
     drop(gates);
+    assert_eq!(parked.await.unwrap(), Err(ShedReason::QueueTimeout));
+    assert_eq!(direct.await.unwrap(), Ok(()));
     assert_eq!(fresh.await.unwrap(), Ok(()));
-    assert_eq!(old.await.unwrap(), Err(ShedReason::QueueTimeout));
-    assert_eq!(*ran.lock().unwrap(), ["fresh"]);
+    let ran = ran.lock().unwrap();
+    assert!(!ran.contains(&"parked"), "{ran:?}");
+    assert_eq!(ran.len(), 2, "{ran:?}");
 }
 
-/// A standing queue: jobs of 15 ms on one thread, requests arriving every
-/// 5 ms. Once callers' oldest waiters have been stale for two targets, a
-/// stale request is shed; and the target counts its whole wait since it
-/// reached the server (one parked at the request gate for most of it is
-/// shed though its turn comes the moment it is queued).
+/// A standing queue, with no overload signal: jobs of 15 ms on one
+/// thread, requests arriving every 5 ms. Once the backlog has stood for two
+/// staleness thresholds, a stale request is shed; and the target counts its
+/// whole wait since it reached the server (one parked at the request gate
+/// for most of it is shed though its turn comes the moment it is queued).
 #[tokio::test]
 async fn while_a_queue_stands_stale_work_is_shed() {
     let target = Duration::from_millis(40);
-    let q = FairQueue::new(
-        PoolConfig {
-            max_queued: 64,
-            lifo_after: Duration::ZERO,
-            target,
-            ..pool_config(1)
-        },
-        None,
-    );
+    let q = with_target(target);
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let arrivals = {
         let (q, stop) = (q.clone(), stop.clone());
