@@ -2,15 +2,17 @@
 //! (real rustls handshakes with client certificates, real HTTP/2): shed
 //! responses carry pushback and RetryInfo and are audited with their
 //! reason; nothing is signed for a caller past its deadline or gone; callers
-//! share the signing slots fairly; the per-identity cap holds.
+//! share the signing slots fairly; the per-identity cap holds; requests that
+//! waited at the request gate past the queue target are shed as stale.
 //! Small slot and queue sizes make overload happen with a few requests.
 #![allow(clippy::unwrap_used)]
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use meshca::admission::{AdmissionConfig, IdentityCap};
+use meshca::admission::{AdmissionConfig, IdentityCap, ShedReason};
 use meshca::app::{App, Deps};
 use meshca::audit::{AuditRecord, Decision, MemorySink};
 use meshca::ca::generate::KeyType;
@@ -519,5 +521,104 @@ async fn a_connection_over_its_share_is_refused_at_the_gate() {
         at_gate as usize + shed,
         refused,
         "each refusal counted once"
+    );
+}
+
+/// Streams waiting at the request gate are overload the signing queue
+/// cannot see: a connection that sends more than the queue holds keeps the
+/// excess there, and the queue, full but never over, sheds nothing. What
+/// then reaches the queue has waited past the queue target, and once
+/// another caller waits it is shed as stale, so that the other caller's
+/// fresh requests go first. Without the gate's signal the queue takes that
+/// backlog for one stall's burst and serves it however old (the test then
+/// fails).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_that_waited_at_the_gate_are_shed_when_stale() {
+    let _serial = SERIAL.lock().await;
+    // One signing thread and 16 queue places: a connection alone may have
+    // 17 requests in progress. RSA-4096: signing takes milliseconds, so the
+    // burst below lasts some hundred of them.
+    let (running, queued) = (1, 16);
+    let s = start_signing_with(
+        AdmissionConfig {
+            max_running: running,
+            max_queued: queued,
+            signing_nice: 0,
+            ..AdmissionConfig::default()
+        },
+        KeyType::Rsa4096,
+    )
+    .await;
+    let deadline = Duration::from_secs(5);
+    let (a, csr_a) = s.caller("burst").await;
+    let (b, csr_b) = s.caller("other").await;
+    let calls = |c: &Client, csr: &str, n: usize, done: Arc<AtomicUsize>| -> Vec<_> {
+        (0..n)
+            .map(|_| {
+                let (mut c, csr, done) = (c.clone(), csr.to_string(), done.clone());
+                tokio::spawn(async move {
+                    let r = call(&mut c, &csr, Some(deadline)).await;
+                    done.fetch_add(1, Ordering::Relaxed);
+                    r
+                })
+            })
+            .collect()
+    };
+    // Small bursts measure the service time; requests waiting for signing
+    // make the per-connection share apply.
+    for _ in 0..3 {
+        for t in calls(&b, &csr_b, 8, Default::default()) {
+            t.await.unwrap().unwrap();
+        }
+    }
+    // 60 beyond the connection's share wait at the gate.
+    let (share, excess) = (running + queued, 60);
+    let done = Arc::new(AtomicUsize::new(0));
+    let tasks = calls(&a, &csr_a, share + excess, done.clone());
+    // The other caller asks once the gate has let the excess through and
+    // the queue has room for it again: what waits in the queue from the
+    // burst arrived over 60 service times ago. A few requests, so that it
+    // still waits when the burst's next turn comes.
+    while done.load(Ordering::Relaxed) < excess + 6 {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let others = calls(&b, &csr_b, 4, Default::default());
+    // Past its deadline a request ends at the client (tonic's timeout).
+    let mut outcomes: HashMap<String, usize> = HashMap::new();
+    for t in tasks {
+        let code = t.await.unwrap().err().map(|st| st.code());
+        assert!(
+            matches!(
+                code,
+                None | Some(Code::ResourceExhausted | Code::Cancelled | Code::DeadlineExceeded)
+            ),
+            "{code:?}"
+        );
+        *outcomes.entry(format!("{code:?}")).or_default() += 1;
+    }
+    let mut other_failed = Vec::new();
+    for o in others {
+        if let Err(st) = o.await.unwrap() {
+            other_failed.push(st.code());
+        }
+    }
+    let refused_at_gate = s
+        .metric("meshca_transport_refusals_total{reason=\"connection_stream_limit\"}")
+        .await;
+    let mut reasons: HashMap<String, usize> = HashMap::new();
+    for r in s.records() {
+        *reasons.entry(r.reason).or_default() += 1;
+    }
+    let stale = reasons
+        .get(ShedReason::QueueTimeout.reason())
+        .copied()
+        .unwrap_or(0);
+    assert!(
+        other_failed.is_empty(),
+        "the other caller's requests failed: {other_failed:?} (client {outcomes:?}, audit {reasons:?})"
+    );
+    assert!(
+        stale >= 1,
+        "no request of the burst was shed as stale ({refused_at_gate} refused at the gate; client {outcomes:?}, audit {reasons:?})"
     );
 }

@@ -25,8 +25,15 @@ use super::decide::{
 use super::fair::{Entry, FairTable};
 use super::ShedReason;
 
-/// A queued job: called once, with `Ok` to run it or the reason it was shed.
-type Job = Box<dyn FnOnce(Result<(), ShedReason>) + Send>;
+/// A queued job: called once, with `Ok` to run it or the reason it was shed;
+/// it returns the delivery of its outcome to the waiting caller.
+type Job = Box<dyn FnOnce(Result<(), ShedReason>) -> Deliver + Send>;
+
+/// Hands a job's outcome to its caller. A signing thread calls it only once
+/// its place is given back: an answered caller's connection frees a place at
+/// the request gate at once, and the request let in then must find the
+/// queue's place free, not shed as full.
+type Deliver = Box<dyn FnOnce() + Send>;
 
 struct Waiter {
     start_by: Instant,
@@ -381,7 +388,7 @@ impl Inner {
                     } else {
                         ShedReason::DeadlineExceeded
                     };
-                    (w.job)(Err(why));
+                    (w.job)(Err(why))();
                 }
                 s = self.lock();
                 if let Some(w) = next {
@@ -481,8 +488,10 @@ impl Inner {
     fn run_one<'a>(&'a self, mut s: MutexGuard<'a, State>, w: Waiter) -> MutexGuard<'a, State> {
         let slot = self.take_slot(&mut s);
         drop(s);
-        self.timed(false, || (w.job)(Ok(())));
-        slot.give_back()
+        let deliver = self.timed(false, || (w.job)(Ok(())));
+        let s = slot.give_back();
+        deliver();
+        s
     }
 
     /// Runs `f`, counting it and its wall time as a completed job.
@@ -708,7 +717,10 @@ impl FairQueue {
                 Admit::EnqueueEvicting => s.table.pop_last().map(|(_, w)| w),
             };
             let job: Job = Box::new(move |go| {
-                let _ = tx.send(go.map(|()| f()));
+                let out = go.map(|()| f());
+                Box::new(move || {
+                    let _ = tx.send(out);
+                })
             });
             let entry = s.table.push(
                 Arc::from(key),
@@ -728,7 +740,7 @@ impl FairQueue {
         };
         if let Some(w) = evicted {
             inner.backlog.shed();
-            (w.job)(Err(ShedReason::QueueDisplaced));
+            (w.job)(Err(ShedReason::QueueDisplaced))();
         }
         let mut guard = WaitGuard {
             queue: inner,
