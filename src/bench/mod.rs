@@ -972,12 +972,9 @@ fn steal_since(before: Option<Vec<f64>>) -> Option<Vec<f64>> {
     )
 }
 
-/// CPU time of the calling thread (scheduler run time, nanosecond resolution).
+/// CPU time of the calling thread, up to now ([`probe::thread_cpu_ns`]).
 fn thread_cpu_seconds() -> f64 {
-    std::fs::read_to_string("/proc/thread-self/schedstat")
-        .ok()
-        .and_then(|s| s.split_whitespace().next()?.parse::<f64>().ok())
-        .map_or(0.0, |ns| ns / 1e9)
+    probe::thread_cpu_ns() as f64 / 1e9
 }
 
 fn clock_ticks() -> f64 {

@@ -105,9 +105,9 @@ impl SpeedProbe {
         }
     }
 
-    /// The probe's CPU time in its bursts so far.
-    pub fn cpu_seconds(&self) -> f64 {
-        self.counts.cpu_ns.load(Ordering::Relaxed) as f64 / 1e9
+    /// The probe's CPU time in its bursts since `m`.
+    pub fn cpu_seconds_since(&self, m: Mark) -> f64 {
+        self.mark().cpu_ns.saturating_sub(m.cpu_ns) as f64 / 1e9
     }
 
     /// Signatures per second of the probe's CPU time since `m`; None before
@@ -131,7 +131,7 @@ impl Drop for SpeedProbe {
 /// The calling thread's CPU time, up to now: clock_gettime brings the
 /// running thread's account up to date, where /proc's schedstat lags by up
 /// to a scheduler tick (longer than a burst).
-fn thread_cpu_ns() -> u64 {
+pub(super) fn thread_cpu_ns() -> u64 {
     let t = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
     (t.tv_sec.max(0) as u64) * 1_000_000_000 + t.tv_nsec.max(0) as u64
 }
@@ -223,7 +223,7 @@ mod tests {
             probe.per_cpu_s_since(m).is_some_and(|r| r > 0.0),
             "no signature counted in 10 s"
         );
-        assert!(probe.cpu_seconds() > 0.0, "its CPU time is counted");
+        assert!(probe.cpu_seconds_since(m) > 0.0, "its CPU time is counted");
         drop(probe);
     }
 

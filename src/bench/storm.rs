@@ -161,8 +161,17 @@ pub struct StormResult {
     pub fair_share_mean: f64,
     pub fair_share_p10: f64,
     pub fair_share_min: f64,
+    /// Standard deviation of the well-behaved proxies' shares, and what
+    /// counting alone gives a proxy with the fair share's successes
+    /// (Poisson: 1/sqrt(successes)). A spread at or under the counting
+    /// noise means the server adds no unfairness a run of this length can
+    /// show; the lowest of many proxies then sits a few of these below 1.
+    pub fair_share_sd: f64,
+    pub fair_share_counting_sd: f64,
     /// The greedy proxy's goodput over its fair share.
     pub greedy_ratio: f64,
+    /// Every proxy's requests over all rounds, the greedy one first.
+    pub per_proxy: Vec<ProxyTally>,
     /// Server-side `issued` decisions during the storm (from /metrics).
     pub server_issued: Option<u64>,
     /// Server sheds during the storm by reason (from /metrics).
@@ -229,6 +238,12 @@ pub struct StormRound {
     /// Successes answered in each whole second of the window (the onset
     /// of overload shows in the first ones).
     pub ok_by_second: Vec<usize>,
+    /// Each proxy's successes in this round (the greedy one first).
+    pub ok_by_proxy: Vec<usize>,
+    /// The lowest well-behaved proxy's share in this round, and which
+    /// proxy (index in `per_proxy`) it was.
+    pub share_min: Option<f64>,
+    pub share_min_proxy: Option<usize>,
     /// Seconds each CPU was stolen by the hypervisor during this storm and
     /// during the peak after it.
     pub steal_per_cpu_s: Option<Vec<f64>>,
@@ -619,6 +634,10 @@ struct StormSamples {
     ok_by_second: Vec<usize>,
     outcomes: BTreeMap<String, usize>,
     per_proxy_ok: Vec<usize>,
+    /// Each proxy's requests skipped at its in-flight cap, and refused or
+    /// failed (any outcome but a success).
+    per_proxy_skipped: Vec<usize>,
+    per_proxy_failed: Vec<usize>,
     skipped: usize,
     renewals: usize,
     attempts: usize,
@@ -633,8 +652,14 @@ impl StormSamples {
         for (k, v) in o.outcomes {
             *self.outcomes.entry(k).or_default() += v;
         }
-        for (mine, theirs) in self.per_proxy_ok.iter_mut().zip(o.per_proxy_ok) {
-            *mine += theirs;
+        for (mine, theirs) in [
+            (&mut self.per_proxy_ok, o.per_proxy_ok),
+            (&mut self.per_proxy_skipped, o.per_proxy_skipped),
+            (&mut self.per_proxy_failed, o.per_proxy_failed),
+        ] {
+            for (m, t) in mine.iter_mut().zip(theirs) {
+                *m += t;
+            }
         }
         self.skipped += o.skipped;
         self.renewals += o.renewals;
@@ -659,9 +684,59 @@ impl StormSamples {
                 self.per_proxy_ok[i] += 1;
                 *self.outcomes.entry("Ok".into()).or_default() += 1;
             }
-            Err(e) => *self.outcomes.entry(e.clone()).or_default() += 1,
+            Err(e) => {
+                self.per_proxy_failed[i] += 1;
+                *self.outcomes.entry(e.clone()).or_default() += 1
+            }
         }
     }
+
+    /// Empty samples for `n` proxies.
+    fn for_proxies(n: usize) -> Self {
+        StormSamples {
+            per_proxy_ok: vec![0; n],
+            per_proxy_skipped: vec![0; n],
+            per_proxy_failed: vec![0; n],
+            ..Default::default()
+        }
+    }
+
+    /// Each proxy's tally; its share is its successes over the fair share
+    /// (all successes over the proxies).
+    fn tallies(&self) -> Vec<ProxyTally> {
+        let n = self.per_proxy_ok.len().max(1);
+        let fair = self.per_proxy_ok.iter().sum::<usize>() as f64 / n as f64;
+        (0..self.per_proxy_ok.len())
+            .map(|i| ProxyTally {
+                ok: self.per_proxy_ok[i],
+                skipped: self.per_proxy_skipped[i],
+                failed: self.per_proxy_failed[i],
+                share: self.per_proxy_ok[i] as f64 / fair.max(1e-9),
+            })
+            .collect()
+    }
+}
+
+/// One proxy's requests in a storm (proxy 0 is the greedy one).
+#[derive(Debug, Clone, Serialize)]
+pub struct ProxyTally {
+    pub ok: usize,
+    /// Not started: the proxy already had its in-flight cap.
+    pub skipped: usize,
+    /// Refused or failed, whatever the code.
+    pub failed: usize,
+    /// `ok` over the fair share (all successes over the proxies).
+    pub share: f64,
+}
+
+/// The lowest share among the well-behaved proxies (all but proxy 0) and
+/// which proxy had it.
+fn lowest_share(t: &[ProxyTally]) -> Option<(usize, f64)> {
+    t.iter()
+        .enumerate()
+        .skip(1)
+        .map(|(i, p)| (i, p.share))
+        .min_by(|a, b| a.1.total_cmp(&b.1))
 }
 
 /// The whole second of the window `start..=stop` that is now, if within it.
@@ -730,10 +805,7 @@ async fn storm(
     secs: f64,
     deadline: Duration,
 ) -> StormSamples {
-    let samples = Arc::new(Mutex::new(StormSamples {
-        per_proxy_ok: vec![0; proxies.len()],
-        ..Default::default()
-    }));
+    let samples = Arc::new(Mutex::new(StormSamples::for_proxies(proxies.len())));
     let start = Instant::now();
     let stop = start + Duration::from_secs_f64(secs);
     let mut tickers = Vec::new();
@@ -785,7 +857,13 @@ async fn storm(
                 }
                 samples.lock().map(|mut s| s.renewals += 1).ok();
                 if inflight.load(Ordering::Relaxed) >= cap {
-                    samples.lock().map(|mut s| s.skipped += 1).ok();
+                    samples
+                        .lock()
+                        .map(|mut s| {
+                            s.skipped += 1;
+                            s.per_proxy_skipped[i] += 1;
+                        })
+                        .ok();
                     continue;
                 }
                 inflight.fetch_add(1, Ordering::Relaxed);
@@ -829,7 +907,7 @@ fn bound_ms(v: Option<f64>) -> String {
 pub async fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let r = execute(args).await?;
     eprintln!(
-        "storm [{:?} clients]: goodput {:.0}/s = {:.2} of peak {:.0}/s (before {:.0}/s, after {}) (target >= 0.90), {:.2} counting the {:.2} s drain; p99 of successes {:.1} ms (target < 100), server-side p50 / p99 of issued <= {} / {} ms; well-behaved share mean {:.2} p10 {:.2} min {:.2} (target >= 0.90); greedy {:.2}x its share; issued-not-received {:?}; RSS {:?} -> {:?} MiB (HWM {:?})",
+        "storm [{:?} clients]: goodput {:.0}/s = {:.2} of peak {:.0}/s (before {:.0}/s, after {}) (target >= 0.90), {:.2} counting the {:.2} s drain; p99 of successes {:.1} ms (target < 100), server-side p50 / p99 of issued <= {} / {} ms; well-behaved share mean {:.2} p10 {:.2} min {:.2} (target >= 0.90), sd {:.3} (counting noise {:.3}); greedy {:.2}x its share; issued-not-received {:?}; RSS {:?} -> {:?} MiB (HWM {:?})",
         r.client_model,
         r.storm_ok_per_s,
         r.goodput_ratio,
@@ -845,6 +923,8 @@ pub async fn run(args: &BenchArgs) -> anyhow::Result<()> {
         r.fair_share_mean,
         r.fair_share_p10,
         r.fair_share_min,
+        r.fair_share_sd,
+        r.fair_share_counting_sd,
         r.greedy_ratio,
         r.issued_not_received,
         r.server_rss_mib_before,
@@ -901,10 +981,7 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<StormResult> {
         .transpose()?;
     let probe = probe.as_ref();
     let mut peaks = vec![timed_peak(args, probe, &proxies, k, secs, deadline).await];
-    let mut s = StormSamples {
-        per_proxy_ok: vec![0; n],
-        ..Default::default()
-    };
+    let mut s = StormSamples::for_proxies(n);
     let mut round_results = Vec::with_capacity(rounds);
     let (mut server_issued, mut server_shed) = (Some(0u64), BTreeMap::new());
     let mut issued_latency: Option<Vec<(f64, u64)>> = None;
@@ -935,7 +1012,6 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<StormResult> {
         }
         let server_cpu0 = args.server_pid.and_then(super::proc_cpu_seconds);
         let own_cpu0 = super::proc_cpu_seconds(std::process::id());
-        let probe_cpu0 = probe.map(|p| p.cpu_seconds());
         let steal0 = super::steal_seconds_per_cpu();
         let probe0 = probe.map(|p| p.mark());
         let t = Instant::now();
@@ -958,8 +1034,8 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<StormResult> {
             .map(|(a, b)| a + b);
         // The generator's own CPU, without the speed probe's (it runs on the server's CPU).
         let probe_cpu = probe
-            .zip(probe_cpu0)
-            .map_or(0.0, |(p, c)| p.cpu_seconds() - c);
+            .zip(probe0)
+            .map_or(0.0, |(p, m)| p.cpu_seconds_since(m));
         generator_cpu_s = generator_cpu_s
             .zip(cpu(own_cpu0, Some(std::process::id())))
             .map(|(a, b)| a + b - probe_cpu);
@@ -987,6 +1063,8 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<StormResult> {
         }
         let ok_per_s = one_round.ok_in_window as f64 / secs.max(1e-9);
         let ok_by_second = one_round.ok_by_second.clone();
+        let lowest = lowest_share(&one_round.tallies());
+        let ok_by_proxy = one_round.per_proxy_ok.clone();
         s.absorb(one_round);
         // The peak after this storm: always between rounds; after the last
         // one with `--storm-peak-after`. As long a pause as before the
@@ -1023,6 +1101,9 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<StormResult> {
             goodput_ratio: 0.0,
             goodput_ratio_steal_adjusted: steal_adjusted,
             ok_by_second,
+            ok_by_proxy,
+            share_min: lowest.map(|l| l.1),
+            share_min_proxy: lowest.map(|l| l.0),
             steal_per_cpu_s,
             peak_after_steal_per_cpu_s: peaks
                 .get(round + 1)
@@ -1047,14 +1128,14 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<StormResult> {
     // Each storm is compared with the peaks next to it: the capacity is the
     // mean of the rounds' references.
     let peak_per_s = round_results.iter().map(StormRound::reference).sum::<f64>() / rounds as f64;
-    let fair = ok as f64 / n as f64;
-    let mut ratios: Vec<f64> = s.per_proxy_ok[1..]
-        .iter()
-        .map(|&c| c as f64 / fair.max(1e-9))
-        .collect();
+    let per_proxy = s.tallies();
+    let mut ratios: Vec<f64> = per_proxy[1..].iter().map(|p| p.share).collect();
     ratios.sort_by(|a, b| a.total_cmp(b));
     let mean = ratios.iter().sum::<f64>() / ratios.len().max(1) as f64;
     let p10 = ratios.get(ratios.len() / 10).copied().unwrap_or(0.0);
+    let sd = (ratios.iter().map(|r| (r - mean).powi(2)).sum::<f64>() / ratios.len().max(1) as f64)
+        .sqrt();
+    let fair = ok as f64 / n as f64;
     let server_q = |q: f64| quantile_ms(issued_latency.as_ref().filter(|_| latency_ok)?, q);
     for p in &peaks {
         if let Some(n) = p.sheds.filter(|&n| n as f64 > 0.01 * p.certs as f64) {
@@ -1105,8 +1186,11 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<StormResult> {
         skipped_at_cap: s.skipped,
         fair_share_mean: mean,
         fair_share_p10: p10,
+        fair_share_sd: sd,
+        fair_share_counting_sd: 1.0 / fair.max(1.0).sqrt(),
         fair_share_min: ratios.first().copied().unwrap_or(0.0),
-        greedy_ratio: s.per_proxy_ok[0] as f64 / fair.max(1e-9),
+        greedy_ratio: per_proxy[0].share,
+        per_proxy,
         server_issued,
         server_shed,
         issued_not_received: server_issued.map(|i| i as i64 - ok as i64),

@@ -109,10 +109,7 @@ fn scrape_reads_issued_latency_buckets() {
 /// the client's view except the goodput of the window.
 #[test]
 fn successes_after_the_window_count_only_with_the_drain() {
-    let mut s = StormSamples {
-        per_proxy_ok: vec![0; 2],
-        ..Default::default()
-    };
+    let mut s = StormSamples::for_proxies(2);
     s.record(0, &Ok(5_000_000), Some(2));
     s.record(1, &Ok(900_000_000), None);
     s.record(1, &Err("ResourceExhausted".into()), Some(0));
@@ -120,6 +117,7 @@ fn successes_after_the_window_count_only_with_the_drain() {
     assert_eq!((s.ok_in_window, s.latencies.len(), s.attempts), (1, 2, 4));
     assert_eq!(s.ok_by_second, vec![0, 0, 1]);
     assert_eq!(s.per_proxy_ok, vec![1, 1]);
+    assert_eq!(s.per_proxy_failed, vec![1, 1]);
     assert_eq!(s.outcomes.get("ResourceExhausted"), Some(&2));
 }
 
@@ -189,4 +187,23 @@ fn agent_backoff_table() {
     for (attempt, code, draw, want) in cases {
         assert_eq!(agent_backoff(attempt, code, draw), want, "{attempt} {code}");
     }
+}
+
+/// Shares are each proxy's successes over all successes per proxy; the
+/// lowest is looked for among the well-behaved proxies only.
+#[test]
+fn shares_are_over_the_fair_share_and_the_lowest_skips_the_greedy_proxy() {
+    let mut s = StormSamples::for_proxies(3);
+    for (i, n) in [(0, 1), (1, 3), (2, 2)] {
+        for _ in 0..n {
+            s.record(i, &Ok(1), Some(0));
+        }
+    }
+    s.per_proxy_skipped[2] = 4;
+    let t = s.tallies();
+    let shares: Vec<f64> = t.iter().map(|p| p.share).collect();
+    assert_eq!(shares, vec![0.5, 1.5, 1.0]);
+    assert_eq!((t[2].ok, t[2].skipped, t[2].failed), (2, 4, 0));
+    assert_eq!(lowest_share(&t), Some((2, 1.0)));
+    assert_eq!(lowest_share(&t[..1]), None);
 }
