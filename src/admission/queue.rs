@@ -29,10 +29,12 @@ use super::ShedReason;
 /// it returns the delivery of its outcome to the waiting caller.
 type Job = Box<dyn FnOnce(Result<(), ShedReason>) -> Deliver + Send>;
 
-/// Hands a job's outcome to its caller. A signing thread calls it only once
-/// its place is given back: an answered caller's connection frees a place at
-/// the request gate at once, and the request let in then must find the
-/// queue's place free, not shed as full.
+/// Hands a job's outcome to its caller. A signing thread calls it once it
+/// has given the job's place back and taken the next job out of the queue
+/// (or found none), outside the lock: an answered caller's connection frees
+/// a place at the request gate at once, and the request let in then must
+/// find a queue place free, not be shed as full; and the woken caller may
+/// preempt the (niced) signing thread, so it must not find the lock held.
 type Deliver = Box<dyn FnOnce() + Send>;
 
 struct Waiter {
@@ -336,9 +338,15 @@ impl Inner {
     /// A signing thread: takes the next live job in fair order until closed.
     fn serve(&self) {
         let mut passed = Vec::new();
+        // The last job's outcome, not yet handed to its caller.
+        let mut answer: Option<Deliver> = None;
         let mut s = self.lock();
         loop {
             if s.closed {
+                drop(s);
+                if let Some(d) = answer.take() {
+                    d();
+                }
                 return;
             }
             let now = Instant::now();
@@ -378,6 +386,9 @@ impl Inner {
             if !passed.is_empty() {
                 self.gauges(&s);
                 drop(s);
+                if let Some(d) = answer.take() {
+                    d();
+                }
                 self.backlog.shed();
                 // Past their start-by time (their callers' own timers
                 // usually got there first), or stale while newer work
@@ -392,11 +403,17 @@ impl Inner {
                 }
                 s = self.lock();
                 if let Some(w) = next {
-                    s = self.run_one(s, w);
+                    s = self.run_one(s, w, &mut answer);
                 }
                 continue;
             }
             let Some(w) = next else {
+                if let Some(d) = answer.take() {
+                    drop(s);
+                    d();
+                    s = self.lock();
+                    continue;
+                }
                 self.gauges(&s);
                 s.idle += 1;
                 s = if arriving && !s.table.is_empty() {
@@ -413,7 +430,7 @@ impl Inner {
                 s.idle -= 1;
                 continue;
             };
-            s = self.run_one(s, w);
+            s = self.run_one(s, w, &mut answer);
         }
     }
 
@@ -484,13 +501,23 @@ impl Inner {
         s
     }
 
-    /// Runs a queued job on this signing thread and takes the lock back.
-    fn run_one<'a>(&'a self, mut s: MutexGuard<'a, State>, w: Waiter) -> MutexGuard<'a, State> {
+    /// Runs a queued job on this signing thread, first handing the previous
+    /// job's outcome (`answer`) to its caller, and takes the lock back with
+    /// this job's outcome in `answer` ([`Deliver`]).
+    fn run_one<'a>(
+        &'a self,
+        mut s: MutexGuard<'a, State>,
+        w: Waiter,
+        answer: &mut Option<Deliver>,
+    ) -> MutexGuard<'a, State> {
         let slot = self.take_slot(&mut s);
         drop(s);
+        if let Some(d) = answer.take() {
+            d();
+        }
         let deliver = self.timed(false, || (w.job)(Ok(())));
         let s = slot.give_back();
-        deliver();
+        *answer = Some(deliver);
         s
     }
 
