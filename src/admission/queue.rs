@@ -29,13 +29,21 @@ use super::ShedReason;
 /// it returns the delivery of its outcome to the waiting caller.
 type Job = Box<dyn FnOnce(Result<(), ShedReason>) -> Deliver + Send>;
 
-/// Hands a job's outcome to its caller. A signing thread calls it once it
-/// has given the job's place back and taken the next job out of the queue
-/// (or found none), outside the lock: an answered caller's connection frees
-/// a place at the request gate at once, and the request let in then must
-/// find a queue place free, not be shed as full; and the woken caller may
-/// preempt the (niced) signing thread, so it must not find the lock held.
+/// Hands a job's outcome to its caller. A signing thread calls it
+/// ([`hand_over`]) once it has given the job's place back and taken the
+/// next job out of the queue (or found none), outside the lock: an answered
+/// caller's connection frees a place at the request gate at once, and the
+/// request let in then must find a queue place free, not be shed as full;
+/// and the woken caller may preempt the (niced) signing thread, so it must
+/// not find the lock held.
 type Deliver = Box<dyn FnOnce() + Send>;
+
+/// Hands the pending outcome, if any, to its caller (lock not held).
+fn hand_over(answer: &mut Option<Deliver>) {
+    if let Some(d) = answer.take() {
+        d();
+    }
+}
 
 struct Waiter {
     start_by: Instant,
@@ -344,9 +352,7 @@ impl Inner {
         loop {
             if s.closed {
                 drop(s);
-                if let Some(d) = answer.take() {
-                    d();
-                }
+                hand_over(&mut answer);
                 return;
             }
             let now = Instant::now();
@@ -386,9 +392,7 @@ impl Inner {
             if !passed.is_empty() {
                 self.gauges(&s);
                 drop(s);
-                if let Some(d) = answer.take() {
-                    d();
-                }
+                hand_over(&mut answer);
                 self.backlog.shed();
                 // Past their start-by time (their callers' own timers
                 // usually got there first), or stale while newer work
@@ -512,9 +516,7 @@ impl Inner {
     ) -> MutexGuard<'a, State> {
         let slot = self.take_slot(&mut s);
         drop(s);
-        if let Some(d) = answer.take() {
-            d();
-        }
+        hand_over(answer);
         let deliver = self.timed(false, || (w.job)(Ok(())));
         let s = slot.give_back();
         *answer = Some(deliver);

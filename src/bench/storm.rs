@@ -738,13 +738,7 @@ async fn storm(
                 }
                 samples.lock().map(|mut s| s.renewals += 1).ok();
                 if inflight.load(Ordering::Relaxed) >= cap {
-                    samples
-                        .lock()
-                        .map(|mut s| {
-                            s.skipped += 1;
-                            s.per_proxy_skipped[i] += 1;
-                        })
-                        .ok();
+                    samples.lock().map(|mut s| s.per_proxy_skipped[i] += 1).ok();
                     continue;
                 }
                 inflight.fetch_add(1, Ordering::Relaxed);
@@ -1064,7 +1058,7 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<StormResult> {
         storm_p99_ms: percentile(&s.latencies, 99.0),
         storm_max_ms: percentile(&s.latencies, 100.0),
         outcomes: s.outcomes,
-        skipped_at_cap: s.skipped,
+        skipped_at_cap: s.per_proxy_skipped.iter().sum(),
         fair_share_mean: mean,
         fair_share_p10: p10,
         fair_share_sd: sd,

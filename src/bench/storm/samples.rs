@@ -19,7 +19,6 @@ pub(super) struct StormSamples {
     /// failed (any outcome but a success).
     pub(super) per_proxy_skipped: Vec<usize>,
     pub(super) per_proxy_failed: Vec<usize>,
-    pub(super) skipped: usize,
     pub(super) renewals: usize,
     pub(super) attempts: usize,
     pub(super) gave_up: usize,
@@ -42,7 +41,6 @@ impl StormSamples {
                 *m += t;
             }
         }
-        self.skipped += o.skipped;
         self.renewals += o.renewals;
         self.attempts += o.attempts;
         self.gave_up += o.gave_up;
