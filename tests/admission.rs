@@ -535,100 +535,90 @@ async fn a_connection_over_its_share_is_refused_at_the_gate() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_that_waited_at_the_gate_are_shed_when_stale() {
     let _serial = SERIAL.lock().await;
-    for attempt in 0..3 {
-        // One signing thread and 16 queue places: a connection alone may have
-        // 17 requests in progress. RSA-4096: signing takes milliseconds, so the
-        // burst below lasts some hundred of them.
-        let (running, queued) = (1, 16);
-        let s = start_signing_with(
-            AdmissionConfig {
-                max_running: running,
-                max_queued: queued,
-                signing_nice: 0,
-                ..AdmissionConfig::default()
-            },
-            KeyType::Rsa4096,
-        )
-        .await;
-        let deadline = Duration::from_secs(5);
-        let (a, csr_a) = s.caller("burst").await;
-        let (b, csr_b) = s.caller("other").await;
-        let calls = |c: &Client, csr: &str, n: usize, done: Arc<AtomicUsize>| -> Vec<_> {
-            (0..n)
-                .map(|_| {
-                    let (mut c, csr, done) = (c.clone(), csr.to_string(), done.clone());
-                    tokio::spawn(async move {
-                        let r = call(&mut c, &csr, Some(deadline)).await;
-                        done.fetch_add(1, Ordering::Relaxed);
-                        r
-                    })
+    // One signing thread and 16 queue places: a connection alone may have
+    // 17 requests in progress. RSA-4096: signing takes milliseconds, so the
+    // burst below lasts some hundred of them.
+    let (running, queued) = (1, 16);
+    let s = start_signing_with(
+        AdmissionConfig {
+            max_running: running,
+            max_queued: queued,
+            signing_nice: 0,
+            ..AdmissionConfig::default()
+        },
+        KeyType::Rsa4096,
+    )
+    .await;
+    let deadline = Duration::from_secs(5);
+    let (a, csr_a) = s.caller("burst").await;
+    let (b, csr_b) = s.caller("other").await;
+    let calls = |c: &Client, csr: &str, n: usize, done: Arc<AtomicUsize>| -> Vec<_> {
+        (0..n)
+            .map(|_| {
+                let (mut c, csr, done) = (c.clone(), csr.to_string(), done.clone());
+                tokio::spawn(async move {
+                    let r = call(&mut c, &csr, Some(deadline)).await;
+                    done.fetch_add(1, Ordering::Relaxed);
+                    r
                 })
-                .collect()
-        };
-        // Small bursts measure the service time; requests waiting for signing
-        // make the per-connection share apply.
-        for _ in 0..3 {
-            for t in calls(&b, &csr_b, 8, Default::default()) {
-                t.await.unwrap().unwrap();
-            }
+            })
+            .collect()
+    };
+    // Small bursts measure the service time; requests waiting for signing
+    // make the per-connection share apply.
+    for _ in 0..3 {
+        for t in calls(&b, &csr_b, 8, Default::default()) {
+            t.await.unwrap().unwrap();
         }
-        // 60 beyond the connection's share wait at the gate.
-        let (share, excess) = (running + queued, 60);
-        let done = Arc::new(AtomicUsize::new(0));
-        let tasks = calls(&a, &csr_a, share + excess, done.clone());
-        // The other caller asks once the gate has let the excess through and
-        // the queue has room for it again: what waits in the queue from the
-        // burst arrived over 60 service times ago. A few requests, so that it
-        // still waits when the burst's next turn comes.
-        while done.load(Ordering::Relaxed) < excess + 6 {
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
-        let others = calls(&b, &csr_b, 4, Default::default());
-        // Past its deadline a request ends at the client (tonic's timeout).
-        let mut outcomes: HashMap<String, usize> = HashMap::new();
-        for t in tasks {
-            let code = t.await.unwrap().err().map(|st| st.code());
-            assert!(
-                matches!(
-                    code,
-                    None | Some(Code::ResourceExhausted | Code::Cancelled | Code::DeadlineExceeded)
-                ),
-                "{code:?}"
-            );
-            *outcomes.entry(format!("{code:?}")).or_default() += 1;
-        }
-        let mut other_failed = Vec::new();
-        for o in others {
-            if let Err(st) = o.await.unwrap() {
-                other_failed.push(st.code());
-            }
-        }
-        let refused_at_gate = s
-            .metric("meshca_transport_refusals_total{reason=\"connection_stream_limit\"}")
-            .await;
-        let mut reasons: HashMap<String, usize> = HashMap::new();
-        for r in s.records() {
-            *reasons.entry(r.reason).or_default() += 1;
-        }
-        let stale = reasons
-            .get(ShedReason::QueueTimeout.reason())
-            .copied()
-            .unwrap_or(0);
-        // Precondition: the queue shed nothing before the other caller asked.
-        // A request found the queue full at the burst's start in about one run
-        // in twenty (a race not yet found); that run shows nothing about the
-        // gate, so it is run again on a new server.
-        if reasons.contains_key(ShedReason::QueueFull.reason()) && attempt < 2 {
-            continue;
-        }
-        assert!(
-            other_failed.is_empty(),
-            "the other caller's requests failed: {other_failed:?} (client {outcomes:?}, audit {reasons:?})"
-        );
-        assert!(
-            stale >= 1,
-            "no request of the burst was shed as stale ({refused_at_gate} refused at the gate; client {outcomes:?}, audit {reasons:?})"
-        );
-        return;
     }
+    // 60 beyond the connection's share wait at the gate.
+    let (share, excess) = (running + queued, 60);
+    let done = Arc::new(AtomicUsize::new(0));
+    let tasks = calls(&a, &csr_a, share + excess, done.clone());
+    // The other caller asks once the gate has let the excess through and
+    // the queue has room for it again: what waits in the queue from the
+    // burst arrived over 60 service times ago. A few requests, so that it
+    // still waits when the burst's next turn comes.
+    while done.load(Ordering::Relaxed) < excess + 6 {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let others = calls(&b, &csr_b, 4, Default::default());
+    // Past its deadline a request ends at the client (tonic's timeout).
+    let mut outcomes: HashMap<String, usize> = HashMap::new();
+    for t in tasks {
+        let code = t.await.unwrap().err().map(|st| st.code());
+        assert!(
+            matches!(
+                code,
+                None | Some(Code::ResourceExhausted | Code::Cancelled | Code::DeadlineExceeded)
+            ),
+            "{code:?}"
+        );
+        *outcomes.entry(format!("{code:?}")).or_default() += 1;
+    }
+    let mut other_failed = Vec::new();
+    for o in others {
+        if let Err(st) = o.await.unwrap() {
+            other_failed.push(st.code());
+        }
+    }
+    let refused_at_gate = s
+        .metric("meshca_transport_refusals_total{reason=\"connection_stream_limit\"}")
+        .await;
+    let mut reasons: HashMap<String, usize> = HashMap::new();
+    for r in s.records() {
+        *reasons.entry(r.reason).or_default() += 1;
+    }
+    let stale = reasons
+        .get(ShedReason::QueueTimeout.reason())
+        .copied()
+        .unwrap_or(0);
+    assert!(
+        other_failed.is_empty(),
+        "the other caller's requests failed: {other_failed:?} (client {outcomes:?}, audit {reasons:?})"
+    );
+    assert!(
+        stale >= 1,
+        "no request of the burst was shed as stale ({refused_at_gate} refused at the gate; client {outcomes:?}, audit {reasons:?})"
+    );
 }

@@ -39,11 +39,18 @@ pub enum Admit {
 /// request never jumps ahead of waiters (they would starve), and a full
 /// queue sheds the request of the caller furthest ahead, so a caller
 /// arriving ten times as often cannot take ten times the slots.
+///
+/// The pool holds `max_running + max_queued` jobs. A job queued for a
+/// signing thread that is free but not yet awake takes that thread's place,
+/// not a queue place: which of the two a job holds depends on when the
+/// thread is scheduled, and the request gate's share (running plus queued)
+/// must find room either way.
 pub fn admit(s: &QueueState) -> Admit {
-    if s.running < s.max_running && s.queued == 0 {
+    let free_threads = s.max_running.saturating_sub(s.running);
+    if free_threads > 0 && s.queued == 0 {
         return Admit::Run;
     }
-    if s.queued < s.max_queued {
+    if s.queued < s.max_queued.saturating_add(free_threads) {
         return Admit::Enqueue;
     }
     match s.last_tag {
@@ -179,6 +186,14 @@ pub struct SizingBounds {
 pub struct Sizing {
     /// Requests that may wait for a signing thread.
     pub queued: usize,
+    /// How the connections share the streams in progress.
+    pub share: StreamShare,
+}
+
+/// The request gate's part of the sizing: streams in progress per
+/// connection while the signing queue is pressed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StreamShare {
     /// Requests in progress per connection; more are refused before their
     /// message is read.
     pub per_connection: usize,
@@ -232,9 +247,11 @@ pub fn size(
     let per_connection = shared.div_ceil(busy).clamp(min_per, b.max_per_connection);
     Sizing {
         queued,
-        per_connection,
-        floor_per_connection: (shared / busy).clamp(min_per, b.max_per_connection),
-        shared,
+        share: StreamShare {
+            per_connection,
+            floor_per_connection: (shared / busy).clamp(min_per, b.max_per_connection),
+            shared,
+        },
     }
 }
 
@@ -244,7 +261,7 @@ pub fn size(
 /// (`per_connection`) only while all together hold less than `shared`.
 /// Rounded up for every connection, 20 connections sharing 35 places held
 /// 40: work past the queue target, shed after it was read and authenticated.
-pub fn admits_stream(before: usize, total: usize, s: &Sizing) -> bool {
+pub fn admits_stream(before: usize, total: usize, s: &StreamShare) -> bool {
     before < s.floor_per_connection || (before < s.per_connection && total < s.shared)
 }
 
@@ -411,6 +428,11 @@ mod tests {
     #[test_case(q(2, 4, 3, Some(10)), Admit::EnqueueEvicting ; "full, a waiter's caller is further ahead")]
     #[test_case(q(2, 4, 10, Some(10)), Admit::Shed(ShedReason::QueueFull) ; "full, tie keeps the waiter")]
     #[test_case(q(2, 4, 11, Some(10)), Admit::Shed(ShedReason::QueueFull) ; "full, we are furthest ahead")]
+    #[test_case(q(0, 4, 0, Some(0)), Admit::Enqueue ; "queue at its bound, threads free but not yet awake")]
+    #[test_case(q(1, 4, 0, Some(0)), Admit::Enqueue ; "queue at its bound, one thread not yet awake")]
+    #[test_case(q(1, 5, 0, Some(0)), Admit::Shed(ShedReason::QueueFull) ; "queue at its bound plus the waking thread's place")]
+    #[test_case(q(0, 6, 3, Some(10)), Admit::EnqueueEvicting ; "queue at its bound plus the waking threads' places")]
+    #[test_case(q(3, 4, 0, Some(0)), Admit::Shed(ShedReason::QueueFull) ; "an inline job over the threads frees no place")]
     fn admission_table(s: QueueState, want: Admit) {
         assert_eq!(admit(&s), want);
     }
@@ -598,7 +620,11 @@ mod tests {
             cases.into_iter().enumerate()
         {
             let s = size(service, running, deadline, Duration::ZERO, busy, bounds);
-            assert_eq!((s.queued, s.per_connection), (queued, per), "case {i}");
+            assert_eq!(
+                (s.queued, s.share.per_connection),
+                (queued, per),
+                "case {i}"
+            );
         }
     }
 
@@ -632,7 +658,11 @@ mod tests {
         // The queue bound stays what the deadline answers.
         assert_eq!(s.queued, 1_249);
         assert_eq!(
-            (s.per_connection, s.floor_per_connection, s.shared),
+            (
+                s.share.per_connection,
+                s.share.floor_per_connection,
+                s.share.shared
+            ),
             (per, floor, shared)
         );
     }
@@ -645,8 +675,7 @@ mod tests {
     #[test_case(3, 62, false ; "the part rounded up once all places are held")]
     #[test_case(4, 0, false ; "never past the part rounded up")]
     fn streams_share_places_rounded_down_then_up(before: usize, total: usize, want: bool) {
-        let s = Sizing {
-            queued: 1_249,
+        let s = StreamShare {
             per_connection: 4,
             floor_per_connection: 3,
             shared: 62,

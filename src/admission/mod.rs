@@ -426,13 +426,12 @@ impl Concurrency {
     /// one more: within its share ([`decide::admits_stream`]), or while no
     /// request has waited for signing for a second.
     pub fn admits(&self, before: usize) -> bool {
-        let sizing = decide::Sizing {
-            queued: 0,
+        let share = decide::StreamShare {
             per_connection: self.per_connection(),
             floor_per_connection: self.floor_per_connection.load(Ordering::Relaxed),
             shared: self.shared.load(Ordering::Relaxed),
         };
-        decide::admits_stream(before, self.in_progress.load(Ordering::Relaxed), &sizing)
+        decide::admits_stream(before, self.in_progress.load(Ordering::Relaxed), &share)
             || !self.backlog.pressed(PRESSURE_MEMORY)
     }
 
@@ -576,15 +575,18 @@ impl Admission {
     fn resize(&self) {
         let s = self.sizing();
         self.queue.set_sized_queued(s.queued);
-        self.concurrency
-            .per_connection
-            .store(s.per_connection, Ordering::Relaxed);
-        self.concurrency
-            .floor_per_connection
-            .store(s.floor_per_connection, Ordering::Relaxed);
-        self.concurrency.shared.store(s.shared, Ordering::Relaxed);
+        let c = &self.concurrency;
+        c.per_connection
+            .store(s.share.per_connection, Ordering::Relaxed);
+        c.floor_per_connection
+            .store(s.share.floor_per_connection, Ordering::Relaxed);
+        c.shared.store(s.share.shared, Ordering::Relaxed);
         if let Some(m) = &self.metrics {
-            m.sizing(s.queued, s.per_connection, self.queue.effective_service());
+            m.sizing(
+                s.queued,
+                s.share.per_connection,
+                self.queue.effective_service(),
+            );
         }
     }
 

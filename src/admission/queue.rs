@@ -578,6 +578,17 @@ fn lower_priority(nice: i32) {
 
 impl FairQueue {
     pub fn new(cfg: PoolConfig, metrics: Option<Arc<dyn super::AdmissionObserver>>) -> Self {
+        let q = Self::without_threads(cfg, metrics);
+        q.start_threads(cfg.nice);
+        q
+    }
+
+    /// The pool before its signing threads start: tests use it to hold the
+    /// threads back, as a scheduler may for a moment after a job is queued.
+    fn without_threads(
+        cfg: PoolConfig,
+        metrics: Option<Arc<dyn super::AdmissionObserver>>,
+    ) -> Self {
         let max_running = cfg.max_running.max(1);
         let inner = Arc::new(Inner {
             max_running,
@@ -596,9 +607,14 @@ impl FairQueue {
             completed: AtomicU64::new(0),
             metrics,
         });
-        for i in 0..max_running {
+        Self(Arc::new(Handle(inner)))
+    }
+
+    /// Starts the signing threads; each ends when the last handle is dropped.
+    fn start_threads(&self, nice: i32) {
+        let inner = &self.0 .0;
+        for i in 0..inner.max_running {
             let inner = inner.clone();
-            let nice = cfg.nice;
             let spawned = std::thread::Builder::new()
                 .name(format!("meshca-sign-{i}"))
                 .spawn(move || {
@@ -609,7 +625,6 @@ impl FairQueue {
                 tracing::error!(error = %e, "could not start a signing thread");
             }
         }
-        Self(Arc::new(Handle(inner)))
     }
 
     fn inner(&self) -> &Inner {

@@ -195,6 +195,45 @@ async fn threads_bound_running_work_and_take_the_queue_in_turn() {
     assert_eq!(q.stats(), (0, 0));
 }
 
+/// A job queued while a free signing thread has not yet been scheduled
+/// takes that thread's place, not a queue place: the pool holds its threads'
+/// jobs and its queue's whichever of the two they are in when the next
+/// request asks (the request gate's share of a connection counts both).
+#[tokio::test]
+async fn jobs_queued_before_a_free_thread_wakes_take_its_place() {
+    let q = FairQueue::without_threads(
+        PoolConfig {
+            max_queued: 4,
+            ..pool_config(2)
+        },
+        None,
+    );
+    let mut jobs = Vec::new();
+    for i in 0..6usize {
+        let j = tokio::spawn({
+            let q = q.clone();
+            async move { q.run(&format!("c{i}"), later(), move || i).await }
+        });
+        for _ in 0..5_000 {
+            if q.stats().1 > i || j.is_finished() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        assert_eq!(q.stats(), (0, i + 1), "request {i} was not queued");
+        jobs.push(j);
+    }
+    // Threads' places and queue places are all taken: the next is shed.
+    assert_eq!(
+        q.run("late", later(), || 99).await,
+        Err(ShedReason::QueueFull)
+    );
+    q.start_threads(0);
+    for (i, j) in jobs.into_iter().enumerate() {
+        assert_eq!(j.await.unwrap(), Ok(i));
+    }
+}
+
 #[tokio::test]
 async fn turns_alternate_over_callers() {
     let q = pool(1, 64);
