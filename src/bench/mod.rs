@@ -936,6 +936,30 @@ fn proc_cpu_seconds(pid: u32) -> Option<f64> {
     Some((utime + stime) / clock_ticks())
 }
 
+/// CPU time of the server's signing threads (`meshca-sign-*`), in seconds:
+/// the sum of their scheduler runtime (/proc/PID/task/TID/schedstat, ns).
+/// Read from outside, so the server's scheduling is left as it is (a thread
+/// reading its own CPU clock charges its runtime at once, which moved the
+/// niced signing threads' share under a quota).
+fn signing_cpu_seconds(pid: u32) -> Option<f64> {
+    let mut ns = 0u64;
+    let mut threads = 0;
+    for task in std::fs::read_dir(format!("/proc/{pid}/task"))
+        .ok()?
+        .flatten()
+    {
+        let dir = task.path();
+        let comm = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
+        if !comm.starts_with("meshca-sign") {
+            continue;
+        }
+        let stat = std::fs::read_to_string(dir.join("schedstat")).ok()?;
+        ns += stat.split_whitespace().next()?.parse::<u64>().ok()?;
+        threads += 1;
+    }
+    (threads > 0).then(|| ns as f64 / 1e9)
+}
+
 /// Time the hypervisor ran something else while each CPU wanted to run
 /// (`steal` of each `cpuN` line of /proc/stat), in seconds: it delays the
 /// confined server (with paravirtual steal accounting the quota is charged

@@ -144,6 +144,10 @@ pub struct StormResult {
     /// `storm_ok_per_s` over the mean of the rounds' capacities estimated
     /// with the speed probe ([`StormRound::capacity_speed_adjusted`]).
     pub goodput_ratio_speed_adjusted: Option<f64>,
+    /// The signing threads' CPU per second of the storms over that of their
+    /// neighbouring peaks, pooled as `goodput_ratio` is
+    /// ([`StormRound::goodput_ratio_work`]).
+    pub goodput_ratio_work: Option<f64>,
     /// Every success over the time until the last request ended (the load
     /// window and the drain after it, in which no new work is offered and
     /// parked streams wait out their park before they are refused).
@@ -259,6 +263,15 @@ pub struct StormRound {
     pub capacity_speed_adjusted: Option<f64>,
     /// `ok_per_s / capacity_speed_adjusted`.
     pub goodput_ratio_speed_adjusted: Option<f64>,
+    /// CPU-seconds the server's signing threads (CSR verify and sign) used
+    /// per second of this storm's window, and of the peak after it.
+    pub job_cpu_per_s: Option<f64>,
+    pub peak_after_job_cpu_per_s: Option<f64>,
+    /// `job_cpu_per_s` over the mean of the neighbouring peaks': the
+    /// server's CPU that went into certificates, storm against peak. A
+    /// slower CPU makes each job take longer in both, so this does not
+    /// move with the VM's speed (given the same quota used in both).
+    pub goodput_ratio_work: Option<f64>,
 }
 
 impl StormRound {
@@ -590,6 +603,15 @@ struct TimedPeak {
     sheds: Option<u64>,
     steal_per_cpu_s: Option<Vec<f64>>,
     probe_per_cpu_s: Option<f64>,
+    /// CPU-seconds of the signing threads per second of the phase.
+    job_cpu_per_s: Option<f64>,
+}
+
+/// The peaks' mean CPU-seconds of signing jobs per second (None if one
+/// could not be read).
+fn mean_job_cpu(peaks: &[TimedPeak]) -> Option<f64> {
+    let sum = peaks.iter().map(|p| p.job_cpu_per_s).sum::<Option<f64>>()?;
+    Some(sum / peaks.len().max(1) as f64)
 }
 
 async fn timed_peak(
@@ -603,9 +625,15 @@ async fn timed_peak(
     // Scraped outside the CPU reading: rendering /metrics is not peak work.
     let scraped = scrape(args.admin_target).await;
     let cpu0 = args.server_pid.and_then(super::proc_cpu_seconds);
+    let sign0 = args.server_pid.and_then(super::signing_cpu_seconds);
     let steal0 = super::steal_seconds_per_cpu();
     let probe0 = probe.map(|p| p.mark());
     let (per_s, certs) = peak(proxies, k, args.storm_peak_streams, secs, deadline).await;
+    let job_cpu_per_s = args
+        .server_pid
+        .and_then(super::signing_cpu_seconds)
+        .zip(sign0)
+        .map(|(a, b)| (a - b).max(0.0) / secs.max(1e-9));
     let server_cpu_s = args
         .server_pid
         .and_then(super::proc_cpu_seconds)
@@ -619,6 +647,7 @@ async fn timed_peak(
         steal_per_cpu_s,
         probe_per_cpu_s,
         certs,
+        job_cpu_per_s,
         sheds: scraped
             .zip(after)
             .map(|(b, a)| a.sheds_since(&b).values().sum()),
@@ -886,6 +915,7 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<StormResult> {
             rss_before = args.server_pid.and_then(|p| rss_mib(p, "VmRSS:"));
         }
         let server_cpu0 = args.server_pid.and_then(super::proc_cpu_seconds);
+        let sign0 = args.server_pid.and_then(super::signing_cpu_seconds);
         let own_cpu0 = super::proc_cpu_seconds(std::process::id());
         let steal0 = super::steal_seconds_per_cpu();
         let probe0 = probe.map(|p| p.mark());
@@ -901,6 +931,12 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<StormResult> {
         )
         .await;
         let round_elapsed = t.elapsed().as_secs_f64();
+        // Per second of the window, as `ok_per_s` (after it no new work arrives).
+        let job_cpu_per_s = args
+            .server_pid
+            .and_then(super::signing_cpu_seconds)
+            .zip(sign0)
+            .map(|(a, b)| (a - b).max(0.0) / secs.max(1e-9));
         let steal_per_cpu_s = super::steal_since(steal0);
         let probe_per_cpu_s = probe.zip(probe0).and_then(|(p, m)| p.per_cpu_s_since(m));
         elapsed += round_elapsed;
@@ -968,6 +1004,7 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<StormResult> {
         })
         .map(|c| ok_per_s / c.max(1e-9));
         let capacity_speed_adjusted = scaled(probe_per_cpu_s, &|p| p.probe_per_cpu_s);
+        let peak_job_cpu = mean_job_cpu(neighbours);
         let mut r = StormRound {
             peak_before_per_s: last_peak,
             peak_after_per_s: after_peak,
@@ -987,6 +1024,11 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<StormResult> {
             peak_after_probe_per_cpu_s: peaks.get(round + 1).and_then(|p| p.probe_per_cpu_s),
             capacity_speed_adjusted,
             goodput_ratio_speed_adjusted: capacity_speed_adjusted.map(|c| ok_per_s / c.max(1e-9)),
+            job_cpu_per_s,
+            peak_after_job_cpu_per_s: peaks.get(round + 1).and_then(|p| p.job_cpu_per_s),
+            goodput_ratio_work: job_cpu_per_s
+                .zip(peak_job_cpu)
+                .map(|(s, p)| s / p.max(1e-9)),
         };
         r.goodput_ratio = ok_per_s / r.reference().max(1e-9);
         round_results.push(r);
@@ -1048,6 +1090,16 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<StormResult> {
             .map(|r| r.capacity_speed_adjusted)
             .sum::<Option<f64>>()
             .map(|sum| storm_ok_per_s / (sum / rounds as f64).max(1e-9)),
+        goodput_ratio_work: round_results
+            .iter()
+            .map(|r| r.job_cpu_per_s)
+            .sum::<Option<f64>>()
+            .zip(
+                (0..rounds)
+                    .map(|i| mean_job_cpu(&peaks[i..peaks.len().min(i + 2)]))
+                    .sum::<Option<f64>>(),
+            )
+            .map(|(storms, peaks)| storms / peaks.max(1e-9)),
         rounds: round_results,
         storm_ok_per_s,
         goodput_ratio: storm_ok_per_s / peak_per_s.max(1e-9),

@@ -144,3 +144,32 @@ async fn refuses_non_loopback_targets() {
     let e = execute(&a).await.unwrap_err();
     assert!(e.to_string().contains("loopback"), "{e}");
 }
+
+/// The signing threads' CPU is read from outside, summed over the threads
+/// named `meshca-sign-*` only.
+#[test]
+fn signing_cpu_sums_the_signing_threads() {
+    let pid = std::process::id();
+    let (spun_tx, spun_rx) = std::sync::mpsc::channel::<()>();
+    let (end_tx, end_rx) = std::sync::mpsc::channel::<()>();
+    let t = std::thread::Builder::new()
+        .name("meshca-sign-t".into())
+        .spawn(move || {
+            let t0 = super::probe::thread_cpu_ns();
+            let mut x = 0u64;
+            while super::probe::thread_cpu_ns() - t0 < 60_000_000 {
+                x = std::hint::black_box(x.wrapping_mul(31).wrapping_add(7));
+            }
+            let _ = spun_tx.send(());
+            let _ = end_rx.recv();
+        })
+        .unwrap();
+    spun_rx.recv().unwrap();
+    // Other tests' signing threads only add to the sum.
+    let s = super::signing_cpu_seconds(pid).unwrap();
+    assert!(s >= 0.055, "{s}");
+    end_tx.send(()).unwrap();
+    t.join().unwrap();
+    // A process without signing threads (pid 1 is never meshca).
+    assert_eq!(super::signing_cpu_seconds(1), None);
+}
