@@ -487,7 +487,7 @@ async fn a_connection_over_its_share_is_refused_at_the_gate() {
     let (mut c, csr) = s.caller("share").await;
     // One request measures a service time: the sizing applies from then on.
     call(&mut c, &csr, None).await.unwrap();
-    let mut refused = 0;
+    let (mut refused, mut at_gate) = (0, 0);
     // The share applies once requests have waited for signing: a round's
     // streams may all pass the gate before the first of them is queued (the
     // queue then sheds the excess), so rounds go on until the gate refuses.
@@ -504,16 +504,13 @@ async fn a_connection_over_its_share_is_refused_at_the_gate() {
                 refused += 1;
             }
         }
-        let at_gate = s
+        at_gate = s
             .metric("meshca_transport_refusals_total{reason=\"connection_stream_limit\"}")
             .await;
         if at_gate > 0 {
             break;
         }
     }
-    let at_gate = s
-        .metric("meshca_transport_refusals_total{reason=\"connection_stream_limit\"}")
-        .await;
     let records = s.records();
     let shed = records
         .iter()

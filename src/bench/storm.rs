@@ -607,6 +607,13 @@ struct TimedPeak {
     job_cpu_per_s: Option<f64>,
 }
 
+/// The signing threads' CPU-seconds per second of `secs` since the reading
+/// `before` (None if either reading failed).
+fn signing_cpu_per_s(pid: Option<u32>, before: Option<f64>, secs: f64) -> Option<f64> {
+    let now = pid.and_then(super::signing_cpu_seconds)?;
+    Some((now - before?).max(0.0) / secs.max(1e-9))
+}
+
 /// The peaks' mean CPU-seconds of signing jobs per second (None if one
 /// could not be read).
 fn mean_job_cpu(peaks: &[TimedPeak]) -> Option<f64> {
@@ -629,11 +636,7 @@ async fn timed_peak(
     let steal0 = super::steal_seconds_per_cpu();
     let probe0 = probe.map(|p| p.mark());
     let (per_s, certs) = peak(proxies, k, args.storm_peak_streams, secs, deadline).await;
-    let job_cpu_per_s = args
-        .server_pid
-        .and_then(super::signing_cpu_seconds)
-        .zip(sign0)
-        .map(|(a, b)| (a - b).max(0.0) / secs.max(1e-9));
+    let job_cpu_per_s = signing_cpu_per_s(args.server_pid, sign0, secs);
     let server_cpu_s = args
         .server_pid
         .and_then(super::proc_cpu_seconds)
@@ -887,6 +890,8 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<StormResult> {
     let mut peaks = vec![timed_peak(args, probe, &proxies, k, secs, deadline).await];
     let mut s = StormSamples::for_proxies(n);
     let mut round_results = Vec::with_capacity(rounds);
+    // Each round's reference for the signing threads' work: the mean of its peaks'.
+    let mut peak_job_cpus: Vec<Option<f64>> = Vec::with_capacity(rounds);
     let (mut server_issued, mut server_shed) = (Some(0u64), BTreeMap::new());
     let mut issued_latency: Option<Vec<(f64, u64)>> = None;
     let mut latency_ok = true;
@@ -932,11 +937,7 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<StormResult> {
         .await;
         let round_elapsed = t.elapsed().as_secs_f64();
         // Per second of the window, as `ok_per_s` (after it no new work arrives).
-        let job_cpu_per_s = args
-            .server_pid
-            .and_then(super::signing_cpu_seconds)
-            .zip(sign0)
-            .map(|(a, b)| (a - b).max(0.0) / secs.max(1e-9));
+        let job_cpu_per_s = signing_cpu_per_s(args.server_pid, sign0, secs);
         let steal_per_cpu_s = super::steal_since(steal0);
         let probe_per_cpu_s = probe.zip(probe0).and_then(|(p, m)| p.per_cpu_s_since(m));
         elapsed += round_elapsed;
@@ -1005,6 +1006,7 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<StormResult> {
         .map(|c| ok_per_s / c.max(1e-9));
         let capacity_speed_adjusted = scaled(probe_per_cpu_s, &|p| p.probe_per_cpu_s);
         let peak_job_cpu = mean_job_cpu(neighbours);
+        peak_job_cpus.push(peak_job_cpu);
         let mut r = StormRound {
             peak_before_per_s: last_peak,
             peak_after_per_s: after_peak,
@@ -1094,11 +1096,7 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<StormResult> {
             .iter()
             .map(|r| r.job_cpu_per_s)
             .sum::<Option<f64>>()
-            .zip(
-                (0..rounds)
-                    .map(|i| mean_job_cpu(&peaks[i..peaks.len().min(i + 2)]))
-                    .sum::<Option<f64>>(),
-            )
+            .zip(peak_job_cpus.iter().copied().sum::<Option<f64>>())
             .map(|(storms, peaks)| storms / peaks.max(1e-9)),
         rounds: round_results,
         storm_ok_per_s,
