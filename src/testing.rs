@@ -377,11 +377,27 @@ where
     addrs
 }
 
+/// Runs `bin args` to completion: (exit code, or -1 on a signal; stdout
+/// then stderr).
+pub fn run_cli(bin: &Path, args: &[&str]) -> (i32, String) {
+    let out = std::process::Command::new(bin)
+        .args(args)
+        .output()
+        .expect("run the binary");
+    (
+        out.status.code().unwrap_or(-1),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    )
+}
+
 /// `bin serve --dev` on ephemeral 127.0.0.1 ports with its data in `data`,
-/// stdout discarded and stderr piped for [`spawn_listening`]. The process
-/// tests add their own flags, env and stdout on top.
-pub fn serve_dev_command(bin: &Path, data: &Path) -> tokio::process::Command {
-    let mut cmd = tokio::process::Command::new(bin);
+/// stdio left as the caller sets it (`output()` captures both streams).
+pub fn serve_dev_std_command(bin: &Path, data: &Path) -> std::process::Command {
+    let mut cmd = std::process::Command::new(bin);
     cmd.args([
         "serve",
         "--dev",
@@ -391,10 +407,18 @@ pub fn serve_dev_command(bin: &Path, data: &Path) -> tokio::process::Command {
         "127.0.0.1:0",
     ])
     .arg("--data-dir")
-    .arg(data)
-    .stdout(std::process::Stdio::null())
-    .stderr(std::process::Stdio::piped())
-    .kill_on_drop(true);
+    .arg(data);
+    cmd
+}
+
+/// [`serve_dev_std_command`] for tokio, stdout discarded and stderr piped
+/// for [`spawn_listening`]. The process tests add their own flags, env and
+/// stdout on top.
+pub fn serve_dev_command(bin: &Path, data: &Path) -> tokio::process::Command {
+    let mut cmd = tokio::process::Command::from(serve_dev_std_command(bin, data));
+    cmd.stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true);
     cmd
 }
 

@@ -3,7 +3,6 @@
 #![allow(clippy::unwrap_used)]
 
 use std::path::Path;
-use std::process::Command;
 
 use meshca::audit::chain::{ChainedSink, Destination, SinkOptions};
 use meshca::audit::keys::{CheckpointKey, VerifyKey};
@@ -292,18 +291,7 @@ fn query_filters_records() {
 }
 
 fn meshca(args: &[&str]) -> (i32, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_meshca"))
-        .args(args)
-        .output()
-        .unwrap();
-    (
-        out.status.code().unwrap_or(-1),
-        format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        ),
-    )
+    meshca::testing::run_cli(env!("CARGO_BIN_EXE_meshca").as_ref(), args)
 }
 
 #[test]
@@ -397,30 +385,15 @@ async fn serve_dev_with(
     log: &Path,
     env: &[(&str, &str)],
 ) -> (tokio::process::Child, std::net::SocketAddr) {
-    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_meshca"));
+    let mut cmd = meshca::testing::serve_dev_command(env!("CARGO_BIN_EXE_meshca").as_ref(), data);
     cmd.envs(env.iter().copied());
     let key = data.join("checkpoint.key");
     if key.exists() {
         cmd.env("MESHCA_AUDIT_CHECKPOINT_KEY", &key);
     }
     let mut child = cmd
-        .args([
-            "serve",
-            "--dev",
-            "--listen",
-            "127.0.0.1:0",
-            "--admin-listen",
-            "127.0.0.1:0",
-            "--audit-sink",
-            "file",
-            "--audit-file",
-        ])
+        .args(["--audit-sink", "file", "--audit-file"])
         .arg(log)
-        .arg("--data-dir")
-        .arg(data)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .kill_on_drop(true)
         .spawn()
         .unwrap();
     let (addr, _) = meshca::testing::await_listening(

@@ -113,18 +113,7 @@ fn name(cm: &ConfigMap) -> String {
 }
 
 fn meshca(args: &[&str]) -> (i32, String) {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_meshca"))
-        .args(args)
-        .output()
-        .unwrap();
-    (
-        out.status.code().unwrap_or(-1),
-        format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        ),
-    )
+    meshca::testing::run_cli(env!("CARGO_BIN_EXE_meshca").as_ref(), args)
 }
 
 /// Two anchored stdout runs of replica meshca-0: the whole log, run 1's

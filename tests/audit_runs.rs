@@ -7,7 +7,6 @@
 
 use std::ops::Range;
 use std::path::Path;
-use std::process::Command;
 
 use meshca::audit::chain::{ChainedSink, Destination, RunInfo, SinkOptions};
 use meshca::audit::keys::{CheckpointKey, VerifyKey};
@@ -459,18 +458,7 @@ fn a_new_chain_mid_log_fails_unless_the_operator_allows_it() {
 }
 
 fn meshca(args: &[&str]) -> (i32, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_meshca"))
-        .args(args)
-        .output()
-        .unwrap();
-    (
-        out.status.code().unwrap_or(-1),
-        format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        ),
-    )
+    meshca::testing::run_cli(env!("CARGO_BIN_EXE_meshca").as_ref(), args)
 }
 
 #[test]

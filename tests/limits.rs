@@ -404,17 +404,10 @@ fn the_binary_refuses_a_ttl_beyond_the_time_range_at_startup() {
         (None, Some(("MAX_WORKLOAD_CERT_TTL", "1000000000h"))),
         (Some(["--handshake-timeout", "0s"]), None),
     ] {
-        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_meshca"));
-        cmd.args([
-            "serve",
-            "--dev",
-            "--listen",
-            "127.0.0.1:0",
-            "--admin-listen",
-            "127.0.0.1:0",
-        ])
-        .arg("--data-dir")
-        .arg(dir.path());
+        let mut cmd = meshca::testing::serve_dev_std_command(
+            env!("CARGO_BIN_EXE_meshca").as_ref(),
+            dir.path(),
+        );
         if let Some(f) = flag {
             cmd.args(f);
         }

@@ -146,26 +146,11 @@ impl Server {
         let data = tempfile::tempdir().expect("tempdir");
         let audit = data.path().join("audit/audit.log");
         std::fs::create_dir_all(audit.parent().expect("parent")).expect("audit dir");
-        let mut child = tokio::process::Command::new(&bin)
-            .args([
-                "serve",
-                "--dev",
-                "--listen",
-                "127.0.0.1:0",
-                "--admin-listen",
-                "127.0.0.1:0",
-                "--audit-sink",
-                "file",
-                "--audit-file",
-            ])
+        let mut child = meshca::testing::serve_dev_command(&bin, data.path())
+            .args(["--audit-sink", "file", "--audit-file"])
             .arg(&audit)
-            .arg("--data-dir")
-            .arg(data.path())
             .args(extra)
             .env("RUST_LOG", "info")
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::piped())
-            .kill_on_drop(true)
             .spawn()
             .expect("spawn meshca");
         let pid = child.id().expect("pid");
