@@ -674,6 +674,34 @@ mod tests {
         }
     }
 
+    /// The audit log tells an operator's override from a gate that opened:
+    /// a force that arrives once nothing is left to wait for is not one.
+    #[test]
+    fn a_force_on_an_open_gate_is_not_recorded_as_forced() {
+        let cases = [
+            (Phase::Trust, Step::Switch, 500, Phase::Switched),
+            (Phase::Switched, Step::Retire, 1000, Phase::Retired),
+        ];
+        for (phase, step, opens_at, to) in cases {
+            let (k1, k2) = (g("k1", &["r1"]), g("k2", &["r2"]));
+            for (now, forced) in [(opens_at - 1, true), (opens_at, false)] {
+                let i = Inputs {
+                    now,
+                    current: &k1,
+                    next: Some(&k2),
+                    issued_max_not_after: 777,
+                    force: Some(step),
+                };
+                let t = decide(&progress(phase, false), &i).transition;
+                assert_eq!(
+                    t.map(|t| (t.to, t.forced)),
+                    Some((to, forced)),
+                    "{phase:?} at {now}"
+                );
+            }
+        }
+    }
+
     #[test]
     fn gates_are_fixed_from_the_issuance_mark_at_each_step() {
         let (k1, k2) = (g("k1", &["r1"]), g("k2", &["r2"]));
