@@ -377,13 +377,10 @@ where
     addrs
 }
 
-/// Runs `bin args` to completion: (exit code, or -1 on a signal; stdout
-/// then stderr).
-pub fn run_cli(bin: &Path, args: &[&str]) -> (i32, String) {
-    let out = std::process::Command::new(bin)
-        .args(args)
-        .output()
-        .expect("run the binary");
+/// Runs `cmd` to completion: (exit code, or -1 on a signal; stdout then
+/// stderr).
+pub fn output_text(cmd: &mut std::process::Command) -> (i32, String) {
+    let out = cmd.output().expect("run the command");
     (
         out.status.code().unwrap_or(-1),
         format!(
@@ -392,6 +389,11 @@ pub fn run_cli(bin: &Path, args: &[&str]) -> (i32, String) {
             String::from_utf8_lossy(&out.stderr)
         ),
     )
+}
+
+/// [`output_text`] of `bin args`.
+pub fn run_cli(bin: &Path, args: &[&str]) -> (i32, String) {
+    output_text(std::process::Command::new(bin).args(args))
 }
 
 /// `bin serve --dev` on ephemeral 127.0.0.1 ports with its data in `data`,

@@ -633,18 +633,13 @@ async fn hostile_input_is_bounded_and_the_refused_san_is_queryable() {
 fn an_invalid_line_cap_is_a_startup_error_naming_the_flag() {
     let data = tempfile::tempdir().unwrap();
     for bad in ["10", "0", "99999999"] {
-        let (code, out) = meshca(&[
-            "serve",
-            "--dev",
-            "--listen",
-            "127.0.0.1:0",
-            "--admin-listen",
-            "127.0.0.1:0",
-            "--data-dir",
-            data.path().to_str().unwrap(),
-            "--audit-max-line-bytes",
-            bad,
-        ]);
+        let (code, out) = meshca::testing::output_text(
+            meshca::testing::serve_dev_std_command(
+                env!("CARGO_BIN_EXE_meshca").as_ref(),
+                data.path(),
+            )
+            .args(["--audit-max-line-bytes", bad]),
+        );
         assert_ne!(code, 0, "{out}");
         assert!(out.contains("MESHCA_AUDIT_MAX_LINE_BYTES"), "{out}");
     }

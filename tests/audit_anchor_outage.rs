@@ -161,18 +161,16 @@ async fn a_start_during_an_api_outage_is_anchored_when_it_returns() {
     stop(child).await;
 
     let admin_kc = k.dir.join("admin.kubeconfig");
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_meshca"))
-        .args(["audit", "verify", "--strict", "--key"])
-        .arg(&key)
-        .args(["--anchors", "--kubeconfig"])
-        .arg(&admin_kc)
-        .args(["--anchor-namespace", &ns])
-        .arg(&log)
-        .output()
-        .unwrap();
-    let text =
-        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{text}");
+    let (code, text) = meshca::testing::output_text(
+        std::process::Command::new(env!("CARGO_BIN_EXE_meshca"))
+            .args(["audit", "verify", "--strict", "--key"])
+            .arg(&key)
+            .args(["--anchors", "--kubeconfig"])
+            .arg(&admin_kc)
+            .args(["--anchor-namespace", &ns])
+            .arg(&log),
+    );
+    assert_eq!(code, 0, "{text}");
     assert!(
         text.contains("4 anchor(s), 4 in the log, 2 run(s)"),
         "{text}"

@@ -6,7 +6,6 @@
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
-use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -189,16 +188,11 @@ async fn rejected_handshakes_are_audited_per_source_and_reason_with_counts() {
     assert!(rs.iter().any(|r| r["count"].as_u64() > Some(1)), "{rs:?}");
     child.kill().await.unwrap();
 
-    let out = Command::new(env!("CARGO_BIN_EXE_meshca"))
-        .args(["audit", "verify", log.to_str().unwrap()])
-        .output()
-        .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
+    let (code, text) = meshca::testing::run_cli(
+        env!("CARGO_BIN_EXE_meshca").as_ref(),
+        &["audit", "verify", log.to_str().unwrap()],
     );
-    assert!(out.status.success(), "audit verify failed:\n{text}");
+    assert_eq!(code, 0, "audit verify failed:\n{text}");
 }
 
 #[tokio::test]

@@ -70,18 +70,13 @@ fn pooled_signing_survives_logout_and_module_finalize() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "in_own_module", "--ignored", "--nocapture"])
-        .env("SOFTHSM2_CONF", &conf)
-        .env("RECONNECT_PIN_FILE", dir.path().join("pin"))
-        .output()
-        .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
+    let (code, text) = meshca::testing::output_text(
+        std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "in_own_module", "--ignored", "--nocapture"])
+            .env("SOFTHSM2_CONF", &conf)
+            .env("RECONNECT_PIN_FILE", dir.path().join("pin")),
     );
-    assert!(out.status.success() && text.contains("1 passed"), "{text}");
+    assert!(code == 0 && text.contains("1 passed"), "{text}");
 }
 
 #[test]
