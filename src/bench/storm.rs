@@ -128,6 +128,9 @@ pub struct StormResult {
     /// round lists its storm's and its next peak's); None without
     /// `--storm-speed-probe-cpu`.
     pub peak_before_probe_per_cpu_s: Option<f64>,
+    /// Signing jobs the first peak ran on the requests' own workers (each
+    /// round lists its next peak's).
+    pub peak_before_inline_jobs: Option<u64>,
     pub peak_after_sheds: Option<u64>,
     /// The mean of the rounds' offered rates.
     pub offered_per_s: f64,
@@ -146,7 +149,7 @@ pub struct StormResult {
     pub goodput_ratio_speed_adjusted: Option<f64>,
     /// The signing threads' CPU per second of the storms over that of their
     /// neighbouring peaks, pooled as `goodput_ratio` is
-    /// ([`StormRound::goodput_ratio_work`]).
+    /// ([`StormRound::goodput_ratio_work`]); None when a round has none.
     pub goodput_ratio_work: Option<f64>,
     /// Every success over the time until the last request ended (the load
     /// window and the drain after it, in which no new work is offered and
@@ -264,13 +267,20 @@ pub struct StormRound {
     /// `ok_per_s / capacity_speed_adjusted`.
     pub goodput_ratio_speed_adjusted: Option<f64>,
     /// CPU-seconds the server's signing threads (CSR verify and sign) used
-    /// per second of this storm's window, and of the peak after it.
+    /// per second of this storm's window, and of the peak after it, each
+    /// with the jobs that ran inline counted at the threads' cost per job
+    /// (None when more than half did).
     pub job_cpu_per_s: Option<f64>,
     pub peak_after_job_cpu_per_s: Option<f64>,
+    /// Signing jobs this storm, and the peak after it, ran on the requests'
+    /// own workers instead of the signing threads (below overload).
+    pub inline_jobs: Option<u64>,
+    pub peak_after_inline_jobs: Option<u64>,
     /// `job_cpu_per_s` over the mean of the neighbouring peaks': the
     /// server's CPU that went into certificates, storm against peak. A
     /// slower CPU makes each job take longer in both, so this does not
     /// move with the VM's speed (given the same quota used in both).
+    /// None without a reading for the storm or a neighbouring peak.
     pub goodput_ratio_work: Option<f64>,
 }
 
@@ -378,6 +388,10 @@ struct Scraped {
     shed: BTreeMap<String, u64>,
     /// `meshca_request_duration_seconds_bucket{decision="allow",le=...}`.
     issued_latency: Buckets,
+    /// `meshca_admission_jobs_total`: signing jobs run to their end.
+    jobs: u64,
+    /// `meshca_admission_inline_jobs_total`: of those, run on the request's own worker.
+    inline_jobs: u64,
 }
 
 impl Scraped {
@@ -393,6 +407,27 @@ impl Scraped {
             .filter(|(_, v)| *v > 0)
             .collect()
     }
+
+    /// Signing jobs since `before`, and how many of them ran inline.
+    fn jobs_since(&self, before: &Scraped) -> (u64, u64) {
+        (
+            self.jobs.saturating_sub(before.jobs),
+            self.inline_jobs.saturating_sub(before.inline_jobs),
+        )
+    }
+}
+
+/// The CPU per second of a phase's certificate work, from the signing
+/// threads' (`thread_cpu_per_s`) when `inline` of its `jobs` ran on the
+/// requests' own workers instead (below overload): each such job is taken
+/// to cost what one on the threads did. None when more than half ran
+/// inline (too few on the threads to stand for the rest).
+fn job_cpu_with_inline(thread_cpu_per_s: f64, jobs: u64, inline: u64) -> Option<f64> {
+    if inline == 0 {
+        return Some(thread_cpu_per_s);
+    }
+    let on_threads = jobs.checked_sub(inline)?;
+    (on_threads >= inline).then(|| thread_cpu_per_s * jobs as f64 / on_threads as f64)
 }
 
 /// Scrapes the admin port's /metrics.
@@ -429,6 +464,11 @@ fn parse_scrape(text: &str) -> Scraped {
         if let Some(rest) = name.strip_prefix("meshca_admission_shed_total{reason=\"") {
             let reason = rest.trim_end_matches("\"}").to_string();
             out.shed.insert(reason, v as u64);
+        }
+        match name {
+            "meshca_admission_jobs_total" => out.jobs = v as u64,
+            "meshca_admission_inline_jobs_total" => out.inline_jobs = v as u64,
+            _ => {}
         }
         if let Some(labels) = name.strip_prefix("meshca_request_duration_seconds_bucket") {
             if label(labels, "decision") != Some("allow") {
@@ -603,8 +643,11 @@ struct TimedPeak {
     sheds: Option<u64>,
     steal_per_cpu_s: Option<Vec<f64>>,
     probe_per_cpu_s: Option<f64>,
-    /// CPU-seconds of the signing threads per second of the phase.
+    /// CPU-seconds of certificate work per second of the phase
+    /// ([`job_cpu_with_inline`]); None when unread.
     job_cpu_per_s: Option<f64>,
+    /// Signing jobs that ran on the requests' own workers in the phase.
+    inline_jobs: Option<u64>,
 }
 
 /// The signing threads' CPU-seconds per second of `secs` since the reading
@@ -645,12 +688,19 @@ async fn timed_peak(
     let steal_per_cpu_s = super::steal_since(steal0);
     let probe_per_cpu_s = probe.zip(probe0).and_then(|(p, m)| p.per_cpu_s_since(m));
     let after = scrape(args.admin_target).await;
+    let jobs = scraped
+        .as_ref()
+        .zip(after.as_ref())
+        .map(|(b, a)| a.jobs_since(b));
     TimedPeak {
         per_s,
         steal_per_cpu_s,
         probe_per_cpu_s,
         certs,
-        job_cpu_per_s,
+        job_cpu_per_s: job_cpu_per_s
+            .zip(jobs)
+            .and_then(|(cpu, (all, inline))| job_cpu_with_inline(cpu, all, inline)),
+        inline_jobs: jobs.map(|(_, inline)| inline),
         sheds: scraped
             .zip(after)
             .map(|(b, a)| a.sheds_since(&b).values().sum()),
@@ -937,7 +987,7 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<StormResult> {
         .await;
         let round_elapsed = t.elapsed().as_secs_f64();
         // Per second of the window, as `ok_per_s` (after it no new work arrives).
-        let job_cpu_per_s = signing_cpu_per_s(args.server_pid, sign0, secs);
+        let thread_cpu_per_s = signing_cpu_per_s(args.server_pid, sign0, secs);
         let steal_per_cpu_s = super::steal_since(steal0);
         let probe_per_cpu_s = probe.zip(probe0).and_then(|(p, m)| p.per_cpu_s_since(m));
         elapsed += round_elapsed;
@@ -957,6 +1007,13 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<StormResult> {
         // Let the server finish what it admitted before counting.
         tokio::time::sleep(Duration::from_secs(1)).await;
         let after = scrape(args.admin_target).await;
+        let storm_jobs = before
+            .as_ref()
+            .zip(after.as_ref())
+            .map(|(b, a)| a.jobs_since(b));
+        let job_cpu_per_s = thread_cpu_per_s
+            .zip(storm_jobs)
+            .and_then(|(cpu, (all, inline))| job_cpu_with_inline(cpu, all, inline));
         // Right after the last storm, before the peak after it, as with one round.
         rss_after = args.server_pid.and_then(|p| rss_mib(p, "VmRSS:"));
         match (&before, &after) {
@@ -1027,7 +1084,9 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<StormResult> {
             capacity_speed_adjusted,
             goodput_ratio_speed_adjusted: capacity_speed_adjusted.map(|c| ok_per_s / c.max(1e-9)),
             job_cpu_per_s,
+            inline_jobs: storm_jobs.map(|(_, inline)| inline),
             peak_after_job_cpu_per_s: peaks.get(round + 1).and_then(|p| p.job_cpu_per_s),
+            peak_after_inline_jobs: peaks.get(round + 1).and_then(|p| p.inline_jobs),
             goodput_ratio_work: job_cpu_per_s
                 .zip(peak_job_cpu)
                 .map(|(s, p)| s / p.max(1e-9)),
@@ -1080,6 +1139,7 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<StormResult> {
         peak_before_sheds: first_peak.sheds,
         peak_before_steal_per_cpu_s: first_peak.steal_per_cpu_s.clone(),
         peak_before_probe_per_cpu_s: first_peak.probe_per_cpu_s,
+        peak_before_inline_jobs: first_peak.inline_jobs,
         peak_after_sheds: after_peak.and_then(|p| p.sheds),
         offered_per_s: offered_sum / rounds as f64,
         goodput_ratio_steal_adjusted: round_results

@@ -105,6 +105,45 @@ fn scrape_reads_issued_latency_buckets() {
     assert_eq!(quantile_ms_from_deltas(&zero, b, 0.99), Some(f64::INFINITY));
 }
 
+/// The scrape reads the signing jobs, and those run inline, as the
+/// admission metrics really render them; their deltas never go negative.
+#[test]
+fn scrape_reads_signing_jobs_and_inline_jobs() {
+    use crate::admission::AdmissionObserver;
+    use crate::telemetry::{Metrics, Snapshot};
+    let m = Metrics::new();
+    let before = parse_scrape(&m.render(&Snapshot::default(), 0));
+    for inline in [true, false, false, true, false] {
+        m.admission.job_done(inline);
+    }
+    let after = parse_scrape(&m.render(&Snapshot::default(), 0));
+    assert_eq!((after.jobs, after.inline_jobs), (5, 2));
+    assert_eq!(after.jobs_since(&before), (5, 2));
+    assert_eq!(before.jobs_since(&after), (0, 0));
+}
+
+/// A phase's certificate work counts the jobs that ran inline at the
+/// signing threads' cost per job, and has no figure once most ran inline.
+#[test]
+fn job_cpu_counts_inline_jobs_at_the_threads_cost() {
+    for (thread_cpu, jobs, inline, want) in [
+        (0.2, 10_000, 0, Some(0.2)),
+        (0.2, 0, 0, Some(0.2)),
+        (0.198, 10_000, 100, Some(0.2)),
+        (0.1, 10_000, 5_000, Some(0.2)),
+        (0.05, 10_000, 5_001, None),
+        (0.0, 10_000, 10_000, None),
+        (0.1, 5, 9, None),
+    ] {
+        let got = job_cpu_with_inline(thread_cpu, jobs, inline);
+        assert_eq!(
+            got.map(|c| (c * 1e6).round() / 1e6),
+            want,
+            "{thread_cpu} s/s on the threads, {jobs} jobs, {inline} inline"
+        );
+    }
+}
+
 /// A success answered after the load window counts in every figure of
 /// the client's view except the goodput of the window.
 #[test]
