@@ -1,3 +1,4 @@
+use super::scrape::{parse_scrape, Scraped};
 use super::*;
 
 #[test]
