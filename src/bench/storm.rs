@@ -37,7 +37,7 @@ use crate::identity::{SpiffeId, TrustDomain};
 use crate::proto::istio_certificate_service_client::IstioCertificateServiceClient;
 use crate::proto::IstioCertificateRequest;
 use samples::{lowest_share, window_second, ProxyTally, StormSamples};
-use scrape::{add_bucket_deltas, job_cpu_with_inline, quantile_ms, scrape};
+use scrape::{add_bucket_deltas, phase_work, quantile_ms, scrape};
 pub use scrape::{quantile_ms_from_deltas, Buckets};
 
 /// How storm proxies authenticate.
@@ -504,7 +504,7 @@ async fn timed_peak(
     let steal0 = super::steal_seconds_per_cpu();
     let probe0 = probe.map(|p| p.mark());
     let (per_s, certs) = peak(proxies, k, args.storm_peak_streams, secs, deadline).await;
-    let job_cpu_per_s = signing_cpu_per_s(args.server_pid, sign0, secs);
+    let thread_cpu_per_s = signing_cpu_per_s(args.server_pid, sign0, secs);
     let server_cpu_s = args
         .server_pid
         .and_then(super::proc_cpu_seconds)
@@ -513,19 +513,15 @@ async fn timed_peak(
     let steal_per_cpu_s = super::steal_since(steal0);
     let probe_per_cpu_s = probe.zip(probe0).and_then(|(p, m)| p.per_cpu_s_since(m));
     let after = scrape(args.admin_target).await;
-    let jobs = scraped
-        .as_ref()
-        .zip(after.as_ref())
-        .map(|(b, a)| a.jobs_since(b));
+    let (job_cpu_per_s, inline_jobs) =
+        phase_work(thread_cpu_per_s, scraped.as_ref(), after.as_ref());
     TimedPeak {
         per_s,
         steal_per_cpu_s,
         probe_per_cpu_s,
         certs,
-        job_cpu_per_s: job_cpu_per_s
-            .zip(jobs)
-            .and_then(|(cpu, (all, inline))| job_cpu_with_inline(cpu, all, inline)),
-        inline_jobs: jobs.map(|(_, inline)| inline),
+        job_cpu_per_s,
+        inline_jobs,
         sheds: scraped
             .zip(after)
             .map(|(b, a)| a.sheds_since(&b).values().sum()),
@@ -832,13 +828,8 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<StormResult> {
         // Let the server finish what it admitted before counting.
         tokio::time::sleep(Duration::from_secs(1)).await;
         let after = scrape(args.admin_target).await;
-        let storm_jobs = before
-            .as_ref()
-            .zip(after.as_ref())
-            .map(|(b, a)| a.jobs_since(b));
-        let job_cpu_per_s = thread_cpu_per_s
-            .zip(storm_jobs)
-            .and_then(|(cpu, (all, inline))| job_cpu_with_inline(cpu, all, inline));
+        let (job_cpu_per_s, inline_jobs) =
+            phase_work(thread_cpu_per_s, before.as_ref(), after.as_ref());
         // Right after the last storm, before the peak after it, as with one round.
         rss_after = args.server_pid.and_then(|p| rss_mib(p, "VmRSS:"));
         match (&before, &after) {
@@ -909,7 +900,7 @@ pub async fn execute(args: &BenchArgs) -> anyhow::Result<StormResult> {
             capacity_speed_adjusted,
             goodput_ratio_speed_adjusted: capacity_speed_adjusted.map(|c| ok_per_s / c.max(1e-9)),
             job_cpu_per_s,
-            inline_jobs: storm_jobs.map(|(_, inline)| inline),
+            inline_jobs,
             peak_after_job_cpu_per_s: peaks.get(round + 1).and_then(|p| p.job_cpu_per_s),
             peak_after_inline_jobs: peaks.get(round + 1).and_then(|p| p.inline_jobs),
             goodput_ratio_work: job_cpu_per_s

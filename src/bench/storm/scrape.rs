@@ -123,6 +123,21 @@ pub(super) fn job_cpu_with_inline(thread_cpu_per_s: f64, jobs: u64, inline: u64)
     (on_threads >= inline).then(|| thread_cpu_per_s * jobs as f64 / on_threads as f64)
 }
 
+/// A phase's certificate work per second ([`job_cpu_with_inline`]) and
+/// the jobs it ran inline, from the signing threads' CPU reading and the
+/// scrapes on either side of the phase (None where a reading is missing).
+pub(super) fn phase_work(
+    thread_cpu_per_s: Option<f64>,
+    before: Option<&Scraped>,
+    after: Option<&Scraped>,
+) -> (Option<f64>, Option<u64>) {
+    let jobs = before.zip(after).map(|(b, a)| a.jobs_since(b));
+    let cpu = thread_cpu_per_s
+        .zip(jobs)
+        .and_then(|(cpu, (all, inline))| job_cpu_with_inline(cpu, all, inline));
+    (cpu, jobs.map(|(_, inline)| inline))
+}
+
 /// Scrapes the admin port's /metrics.
 pub(super) async fn scrape(admin: std::net::SocketAddr) -> Option<Scraped> {
     let (_, body) = crate::bench::cold::http_get(admin, "/metrics").await?;

@@ -1,4 +1,4 @@
-use super::scrape::{parse_scrape, Scraped};
+use super::scrape::{job_cpu_with_inline, parse_scrape, Scraped};
 use super::*;
 
 #[test]
