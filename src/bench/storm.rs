@@ -469,7 +469,7 @@ struct TimedPeak {
     steal_per_cpu_s: Option<Vec<f64>>,
     probe_per_cpu_s: Option<f64>,
     /// CPU-seconds of certificate work per second of the phase
-    /// ([`job_cpu_with_inline`]); None when unread.
+    /// ([`scrape::job_cpu_with_inline`]); None when unread.
     job_cpu_per_s: Option<f64>,
     /// Signing jobs that ran on the requests' own workers in the phase.
     inline_jobs: Option<u64>,
