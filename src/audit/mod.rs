@@ -3,7 +3,7 @@
 //! sink once; the chained sink ([`chain`]) hash-links records and signs
 //! periodic checkpoints ([`keys`]) so deletions, edits and reordering are
 //! detectable ([`verify`]). Writer and verifier share the line format
-//! ([`format`]); [`query`] reads records back.
+//! ([`format`](mod@format)); [`query`] reads records back.
 
 pub mod aggregate;
 pub mod anchor;

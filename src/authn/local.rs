@@ -7,7 +7,7 @@
 //! Whatever local verification cannot decide (an unknown issuer or `kid`, a
 //! pod the index does not show, an index not yet synced) goes to TokenReview
 //! in `local-then-review` mode and is refused in `local` mode. The decisions
-//! are plain functions ([`verify_token`], [`bind_to_pod`]) tested by tables;
+//! are plain functions ([`verify_token`], [`bind`]) tested by tables;
 //! [`LocalVerifier`] is one per (cluster, issuer), so a verifier per remote
 //! cluster is just another instance.
 
