@@ -718,8 +718,13 @@ pub fn default_data_dir() -> PathBuf {
 /// identity of dev mode is issued by the running server
 /// ([`App::write_dev_client`]), so that it is audited like every other
 /// certificate meshca signs.
+/// Where dev mode keeps its CA under `data_dir`.
+pub fn dev_ca_dir(data_dir: &Path) -> PathBuf {
+    data_dir.join("cacerts")
+}
+
 pub fn prepare_dev(data_dir: &Path, trust_domain: &TrustDomain) -> anyhow::Result<PathBuf> {
-    let ca_dir = data_dir.join("cacerts");
+    let ca_dir = dev_ca_dir(data_dir);
     if !ca_dir.join("ca-cert.pem").exists() {
         let opts = InitOptions {
             organization: trust_domain.to_string(),

@@ -618,7 +618,11 @@ pub async fn request(args: &RequestArgs) -> anyhow::Result<()> {
         chain.len(),
         identity.as_deref().unwrap_or("(server-chosen identity)")
     );
-    print!("{}", chain.concat());
+    {
+        use std::io::Write as _;
+        // A write error (a closed pipe) is the caller's to judge, not a panic.
+        write!(std::io::stdout().lock(), "{}", chain.concat())?;
+    }
     if let Some(out) = &args.out {
         std::fs::create_dir_all(out)?;
         crate::ca::generate::write_file(&out.join("key.pem"), key_pem.as_bytes(), true)?;

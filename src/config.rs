@@ -84,7 +84,8 @@ pub struct ServeArgs {
     #[arg(long, env = "MESHCA_ADMIN_LISTEN")]
     pub admin_listen: Option<SocketAddr>,
     /// Kubernetes integration (TokenReview callers, pod index): `auto` turns it
-    /// on in a cluster or when a kubeconfig is given.
+    /// on in a cluster or when a kubeconfig is given, never with --dev (`on`
+    /// asks for it there).
     #[arg(long, env = "MESHCA_KUBERNETES", value_enum, default_value_t = KubeMode::Auto)]
     pub kubernetes: KubeMode,
     /// Kubeconfig for the API server (default: in-cluster config).
@@ -338,7 +339,9 @@ impl Config {
         let kube_on = match a.kubernetes {
             KubeMode::On => true,
             KubeMode::Off => false,
-            KubeMode::Auto => a.kubeconfig.is_some() || in_cluster,
+            // Dev mode is for a laptop: an exported KUBECONFIG (perhaps a
+            // production one) must not start a cluster-wide pod watch there.
+            KubeMode::Auto => !a.dev && (a.kubeconfig.is_some() || in_cluster),
         };
         if !kube_on && a.token_verification.token_verification.uses_local() {
             return Err(err(
@@ -453,6 +456,21 @@ impl Config {
     }
 }
 
+/// A flag error as the command line spells it, `invalid --default-ttl
+/// (DEFAULT_WORKLOAD_CERT_TTL)="abc": ...`: settings are checked by their
+/// variable's name, and a user typed the flag.
+pub fn flag_error(e: &ConfigError) -> String {
+    let cmd = <ServeArgs as clap::Args>::augment_args(clap::Command::new("serve"));
+    let flag = cmd
+        .get_arguments()
+        .find(|a| a.get_env().is_some_and(|v| v == e.name))
+        .and_then(|a| a.get_long());
+    match flag {
+        Some(long) => format!("invalid --{long} ({})={:?}: {}", e.name, e.value, e.reason),
+        None => e.to_string(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -471,6 +489,27 @@ mod tests {
         let cli =
             Cli::try_parse_from(std::iter::once("meshca").chain(args.iter().copied())).unwrap();
         Config::from_args(&cli.serve, "/tmp/ca".into(), false)
+    }
+
+    #[test_case(&["--default-ttl", "abc"], "invalid --default-ttl (DEFAULT_WORKLOAD_CERT_TTL)=\"abc\"" ; "ttl")]
+    #[test_case(&["--reload-poll", "0s"], "invalid --reload-poll (MESHCA_RELOAD_POLL)=\"0s\"" ; "period")]
+    fn flag_errors_name_the_flag(args: &[&str], want: &str) {
+        let msg = flag_error(&parse(args).unwrap_err());
+        assert!(msg.starts_with(want), "{msg}");
+    }
+
+    #[test]
+    fn dev_mode_touches_no_cluster_unless_asked() {
+        let dev = parse(&["--dev", "--kubeconfig", "/k"]).unwrap();
+        assert!(dev.kube.is_none(), "an exported KUBECONFIG is ignored");
+        let asked = parse(&["--dev", "--kubeconfig", "/k", "--kubernetes", "on"]).unwrap();
+        assert!(asked.kube.is_some());
+        let cli = Cli::try_parse_from(["meshca", "--dev"]).unwrap();
+        let in_cluster = Config::from_args(&cli.serve, "/tmp/ca".into(), true).unwrap();
+        assert!(
+            in_cluster.kube.is_none(),
+            "nor is an in-cluster environment"
+        );
     }
 
     #[test]

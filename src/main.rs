@@ -207,9 +207,16 @@ enum AuditCommand {
         decision: Option<String>,
         #[arg(long)]
         reason: Option<String>,
-        /// RFC 3339 time.
+        /// A certificate serial (hex, as `meshca revoke` and openssl print it;
+        /// colons and a 0x prefix are ignored): the record that issued it and
+        /// every record of a caller presenting it.
+        #[arg(long)]
+        serial: Option<String>,
+        /// Records at or after this time: RFC 3339 (2026-01-02T15:04:05Z) or
+        /// a duration back from now (15m, 2h, 7d).
         #[arg(long)]
         since: Option<String>,
+        /// Records at or before this time: RFC 3339 or a duration back from now.
         #[arg(long)]
         until: Option<String>,
         #[arg(short = 'o', long, default_value = "table", value_parser = ["table", "json"])]
@@ -237,6 +244,10 @@ enum AuditCommand {
     Keygen {
         #[arg(long)]
         out: PathBuf,
+        /// Replace an existing key (the old key's public half no longer
+        /// verifies new checkpoints; keep it for the old logs).
+        #[arg(long)]
+        force: bool,
     },
 }
 
@@ -279,9 +290,46 @@ struct CertsArgs {
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-fn main() -> anyhow::Result<()> {
+fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
-    app::run_binary(&cli.log_format, run(cli.command))
+    match app::run_binary(&cli.log_format, run(cli.command)) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        // The reader of a pipeline went away (`meshca audit query ... | head`):
+        // what it read is all it wanted, as for any Unix filter.
+        Err(e) if is_broken_pipe(&e) => std::process::ExitCode::SUCCESS,
+        // The cause chain on one line, never a backtrace: a refused request or
+        // a missing file is a routine outcome, not a crash (RUST_BACKTRACE
+        // stays for panics).
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+/// Whether the error is a write to a closed pipe.
+fn is_broken_pipe(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        c.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+    })
+}
+
+/// `print!` that returns the write's error instead of panicking on it (a
+/// closed pipe), for the commands whose stdout feeds a pipeline.
+macro_rules! out {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        write!(std::io::stdout().lock(), $($arg)*)?
+    }};
+}
+
+/// `println!` likewise.
+macro_rules! outln {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        writeln!(std::io::stdout().lock(), $($arg)*)?
+    }};
 }
 
 async fn run(command: Command) -> anyhow::Result<()> {
@@ -327,8 +375,8 @@ async fn run(command: Command) -> anyhow::Result<()> {
             }
             let ca = generate::generate(&opts, OffsetDateTime::now_utc())?;
             generate::write_cacerts(&out, &ca, force)?;
-            println!("wrote ca-cert.pem, ca-key.pem, cert-chain.pem, root-cert.pem and root-key.pem to {}", out.display());
-            println!("keep root-key.pem offline; the CA needs only the other four files");
+            outln!("wrote ca-cert.pem, ca-key.pem, cert-chain.pem, root-cert.pem and root-key.pem to {}", out.display());
+            outln!("keep root-key.pem offline; the CA needs only the other four files");
             Ok(())
         }
     }
@@ -377,16 +425,38 @@ fn rotate(cmd: RotateCommand) -> anyhow::Result<()> {
             .parse(|name, v| parse_go_duration(v).map_err(|e| anyhow::anyhow!("{name}: {e}")))?
             .context("MESHCA_ROTATION_NEXT_DIR (--rotation-next-dir) is not set: rotation is off")
     };
+    // The server treats a missing rotation directory as "nothing staged yet";
+    // from the command line it is far more often a mistyped path, which would
+    // otherwise print a plausible `phase: idle`.
+    let exists = |w: &RotateWhere| -> anyhow::Result<meshca::rotation::RotationSettings> {
+        let s = settings(w)?;
+        for (flag, dir) in [
+            ("--ca-dir", w.ca_dir.as_path()),
+            ("--rotation-next-dir", s.next_dir.as_path()),
+            (
+                "--rotation-state (its directory)",
+                s.state_file.parent().unwrap_or(std::path::Path::new(".")),
+            ),
+        ] {
+            let dir = if dir.as_os_str().is_empty() {
+                std::path::Path::new(".")
+            } else {
+                dir
+            };
+            anyhow::ensure!(dir.is_dir(), "{flag} {}: no such directory", dir.display());
+        }
+        Ok(s)
+    };
     let now = OffsetDateTime::now_utc();
     match cmd {
         RotateCommand::Status(w) => {
-            let r = meshca::rotation::status(&w.ca_dir, &settings(&w)?, now)?;
-            print!("{r}");
+            let r = meshca::rotation::status(&w.ca_dir, &exists(&w)?, now)?;
+            out!("{r}");
         }
         RotateCommand::Plan(w) => {
             let max_ttl = parse_go_duration(&w.max_ttl).map_err(anyhow::Error::msg)?;
-            for line in meshca::rotation::plan(&w.ca_dir, &settings(&w)?, max_ttl, now)? {
-                println!("{line}");
+            for line in meshca::rotation::plan(&w.ca_dir, &exists(&w)?, max_ttl, now)? {
+                outln!("{line}");
             }
         }
         RotateCommand::Force {
@@ -401,8 +471,8 @@ fn rotate(cmd: RotateCommand) -> anyhow::Result<()> {
             );
             anyhow::ensure!(!reason.trim().is_empty(), "--reason must say why");
             let by = std::env::var("USER").unwrap_or_else(|_| "unknown".into());
-            meshca::rotation::request_force(&settings(&at)?, step, &reason, &by)?;
-            println!("force {step:?} requested; the server applies it at its next poll and records it in the audit log");
+            meshca::rotation::request_force(&exists(&at)?, step, &reason, &by)?;
+            outln!("force {step:?} requested; the server applies it at its next poll and records it in the audit log");
         }
     }
     Ok(())
@@ -413,20 +483,21 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         .dev
         .then(|| args.data_dir.clone().unwrap_or_else(app::default_data_dir));
     let ca_dir = match &dev_data_dir {
-        Some(data_dir) => {
-            let td = TrustDomain::new(&args.trust_domain)?;
-            let ca_dir = app::prepare_dev(data_dir, &td)?;
-            eprintln!(
-                "meshca dev mode: CA in {}, client identity in {}",
-                ca_dir.display(),
-                data_dir.join("dev-client").display()
-            );
-            ca_dir
-        }
+        Some(data_dir) => app::dev_ca_dir(data_dir),
         None => args.ca_dir.clone(),
     };
     let in_cluster = std::env::var_os("KUBERNETES_SERVICE_HOST").is_some();
-    let config = Config::from_args(&args, ca_dir, in_cluster)?;
+    // Every flag is checked before dev mode writes any CA material.
+    let config = Config::from_args(&args, ca_dir, in_cluster)
+        .map_err(|e| anyhow::anyhow!(meshca::config::flag_error(&e)))?;
+    if let Some(data_dir) = &dev_data_dir {
+        let ca_dir = app::prepare_dev(data_dir, &config.trust_domain)?;
+        eprintln!(
+            "meshca dev mode: CA in {}, client identity in {}",
+            ca_dir.display(),
+            data_dir.join("dev-client").display()
+        );
+    }
     let app = App::start(&config, Deps::default()).await?;
     if let Some(data_dir) = &dev_data_dir {
         let id = SpiffeId::new(config.trust_domain.clone(), "default", "default")?;
@@ -466,19 +537,30 @@ async fn shutdown_signal() {
     let _ = tokio::signal::ctrl_c().await;
 }
 
-fn rfc3339(s: &Option<String>) -> anyhow::Result<Option<OffsetDateTime>> {
-    s.as_deref()
-        .map(|t| {
-            OffsetDateTime::parse(t, &time::format_description::well_known::Rfc3339).with_context(
-                || {
-                    format!(
-                        "bad time \"{}\": expected RFC 3339, e.g. 2026-01-02T15:04:05Z",
-                        t.escape_debug()
-                    )
-                },
-            )
-        })
-        .transpose()
+/// A `--since`/`--until` value: an RFC 3339 time, or a duration back from
+/// `now` (so runbooks need no `date` arithmetic, which GNU and BSD spell
+/// differently).
+fn point_in_time(
+    s: &Option<String>,
+    now: OffsetDateTime,
+) -> anyhow::Result<Option<OffsetDateTime>> {
+    let Some(t) = s.as_deref() else {
+        return Ok(None);
+    };
+    if let Ok(at) = OffsetDateTime::parse(t, &time::format_description::well_known::Rfc3339) {
+        return Ok(Some(at));
+    }
+    let back = parse_go_duration(t).map_err(|_| {
+        anyhow::anyhow!(
+            "bad time \"{}\": expected RFC 3339 (2026-01-02T15:04:05Z) or a duration back from now (15m, 2h, 7d)",
+            t.escape_debug()
+        )
+    })?;
+    let back = time::Duration::try_from(back).context("duration out of range")?;
+    Ok(Some(
+        now.checked_sub(back)
+            .context("duration reaches before the year 1")?,
+    ))
 }
 
 impl AnchorSet {
@@ -584,7 +666,7 @@ fn audit(cmd: AuditCommand) -> anyhow::Result<()> {
             });
             match checked {
                 Ok((r, a)) => {
-                    print!(
+                    out!(
                         "{}",
                         verify::summary::Summary {
                             log: &r,
@@ -603,7 +685,7 @@ fn audit(cmd: AuditCommand) -> anyhow::Result<()> {
                     Ok(())
                 }
                 Err(f) => {
-                    println!("FAIL at {f}");
+                    outln!("FAIL at {f}");
                     std::process::exit(1);
                 }
             }
@@ -614,12 +696,14 @@ fn audit(cmd: AuditCommand) -> anyhow::Result<()> {
             caller,
             decision,
             reason,
+            serial,
             since,
             until,
             output,
             files,
             trust_domains,
         } => {
+            let now = OffsetDateTime::now_utc();
             let q = query::Query {
                 trust_domains: Some(trust_domains.parse()?),
                 identity,
@@ -633,8 +717,11 @@ fn audit(cmd: AuditCommand) -> anyhow::Result<()> {
                     }
                 }),
                 reason,
-                since: rfc3339(&since)?,
-                until: rfc3339(&until)?,
+                serial: serial
+                    .map(|s| query::serial_key(&s).map_err(|e| anyhow::anyhow!("--serial: {e}")))
+                    .transpose()?,
+                since: point_in_time(&since, now).context("--since")?,
+                until: point_in_time(&until, now).context("--until")?,
             };
             let (records, unreadable) = query::query(&verify::read_lines(&files)?, &q);
             if let Some(first) = unreadable.first() {
@@ -645,10 +732,10 @@ fn audit(cmd: AuditCommand) -> anyhow::Result<()> {
             }
             if output == "json" {
                 for r in &records {
-                    println!("{}", serde_json::to_string(r)?);
+                    outln!("{}", serde_json::to_string(r)?);
                 }
             } else {
-                print!("{}", query::table(&records));
+                out!("{}", query::table(&records));
             }
             Ok(())
         }
@@ -674,13 +761,13 @@ fn audit(cmd: AuditCommand) -> anyhow::Result<()> {
                 .await?)
             })?;
             for name in &report.removed {
-                println!(
+                outln!(
                     "{} {}/{name}",
                     if dry_run { "would remove" } else { "removed" },
                     set.anchor_namespace
                 );
             }
-            println!(
+            outln!(
                 "{} of {} checkpoint anchor(s) {} (older than {older_than}; each replica's newest kept)",
                 report.removed.len(),
                 report.checkpoints,
@@ -688,10 +775,16 @@ fn audit(cmd: AuditCommand) -> anyhow::Result<()> {
             );
             Ok(())
         }
-        AuditCommand::Keygen { out } => {
+        AuditCommand::Keygen { out, force } => {
+            anyhow::ensure!(
+                force || !out.exists(),
+                "{} already exists: a new key would stop the old one verifying the log's next checkpoints; pass --force to replace it",
+                out.display()
+            );
             let pem = CheckpointKey::generate_pem()?;
-            generate::write_file(&out, pem.as_bytes(), true)?;
-            print!("{}", VerifyKey::from_pem(pem.as_bytes())?.to_pem());
+            generate::write_file(&out, pem.as_bytes(), true)
+                .with_context(|| format!("writing {}", out.display()))?;
+            out!("{}", VerifyKey::from_pem(pem.as_bytes())?.to_pem());
             eprintln!("wrote {} (mount it as MESHCA_AUDIT_CHECKPOINT_KEY; give the public key above to auditors)", out.display());
             Ok(())
         }
@@ -785,7 +878,7 @@ async fn revoke(a: RevokeArgs) -> anyhow::Result<()> {
         revocation::select_in(&records, &target, &reason, a.by.as_deref(), now, Some(&tds))
     };
     for r in &found {
-        println!(
+        outln!(
             "{}\t{}\t{}\t{}",
             r.serial,
             r.identity.as_deref().unwrap_or("-"),
@@ -889,9 +982,9 @@ async fn certs(args: CertsArgs) -> anyhow::Result<()> {
         }
     };
     if args.output == "json" {
-        println!("{}", serde_json::to_string_pretty(&rows)?);
+        outln!("{}", serde_json::to_string_pretty(&rows)?);
     } else {
-        print!("{}", certs::table(&rows));
+        out!("{}", certs::table(&rows));
         // The table has istioctl's columns; why an identity is Unavailable goes beside it.
         for r in rows.iter().filter(|r| r.kind == certs::NA) {
             if let Some(e) = &r.error {

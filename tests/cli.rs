@@ -180,11 +180,22 @@ async fn readme_first_two_commands_give_a_certificate() {
     assert_eq!(serve.trim().lines().count(), 1, "{serve}");
 
     let home = tempfile::tempdir().unwrap();
-    // A new user's environment: an empty HOME, none of meshca's or Kubernetes' settings.
+    // A platform engineer's shell: an exported KUBECONFIG, here for a cluster that does not
+    // answer. Dev mode must not touch it (it made the second command fail with
+    // renewal_index_not_ready; with a production kubeconfig a laptop watched every pod).
+    let kubeconfig = home.path().join(".kube/config");
+    std::fs::create_dir_all(kubeconfig.parent().unwrap()).unwrap();
+    std::fs::write(
+        &kubeconfig,
+        "apiVersion: v1\nkind: Config\nclusters: [{name: c, cluster: {server: 'https://127.0.0.1:9'}}]\nusers: [{name: u, user: {token: t}}]\ncontexts: [{name: x, context: {cluster: c, user: u}}]\ncurrent-context: x\n",
+    )
+    .unwrap();
+    // A new user's environment: an otherwise empty HOME, none of meshca's settings.
     let user_env = |c: &mut tokio::process::Command| {
         c.env_clear()
             .env("PATH", std::env::var_os("PATH").unwrap_or_default())
-            .env("HOME", home.path());
+            .env("HOME", home.path())
+            .env("KUBECONFIG", &kubeconfig);
     };
     let mut cmd = tokio::process::Command::new("bash");
     user_env(&mut cmd);
@@ -294,5 +305,166 @@ async fn dev_mode_audits_its_client_certificate() {
     assert_eq!(
         r["requested_identity"],
         "spiffe://cluster.local/ns/default/sa/default"
+    );
+}
+
+/// `n` audit lines as `meshca audit query` reads them (the hash chain is
+/// `audit verify`'s business, not the query's).
+fn audit_lines(n: usize) -> String {
+    (0..n)
+        .map(|i| {
+            format!(
+                r#"{{"type":"audit","seq":{i},"prev":"x","time":"2026-01-01T00:00:00Z","request_id":"r{i}","peer":null,"authn_method":null,"caller_identity":null,"caller_pod":null,"caller_pod_uid":null,"node":null,"requested_identity":"spiffe://cluster.local/ns/a/sa/b","impersonated":false,"decision":"allow","reason":"issued","detail":null,"evidence":null,"serial":"0a{i:04x}","spki_sha256":null,"csr_sha256":null,"not_before":null,"not_after":null,"issuer_key_id":null,"latency_ms":1.0}}"#
+            ) + "\n"
+        })
+        .collect()
+}
+
+/// `meshca audit query ... | head`: the reader goes away after one line;
+/// the query ends quietly (no panic, exit 101 before) and says nothing on stderr.
+#[test]
+fn a_query_into_a_closed_pipe_ends_quietly() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("audit.log");
+    std::fs::write(&log, audit_lines(20_000)).unwrap();
+    let out = Command::new("bash")
+        .arg("-c")
+        .arg(format!(
+            "set -o pipefail; {} audit query -o json {} | head -n 1",
+            env!("CARGO_BIN_EXE_meshca"),
+            log.display()
+        ))
+        .env("RUST_BACKTRACE", "1")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "exit {:?}: {stderr}", out.status);
+    assert!(stderr.is_empty(), "{stderr}");
+    assert_eq!(String::from_utf8_lossy(&out.stdout).lines().count(), 1);
+}
+
+/// A routine error is one line naming what failed (the file's path), never a
+/// backtrace, even with RUST_BACKTRACE set.
+#[test]
+fn routine_errors_are_one_line_and_name_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("no-such.log");
+    for args in [
+        vec!["audit", "verify", missing.to_str().unwrap()],
+        vec!["audit", "query", missing.to_str().unwrap()],
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_meshca"))
+            .args(&args)
+            .env("RUST_BACKTRACE", "1")
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
+        assert_eq!(stderr.trim().lines().count(), 1, "{args:?}: {stderr}");
+        assert!(stderr.starts_with("error: "), "{stderr}");
+        assert!(stderr.contains(missing.to_str().unwrap()), "{stderr}");
+    }
+}
+
+/// `--serial` finds the issuance and the callers presenting the certificate,
+/// in any common spelling; `--since` takes a duration back from now.
+#[test]
+fn query_by_serial_and_relative_time() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("audit.log");
+    std::fs::write(&log, audit_lines(40)).unwrap();
+    let query = |extra: &[&str]| {
+        let out = succeeded(
+            Command::new(env!("CARGO_BIN_EXE_meshca"))
+                .args(["audit", "query", "-o", "json"])
+                .args(extra)
+                .arg(&log),
+        );
+        String::from_utf8_lossy(&out.stdout).lines().count()
+    };
+    assert_eq!(query(&["--serial", "0x0A:00:1f"]), 1);
+    assert_eq!(query(&["--serial", "a001f"]), 1);
+    assert_eq!(query(&["--serial", "ff"]), 0);
+    // The records are from 2026-01-01: within the last 10,000 days, not the last 15 minutes.
+    assert_eq!(query(&["--since", "10000d"]), 40);
+    assert_eq!(query(&["--since", "15m"]), 0);
+    assert_eq!(query(&["--until", "15m"]), 40);
+}
+
+/// `audit keygen` refuses to replace a key without --force, as `init` does.
+#[test]
+fn keygen_keeps_an_existing_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let key = dir.path().join("checkpoint.pem");
+    let keygen = |force: bool| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_meshca"));
+        c.args(["audit", "keygen", "--out"]).arg(&key);
+        if force {
+            c.arg("--force");
+        }
+        c.output().unwrap()
+    };
+    assert!(keygen(false).status.success());
+    let first = std::fs::read(&key).unwrap();
+    let again = keygen(false);
+    assert!(!again.status.success());
+    assert!(String::from_utf8_lossy(&again.stderr).contains("--force"));
+    assert_eq!(std::fs::read(&key).unwrap(), first, "the key is untouched");
+    assert!(keygen(true).status.success());
+    assert_ne!(std::fs::read(&key).unwrap(), first);
+}
+
+/// A bad flag names the flag, and dev mode reports it before writing any CA
+/// material.
+#[test]
+fn a_bad_flag_is_named_before_any_ca_is_made() {
+    let home = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_meshca"))
+        .args(["serve", "--dev", "--default-ttl", "abc"])
+        .env("HOME", home.path())
+        .env_remove("XDG_DATA_HOME")
+        .env("RUST_BACKTRACE", "1")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.contains("--default-ttl"), "{stderr}");
+    assert!(!stderr.contains("backtrace"), "{stderr}");
+    assert_eq!(
+        std::fs::read_dir(home.path()).unwrap().count(),
+        0,
+        "nothing written under HOME"
+    );
+}
+
+/// `rotate status` with a mistyped directory says so, not `phase: idle`.
+#[test]
+fn rotate_status_names_a_missing_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = dir.path().join("ca");
+    succeeded(
+        Command::new(env!("CARGO_BIN_EXE_meshca"))
+            .args(["init", "--out"])
+            .arg(&ca),
+    );
+    let missing = dir.path().join("nxt");
+    let out = Command::new(env!("CARGO_BIN_EXE_meshca"))
+        .args(["rotate", "status", "--ca-dir"])
+        .arg(&ca)
+        .arg("--rotation-next-dir")
+        .arg(&missing)
+        .arg("--rotation-state")
+        .arg(dir.path().join("state.json"))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    assert!(
+        stderr.contains("--rotation-next-dir") && stderr.contains("no such directory"),
+        "{stderr}"
     );
 }

@@ -22,6 +22,9 @@ pub struct Query {
     pub caller: Option<String>,
     pub decision: Option<Decision>,
     pub reason: Option<String>,
+    /// A serial in [`serial_key`] form: matches the record that issued it
+    /// and every record of a caller presenting it.
+    pub serial: Option<String>,
     pub since: Option<OffsetDateTime>,
     pub until: Option<OffsetDateTime>,
     /// Compare identities in canonical form (alias trust domains resolved
@@ -67,9 +70,32 @@ impl Query {
             })
             && self.decision.is_none_or(|d| d == r.decision)
             && eq(&self.reason, &Some(r.reason.clone()))
+            && self.serial.as_ref().is_none_or(|want| {
+                [&r.serial, &r.presented_serial]
+                    .into_iter()
+                    .flatten()
+                    .any(|s| serial_key(s).is_ok_and(|k| &k == want))
+            })
             && self.since.is_none_or(|t| r.time >= t)
             && self.until.is_none_or(|t| r.time <= t)
     }
+}
+
+/// A serial as compared by `--serial`: hex digits only, lower case, without
+/// leading zeros, so `0x00AB:CD`, `ab:cd` and the records' own spelling meet.
+pub fn serial_key(s: &str) -> Result<String, String> {
+    let hex: String = s
+        .trim()
+        .trim_start_matches("0x")
+        .chars()
+        .filter(|c| *c != ':')
+        .collect::<String>()
+        .to_ascii_lowercase();
+    if hex.is_empty() || !hex.chars().all(|c| c.is_ascii_hexdigit()) {
+        return Err(format!("{s:?} is not a hexadecimal serial"));
+    }
+    let trimmed = hex.trim_start_matches('0');
+    Ok(if trimmed.is_empty() { "0" } else { trimmed }.to_string())
 }
 
 /// Certificates issued to the holders of other certificates: each mTLS
@@ -277,5 +303,40 @@ mod tests {
         assert!(!q(&format!("{huge}x")).matches(&r));
         r.requested_identity = None;
         assert!(q(&huge).matches(&r), "through the bounded SAN");
+    }
+
+    fn record(serial: Option<&str>, presented: Option<&str>) -> AuditRecord {
+        let mut r: AuditRecord = serde_json::from_str(
+            r#"{"time":"2026-01-01T00:00:00Z","request_id":"r","peer":null,"authn_method":null,
+            "caller_identity":null,"caller_pod":null,"caller_pod_uid":null,"node":null,
+            "requested_identity":null,"impersonated":false,"decision":"allow","reason":"issued",
+            "detail":null,"evidence":null,"serial":null,"spki_sha256":null,"csr_sha256":null,
+            "not_before":null,"not_after":null,"issuer_key_id":null,"latency_ms":1.0}"#,
+        )
+        .unwrap();
+        r.serial = serial.map(str::to_string);
+        r.presented_serial = presented.map(str::to_string);
+        r
+    }
+
+    #[test_case::test_case("0a1b", Some("a1b") ; "leading zero")]
+    #[test_case::test_case("0x0A:1B", Some("a1b") ; "openssl spelling")]
+    #[test_case::test_case("00", Some("0") ; "zero")]
+    #[test_case::test_case("xyz", None ; "not hex")]
+    #[test_case::test_case("", None ; "empty")]
+    fn serial_keys(input: &str, want: Option<&str>) {
+        assert_eq!(serial_key(input).ok().as_deref(), want);
+    }
+
+    #[test]
+    fn serial_matches_the_issuance_and_the_presenters() {
+        let q = Query {
+            serial: Some(serial_key("0x0A:1B").unwrap()),
+            ..Default::default()
+        };
+        assert!(q.matches(&record(Some("0a1b"), None)), "issued it");
+        assert!(q.matches(&record(Some("ff"), Some("0a1b"))), "presented it");
+        assert!(!q.matches(&record(Some("ff"), Some("a1c"))));
+        assert!(!q.matches(&record(None, None)));
     }
 }

@@ -508,7 +508,9 @@ pub fn read_lines(paths: &[impl AsRef<Path>]) -> std::io::Result<Vec<(String, Ve
         let mut reader: Box<dyn BufRead> = if p == Path::new("-") {
             Box::new(std::io::BufReader::new(std::io::stdin()))
         } else {
-            Box::new(std::io::BufReader::new(std::fs::File::open(p)?))
+            let f = std::fs::File::open(p)
+                .map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", p.display())))?;
+            Box::new(std::io::BufReader::new(f))
         };
         let mut n = 0;
         loop {
