@@ -84,8 +84,8 @@ pub struct ServeArgs {
     #[arg(long, env = "MESHCA_ADMIN_LISTEN")]
     pub admin_listen: Option<SocketAddr>,
     /// Kubernetes integration (TokenReview callers, pod index): `auto` turns it
-    /// on in a cluster or when a kubeconfig is given, never with --dev (`on`
-    /// asks for it there).
+    /// on in a cluster or when a kubeconfig is given; with --dev only for
+    /// --kubeconfig on the command line (an exported KUBECONFIG is ignored).
     #[arg(long, env = "MESHCA_KUBERNETES", value_enum, default_value_t = KubeMode::Auto)]
     pub kubernetes: KubeMode,
     /// Kubeconfig for the API server (default: in-cluster config).
@@ -339,9 +339,10 @@ impl Config {
         let kube_on = match a.kubernetes {
             KubeMode::On => true,
             KubeMode::Off => false,
-            // Dev mode is for a laptop: an exported KUBECONFIG (perhaps a
-            // production one) must not start a cluster-wide pod watch there.
-            KubeMode::Auto => !a.dev && (a.kubeconfig.is_some() || in_cluster),
+            // Dev mode is for a laptop: only a kubeconfig given on its
+            // command line turns Kubernetes on there (`main` drops one that
+            // came from an exported KUBECONFIG).
+            KubeMode::Auto => a.kubeconfig.is_some() || (in_cluster && !a.dev),
         };
         if !kube_on && a.token_verification.token_verification.uses_local() {
             return Err(err(
@@ -500,16 +501,19 @@ mod tests {
 
     #[test]
     fn dev_mode_touches_no_cluster_unless_asked() {
-        let dev = parse(&["--dev", "--kubeconfig", "/k"]).unwrap();
-        assert!(dev.kube.is_none(), "an exported KUBECONFIG is ignored");
-        let asked = parse(&["--dev", "--kubeconfig", "/k", "--kubernetes", "on"]).unwrap();
-        assert!(asked.kube.is_some());
         let cli = Cli::try_parse_from(["meshca", "--dev"]).unwrap();
         let in_cluster = Config::from_args(&cli.serve, "/tmp/ca".into(), true).unwrap();
         assert!(
             in_cluster.kube.is_none(),
-            "nor is an in-cluster environment"
+            "an in-cluster environment is ignored"
         );
+        let asked = parse(&["--dev", "--kubeconfig", "/k"]).unwrap();
+        assert!(asked.kube.is_some(), "--kubeconfig asks for it");
+        let on = Cli::try_parse_from(["meshca", "--dev", "--kubernetes", "on"]).unwrap();
+        assert!(Config::from_args(&on.serve, "/tmp/ca".into(), true)
+            .unwrap()
+            .kube
+            .is_some());
     }
 
     #[test]

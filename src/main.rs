@@ -291,7 +291,24 @@ struct CertsArgs {
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> std::process::ExitCode {
-    let cli = Cli::parse();
+    use clap::{CommandFactory, FromArgMatches};
+    let matches = Cli::command().get_matches();
+    let mut cli = match Cli::from_arg_matches(&matches) {
+        Ok(cli) => cli,
+        Err(e) => e.exit(),
+    };
+    // Dev mode runs on a laptop whose shell may export a production
+    // KUBECONFIG: there only --kubeconfig on the command line (or
+    // --kubernetes on) reaches a cluster.
+    if let Command::Serve(args) = &mut cli.command {
+        let from_env = matches
+            .subcommand_matches("serve")
+            .and_then(|m| m.value_source("kubeconfig"))
+            == Some(clap::parser::ValueSource::EnvVariable);
+        if args.dev && from_env && args.kubernetes == meshca::config::KubeMode::Auto {
+            args.kubeconfig = None;
+        }
+    }
     match app::run_binary(&cli.log_format, run(cli.command)) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         // The reader of a pipeline went away (`meshca audit query ... | head`):
