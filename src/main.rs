@@ -188,6 +188,12 @@ enum AuditCommand {
         /// beside its anchors (trust them as much as the cluster's RBAC).
         #[arg(long, requires = "anchors")]
         keys_from_anchors: bool,
+        /// Read a container's log as `kubectl logs POD` gives it: the
+        /// process's log lines interleaved with the audit records are set
+        /// aside and counted (one replica per run: each replica has its own
+        /// chain; `--previous` gives its earlier run).
+        #[arg(long)]
+        from_logs: bool,
         /// Files oldest first (audit.log.2 audit.log.1 audit.log), or - for stdin.
         #[arg(required = true)]
         files: Vec<PathBuf>,
@@ -609,6 +615,7 @@ fn audit(cmd: AuditCommand) -> anyhow::Result<()> {
             anchors: from_kube,
             set,
             keys_from_anchors,
+            from_logs,
             files,
         } => {
             let mut keys = key
@@ -663,7 +670,12 @@ fn audit(cmd: AuditCommand) -> anyhow::Result<()> {
                     }
                 }
             }
-            let lines = verify::read_lines(&files)?;
+            let mut lines = verify::read_lines(&files)?;
+            if from_logs {
+                let (kept, skipped) = verify::audit_lines_only(lines);
+                lines = kept;
+                eprintln!("--from-logs: {skipped} line(s) set aside as process log lines, {} audit line(s) checked", lines.len());
+            }
             let unanchored: Vec<String> =
                 partial.iter().filter(|r| !r.is_empty()).cloned().collect();
             let opts = verify::VerifyOptions {

@@ -692,3 +692,108 @@ async fn a_record_over_the_line_cap_is_written_reduced_and_verify_says_so() {
         "{out}"
     );
 }
+
+/// What `kubectl logs POD` returns for a replica: the audit stream (stdout)
+/// and the process's own log (stderr) interleaved line by line in one file,
+/// as a container runtime writes them. Plain `verify` refuses the stream;
+/// `verify --from-logs` sets the log lines aside, checks the chain (to the
+/// shutdown checkpoint), and still fails when an audit line is removed.
+#[tokio::test]
+async fn verify_from_logs_reads_an_interleaved_container_log() {
+    let data = tempfile::tempdir().unwrap();
+    let log = data.path().join("container.log");
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&log)
+        .unwrap();
+    let mut cmd =
+        meshca::testing::serve_dev_std_command(env!("CARGO_BIN_EXE_meshca").as_ref(), data.path());
+    cmd.args(["--audit-sink", "stdout"])
+        .env("RUST_LOG", "info,meshca=debug")
+        .stdout(file.try_clone().unwrap())
+        .stderr(file);
+    let mut cmd = tokio::process::Command::from(cmd);
+    cmd.kill_on_drop(true);
+    let child = cmd.spawn().unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let addr: std::net::SocketAddr = loop {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        if let Some(a) = text
+            .lines()
+            .find_map(|l| l.strip_prefix("listening on "))
+            .and_then(|rest| rest.split(' ').next())
+            .and_then(|a| a.parse().ok())
+        {
+            break a;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "never listened:\n{text}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    };
+    for _ in 0..5 {
+        call(data.path(), addr, DEV_ID, &[]).await.unwrap();
+    }
+    assert!(
+        meshca::testing::terminate(child, std::time::Duration::from_secs(20))
+            .await
+            .success()
+    );
+    let text = std::fs::read_to_string(&log).unwrap();
+    let audit = text
+        .lines()
+        .filter(|l| l.starts_with("{\"type\":\"audit\""))
+        .count();
+    let other = text
+        .lines()
+        .filter(|l| !l.starts_with("{\"type\":"))
+        .count();
+    assert!(
+        audit >= 6 && other >= 2,
+        "an interleaved stream: {audit} audit lines, {other} others"
+    );
+    let path = log.to_str().unwrap();
+
+    let (code, out) = meshca(&["audit", "verify", path]);
+    assert_ne!(
+        code, 0,
+        "plain verify reads every line as the audit log's: {out}"
+    );
+    let (code, out) = meshca(&["audit", "verify", "--from-logs", "--strict", path]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains(&format!("{other} line(s) set aside")), "{out}");
+    // The documented pipeline, through stdin.
+    let piped = std::process::Command::new("bash")
+        .arg("-c")
+        .arg(format!(
+            "cat {path} | {} audit verify --from-logs --strict -",
+            env!("CARGO_BIN_EXE_meshca")
+        ))
+        .output()
+        .unwrap();
+    assert!(
+        piped.status.success(),
+        "{}",
+        String::from_utf8_lossy(&piped.stderr)
+    );
+
+    // One audit record removed from the middle: the chain breaks.
+    let lines: Vec<&str> = text.lines().collect();
+    let victim = lines
+        .iter()
+        .rposition(|l| l.starts_with("{\"type\":\"audit\""))
+        .unwrap();
+    let cut: String = lines
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| *i != victim)
+        .map(|(_, l)| format!("{l}\n"))
+        .collect();
+    let tampered = data.path().join("tampered.log");
+    std::fs::write(&tampered, cut).unwrap();
+    let (code, out) = meshca(&["audit", "verify", "--from-logs", tampered.to_str().unwrap()]);
+    assert_ne!(code, 0, "a removed record is still found: {out}");
+    assert!(out.contains("FAIL at"), "{out}");
+}

@@ -528,6 +528,26 @@ pub fn read_lines(paths: &[impl AsRef<Path>]) -> std::io::Result<Vec<(String, Ve
     Ok(out)
 }
 
+/// The start every line the writer writes has (`{"type":"audit"...`,
+/// `{"type":"checkpoint"...`).
+const LINE_START: &[u8] = b"{\"type\":\"";
+
+/// The audit lines of a container's log, where the process's own log lines
+/// (stderr) interleave with the audit stream (stdout), as `kubectl logs`
+/// returns them: lines that do not start as the writer starts every line are
+/// set aside and counted. Nothing that starts like an audit line is dropped,
+/// so a damaged or forged one still fails the chain, and a removed one still
+/// breaks it.
+pub fn audit_lines_only(lines: Vec<(String, Vec<u8>)>) -> (Vec<(String, Vec<u8>)>, usize) {
+    let total = lines.len();
+    let kept: Vec<_> = lines
+        .into_iter()
+        .filter(|(_, l)| l.starts_with(LINE_START))
+        .collect();
+    let skipped = total - kept.len();
+    (kept, skipped)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -595,5 +615,28 @@ mod tests {
         assert_eq!(rep.recoveries.len(), 1);
         assert!(rep.recoveries[0].damaged_lines_checked);
         assert_eq!(rep.chain_starts, 1);
+    }
+
+    #[test]
+    fn log_lines_are_set_aside_and_audit_lines_kept() {
+        let lines: Vec<(String, Vec<u8>)> = [
+            "{\"type\":\"checkpoint\",\"seq\":0}",
+            "2026-12-07T10:00:00Z  INFO meshca: listening",
+            "{\"timestamp\":\"x\",\"level\":\"INFO\"}",
+            "{\"type\":\"audit\",\"seq\":1}",
+            " {\"type\":\"audit\",\"seq\":2}",
+            "",
+        ]
+        .iter()
+        .enumerate()
+        .map(|(i, l)| (format!("log:{}", i + 1), l.as_bytes().to_vec()))
+        .collect();
+        let (kept, skipped) = audit_lines_only(lines);
+        assert_eq!(skipped, 4);
+        assert_eq!(
+            kept.iter().map(|(loc, _)| loc.as_str()).collect::<Vec<_>>(),
+            ["log:1", "log:4"],
+            "locations stay those of the whole log"
+        );
     }
 }
