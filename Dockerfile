@@ -7,6 +7,9 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends cmake \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
+# The commit meshca_build_info reports (.git is not in the build context):
+# docker build --build-arg MESHCA_BUILD_COMMIT=$(git rev-parse --short=12 HEAD) .
+ARG MESHCA_BUILD_COMMIT=unknown
 COPY . .
 # Cache mounts keep the registry and target dir between builds; the binary is copied out of the
 # cached target dir in the same step.

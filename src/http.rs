@@ -96,6 +96,8 @@ async fn metrics_handler(
                 r.misses.load(Ordering::Relaxed),
             )
         }),
+        ready: Some(h.readiness().is_ok()),
+        process: crate::metrics::process::read(),
     };
     let body = h
         .metrics

@@ -14,6 +14,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::{Metric, Registry};
 
 pub mod labels;
+pub mod process;
 
 pub use crate::outcome::{Decision, ErrorClass};
 pub use labels::{
@@ -38,6 +39,10 @@ pub struct Snapshot {
     /// thisUpdate and nextUpdate (unix seconds) of the CRL in force for the
     /// current signer, once one is signed.
     pub crl: Option<(i64, i64)>,
+    /// What `/readyz` answers (`meshca_ready`).
+    pub ready: Option<bool>,
+    /// `process_*`, read at the scrape.
+    pub process: Option<process::ProcessStats>,
 }
 
 /// istiod-compatible counters.

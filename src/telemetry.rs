@@ -316,6 +316,14 @@ impl Metrics {
             );
         }
         self.audit.render_anchor(&mut out, now_unix);
+        if let Some(ready) = snap.ready {
+            gauge(
+                &mut out,
+                "meshca_ready",
+                "1 while /readyz answers ready (CA loaded and unexpired, revocations loaded, indexes synced), else 0.",
+                i64::from(ready),
+            );
+        }
         if let Some((hits, misses)) = snap.token_cache {
             let _ = writeln!(out, "# HELP meshca_token_cache_requests_total TokenReview cache lookups.\n# TYPE meshca_token_cache_requests_total counter\nmeshca_token_cache_requests_total{{result=\"hit\"}} {hits}\nmeshca_token_cache_requests_total{{result=\"miss\"}} {misses}");
             let ratio = if hits + misses == 0 {
@@ -325,6 +333,12 @@ impl Metrics {
             };
             let _ = writeln!(out, "# HELP meshca_token_cache_hit_ratio Share of token lookups served from the cache.\n# TYPE meshca_token_cache_hit_ratio gauge\nmeshca_token_cache_hit_ratio {ratio}");
         }
+        crate::metrics::process::render(
+            &mut out,
+            snap.process.as_ref(),
+            env!("CARGO_PKG_VERSION"),
+            env!("MESHCA_BUILD_COMMIT"),
+        );
         let mut registry_text = String::new();
         if prometheus_client::encoding::text::encode(&mut registry_text, &self.registry).is_ok() {
             // OpenMetrics' terminator is not part of the 0.0.4 text format.

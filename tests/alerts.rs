@@ -250,12 +250,36 @@ fn dashboard_has_the_panels_operators_need() {
             "meshca_denylist_hits_total",
         ),
         ("Token verification failures", "meshca_decisions_total"),
+        ("Ready replicas", "meshca_ready"),
+        (
+            "Days to signing CA expiry",
+            "meshca_ca_cert_expiry_timestamp_seconds",
+        ),
+        (
+            "Days to root expiry",
+            "meshca_root_cert_expiry_timestamp_seconds",
+        ),
+        ("Process CPU", "process_cpu_seconds_total"),
+        ("Process memory", "process_resident_memory_bytes"),
     ] {
         assert!(titles.contains(title), "no panel {title:?}");
         assert!(
             exprs.iter().any(|(t, e)| t == title && e.contains(metric)),
             "panel {title:?} does not query {metric}"
         );
+    }
+    // Every query follows the job, namespace and pod variables (as written,
+    // before Grafana interpolates them).
+    let d = dashboard();
+    for p in d["panels"].as_array().unwrap() {
+        for t in p["targets"].as_array().into_iter().flatten() {
+            let e = t["expr"].as_str().unwrap_or_default();
+            assert!(
+                e.contains(r#"job=~"$job",namespace=~"$namespace",pod=~"$pod""#),
+                "panel {} ignores the job, namespace or pod variable: {e}",
+                p["title"]
+            );
+        }
     }
     // The security signals are per node.
     assert!(exprs

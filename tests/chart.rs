@@ -1000,6 +1000,7 @@ fn alerts_are_one_prometheus_rule_with_one_value() {
     assert_eq!(
         groups,
         [
+            "meshca.availability",
             "meshca.ca",
             "meshca.serving",
             "meshca.audit",

@@ -167,7 +167,12 @@ pub fn grafana_interpolate(expr: &str) -> String {
         .replace("$__range", "6h")
         .replace("$__interval", "30s")
         .replace("\"$job\"", "\".+\"")
+        .replace("\"$namespace\"", "\".+\"")
+        .replace("\"$pod\"", "\".+\"")
 }
+
+/// Series Prometheus makes itself for each target (never in /metrics).
+pub const SCRAPE_SERIES: &[&str] = &["up"];
 
 /// Labels Prometheus attaches when it scrapes (never in /metrics itself).
 pub const TARGET_LABELS: &[&str] = &[
@@ -429,6 +434,9 @@ pub fn needs(expr: &str) -> Result<BTreeSet<Need>, String> {
     let u = uses(expr)?;
     let mut out = BTreeSet::new();
     for s in &u.selectors {
+        if SCRAPE_SERIES.contains(&s.metric.as_str()) {
+            continue;
+        }
         out.insert(Need::Metric(s.metric.clone()));
         for m in &s.matchers {
             if TARGET_LABELS.contains(&m.label.as_str()) {
