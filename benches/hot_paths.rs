@@ -413,6 +413,7 @@ fn bench_guards(c: &mut Criterion) {
             (0..10_000u32).map(|i| format!("{:x}", 0xdead_0000u64 + u64::from(i))),
         ))),
         clusters: Some(Arc::new(meshca::cluster::LocalCluster("Kubernetes".into()))),
+        signers: None,
     };
     let mut g = c.benchmark_group("issue_mtls_guards");
     for (name, guards) in [("off", IssueGuards::default()), ("on", on)] {

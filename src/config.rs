@@ -675,6 +675,9 @@ mod tests {
     #[test_case(&["--kubernetes", "on", "--jwks-min-refresh-interval", "0s"], "MESHCA_JWKS_MIN_REFRESH_INTERVAL" ; "zero jwks min interval")]
     #[test_case(&["--kubernetes", "on", "--jwks-refresh-interval", "1m", "--jwks-min-refresh-interval", "2m"], "MESHCA_JWKS_MIN_REFRESH_INTERVAL" ; "min above periodic")]
     #[test_case(&["--kubernetes", "on", "--jwks-refresh-interval", "1000000h"], "MESHCA_JWKS_REFRESH_INTERVAL" ; "huge jwks interval")]
+    #[test_case(&["--kubernetes", "on", "--jwks-max-age", "0s"], "MESHCA_JWKS_MAX_AGE" ; "zero jwks max age")]
+    #[test_case(&["--kubernetes", "on", "--jwks-max-age", "10m"], "MESHCA_JWKS_MAX_AGE" ; "max age leaves no retry after the periodic fetch")]
+    #[test_case(&["--kubernetes", "on", "--jwks-refresh-interval", "1h"], "MESHCA_JWKS_MAX_AGE" ; "periodic fetch beyond the default max age")]
     #[test_case(&["--publish-root", "true", "--kubernetes", "on", "--publish-root-namespace-selector", "a in (b"], "MESHCA_PUBLISH_ROOT_NAMESPACE_SELECTOR" ; "bad selector")]
     fn rejects_with_variable_name(args: &[&str], name: &str) {
         assert_eq!(parse(args).unwrap_err().name, name);

@@ -11,8 +11,17 @@
 //! pod shop/cart-5d9f8            # caller pod, namespace/name
 //! pod-uid 8f14e45f-ceea-467f-a0e6-0a3c1b2d4e5f
 //! serviceaccount shop/cart
-//! token-key 3F2a...                # `kid` of the token's JWT header
+//! token-key 3F2a...                # `kid` of a ServiceAccount signing key
 //! ```
+//!
+//! A `token-key` entry refuses every token that key signed, whatever the
+//! token's header says: the header's `kid` is matched, and so is the key
+//! whose signature the token carries (`authn::TokenSigners`, checked against
+//! the public keys meshca has seen from each issuer, kept after the issuer
+//! drops them). While any `token-key` entry exists, a token whose signer
+//! cannot be established (no key meshca knows verifies it) is refused too:
+//! a token without `kid`, or with a wrong one, re-signed with a leaked key
+//! the API server still trusts must not pass for want of a name.
 //!
 //! A list that does not parse is refused as a whole and the previous one
 //! stays in force (fail closed: a typo never lifts a deny); at startup it
@@ -164,7 +173,20 @@ pub struct Subject<'a> {
     pub caller_pod_uid: Option<&'a str>,
     /// `namespace/name` of the caller pod's service account (token callers).
     pub caller_service_account: Option<&'a str>,
+    /// The `kid` the token's header names (unverified).
     pub token_key: Option<&'a str>,
+    /// Which key signed the token, when it was looked for (only while the
+    /// list has `token-key` entries).
+    pub token_signer: Option<&'a TokenSigner>,
+}
+
+/// Which key signed a request's token, as far as meshca can tell.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TokenSigner {
+    /// The key with this `kid` verifies the token's signature.
+    Key(String),
+    /// No key meshca knows verifies it; why.
+    Unknown(String),
 }
 
 /// Which entry matched; each kind is its own reason code.
@@ -180,6 +202,10 @@ pub enum DenyHit {
     ServiceAccount(String),
     #[error("token signing key {0} is on the denylist")]
     TokenKey(String),
+    /// `token-key` entries are in force and no key meshca knows verifies
+    /// the token (its `kid` is missing, unknown, or names another key).
+    #[error("token signing keys are on the denylist and this token's signer is unknown: {0}")]
+    TokenKeyUnknownSigner(String),
 }
 
 impl DenyHit {
@@ -190,6 +216,7 @@ impl DenyHit {
             Self::Pod(_) => "denylist_pod",
             Self::ServiceAccount(_) => "denylist_service_account",
             Self::TokenKey(_) => "denylist_token_key",
+            Self::TokenKeyUnknownSigner(_) => "denylist_token_key_unknown_signer",
         }
     }
 }
@@ -205,6 +232,17 @@ pub fn check(list: &Denylist, s: &Subject<'_>) -> Result<(), DenyHit> {
     }
     if let Some(k) = s.token_key.filter(|k| list.token_keys.contains(*k)) {
         return Err(DenyHit::TokenKey(k.to_string()));
+    }
+    if !list.token_keys.is_empty() {
+        match s.token_signer {
+            Some(TokenSigner::Key(k)) if list.token_keys.contains(k) => {
+                return Err(DenyHit::TokenKey(k.clone()));
+            }
+            Some(TokenSigner::Unknown(why)) => {
+                return Err(DenyHit::TokenKeyUnknownSigner(why.clone()));
+            }
+            _ => {}
+        }
     }
     for id in [s.caller_identity, s.requested_identity]
         .into_iter()
@@ -239,8 +277,10 @@ pub fn check(list: &Denylist, s: &Subject<'_>) -> Result<(), DenyHit> {
     Ok(())
 }
 
-/// The `kid` of a JWT's header, without verifying anything (the denylist
-/// only needs to recognise a key; verification is the authenticator's job).
+/// The `kid` of a JWT's header, without verifying anything: a header that
+/// names a denylisted key is refused at once. It proves nothing about who
+/// signed the token, so the signer is established apart
+/// ([`Subject::token_signer`]).
 pub fn token_key_id(token: &str) -> Option<String> {
     let header = token.split('.').next()?;
     // A JWT header is small; anything longer is not worth decoding here.
@@ -255,6 +295,43 @@ pub fn token_key_id(token: &str) -> Option<String> {
         kid: Option<String>,
     }
     serde_json::from_slice::<Header>(&bytes).ok()?.kid
+}
+
+/// Which key signed `token`, looked for only while `list` has `token-key`
+/// entries (`None` otherwise, or when the header already names a denylisted
+/// key: [`check`] refuses it). A denylisted key's signature is found under
+/// any header, among the keys every issuer has published since start. When
+/// the token authenticated the caller (`by_token`), the key of its
+/// `cluster`'s issuer (`None`: the local cluster) that signed it must be
+/// established, else [`TokenSigner::Unknown`]. Beside a client certificate
+/// the token authenticates nothing: only a denylisted key's signature
+/// counts there.
+pub async fn token_signer(
+    list: &Denylist,
+    signers: Option<&dyn crate::authn::TokenSigners>,
+    token: &str,
+    by_token: bool,
+    cluster: Option<&str>,
+) -> Option<TokenSigner> {
+    if list.token_keys.is_empty() {
+        return None;
+    }
+    if token_key_id(token).is_some_and(|k| list.token_keys.contains(&k)) {
+        return None;
+    }
+    let Some(signers) = signers else {
+        return by_token.then(|| TokenSigner::Unknown("no issuer keys are known here".into()));
+    };
+    if let Some(kid) = signers.signed_by_one_of(token, &list.token_keys) {
+        return Some(TokenSigner::Key(kid));
+    }
+    if !by_token {
+        return None;
+    }
+    Some(match signers.signer(token, cluster).await {
+        Ok(kid) => TokenSigner::Key(kid),
+        Err(why) => TokenSigner::Unknown(why),
+    })
 }
 
 /// Where the list comes from.
@@ -719,6 +796,85 @@ mod tests {
                 "{entry} vs {who}"
             );
         }
+    }
+
+    // A `token-key` entry against the header's kid and the signer found.
+    // (entry, header kid, signer, want)
+    #[test_case("token-key leaked", None, Some(TokenSigner::Key("leaked".into())), Err("denylist_token_key") ; "no kid signed by the leaked key")]
+    #[test_case("token-key leaked", Some("good"), Some(TokenSigner::Key("leaked".into())), Err("denylist_token_key") ; "another kid signed by the leaked key")]
+    #[test_case("token-key leaked", Some("leaked"), Some(TokenSigner::Key("good".into())), Err("denylist_token_key") ; "the header alone")]
+    #[test_case("token-key leaked", Some("good"), Some(TokenSigner::Key("good".into())), Ok(()) ; "signed by a good key")]
+    #[test_case("token-key leaked", None, Some(TokenSigner::Unknown("no key verifies".into())), Err("denylist_token_key_unknown_signer") ; "unknown signer")]
+    #[test_case("token-key leaked", None, None, Ok(()) ; "not looked for (client certificate)")]
+    #[test_case("node n1", None, Some(TokenSigner::Unknown("x".into())), Ok(()) ; "no token-key entry")]
+    fn token_key_entries(
+        entry: &str,
+        kid: Option<&str>,
+        signer: Option<TokenSigner>,
+        want: Result<(), &str>,
+    ) {
+        let list = Denylist::parse(entry).unwrap();
+        let s = Subject {
+            token_key: kid,
+            token_signer: signer.as_ref(),
+            ..Default::default()
+        };
+        assert_eq!(check(&list, &s).map_err(|h| h.reason()), want);
+    }
+
+    /// Stands for the issuers' keys: `denied` is the denylisted kid whose
+    /// key verifies every token, `signer` the verdict for the caller's cluster.
+    #[derive(Debug)]
+    struct Signers {
+        denied: Option<&'static str>,
+        signer: Result<&'static str, &'static str>,
+    }
+
+    #[tonic::async_trait]
+    impl crate::authn::TokenSigners for Signers {
+        fn signed_by_one_of(&self, _: &str, kids: &HashSet<String>) -> Option<String> {
+            self.denied
+                .filter(|k| kids.contains(*k))
+                .map(str::to_string)
+        }
+        async fn signer(&self, _: &str, _: Option<&str>) -> Result<String, String> {
+            self.signer.map(str::to_string).map_err(str::to_string)
+        }
+    }
+
+    const NO_KID: &str = "eyJhbGciOiJSUzI1NiJ9.e30.sig";
+    const KID_LEAKED: &str = "eyJhbGciOiJSUzI1NiIsImtpZCI6ImxlYWtlZCJ9.e30.sig";
+
+    // (entry, token, denylisted key verifies, cluster's signer, by token, want)
+    #[test_case("node n1", NO_KID, None, Err("x"), true, None ; "no token-key entry: nothing is looked for")]
+    #[test_case("token-key leaked", KID_LEAKED, None, Err("x"), true, None ; "the header names it: check refuses")]
+    #[test_case("token-key leaked", NO_KID, Some("leaked"), Ok("good"), true, Some(TokenSigner::Key("leaked".into())) ; "the leaked key signed it")]
+    #[test_case("token-key leaked", NO_KID, None, Ok("good"), true, Some(TokenSigner::Key("good".into())) ; "a good key signed it")]
+    #[test_case("token-key leaked", NO_KID, None, Err("no key verifies"), true, Some(TokenSigner::Unknown("no key verifies".into())) ; "nobody known signed it")]
+    #[test_case("token-key leaked", NO_KID, Some("leaked"), Err("x"), false, Some(TokenSigner::Key("leaked".into())) ; "beside a certificate the leaked key counts")]
+    #[test_case("token-key leaked", NO_KID, None, Err("x"), false, None ; "beside a certificate an unknown signer does not")]
+    #[tokio::test]
+    async fn token_signer_table(
+        entry: &str,
+        token: &str,
+        denied: Option<&'static str>,
+        signer: Result<&'static str, &'static str>,
+        by_token: bool,
+        want: Option<TokenSigner>,
+    ) {
+        let list = Denylist::parse(entry).unwrap();
+        let signers = Signers { denied, signer };
+        let got = token_signer(&list, Some(&signers), token, by_token, None).await;
+        assert_eq!(got, want);
+    }
+
+    /// Without any issuer keys a token caller's signer is unknown.
+    #[tokio::test]
+    async fn without_issuer_keys_no_signer_is_established() {
+        let list = Denylist::parse("token-key leaked").unwrap();
+        let got = token_signer(&list, None, NO_KID, true, None).await;
+        assert!(matches!(got, Some(TokenSigner::Unknown(_))), "{got:?}");
+        assert_eq!(token_signer(&list, None, NO_KID, false, None).await, None);
     }
 
     #[test_case("eyJhbGciOiJSUzI1NiIsImtpZCI6ImFiYyJ9.e30.sig", Some("abc") ; "kid present")]

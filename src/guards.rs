@@ -291,6 +291,9 @@ pub fn start(
             renewal,
             denylist,
             revocations,
+            signers: registry
+                .clone()
+                .map(|r| r as Arc<dyn crate::authn::TokenSigners>),
             clusters: Some(match registry {
                 Some(r) => r as Arc<dyn crate::cluster::ClusterDirectory>,
                 None => Arc::new(crate::cluster::LocalCluster(from.cluster_id.clone())),

@@ -164,6 +164,10 @@ pub struct IssueGuards {
     /// The clusters served: binds an mTLS caller to the cluster its
     /// certificate was issued for, and marks leaves of remote clusters.
     pub clusters: Option<Arc<dyn crate::cluster::ClusterDirectory>>,
+    /// Which issuer key signed a token, for `token-key` denylist entries.
+    /// Without it, while such an entry exists, no token caller's signer
+    /// can be established and every token caller is refused.
+    pub signers: Option<Arc<dyn authn::TokenSigners>>,
 }
 
 impl IssueGuards {
@@ -198,10 +202,27 @@ impl IssueGuards {
             .map(crate::ca::serial::ClusterTag::of)
     }
 
+    /// Which key signed the request's token ([`crate::denylist::token_signer`]):
+    /// looked for after authentication whichever path it took, a cached
+    /// TokenReview success included.
+    async fn token_signer(
+        &self,
+        creds: &Credentials,
+        caller: &authn::Caller,
+    ) -> Option<crate::denylist::TokenSigner> {
+        let list = self.denylist.as_ref()?.current();
+        let token = creds.bearer.as_deref()?;
+        let cluster = caller.kube.as_ref().and_then(|k| k.cluster_id.as_deref());
+        let by_token = caller.method != authn::AuthnMethod::Mtls;
+        crate::denylist::token_signer(&list, self.signers.as_deref(), token, by_token, cluster)
+            .await
+    }
+
     fn deny_check(
         &self,
         creds: &Credentials,
         caller: &authn::Caller,
+        signer: Option<&crate::denylist::TokenSigner>,
         requested: Option<&crate::identity::SpiffeId>,
         node: Option<&str>,
     ) -> Result<(), IssueError> {
@@ -234,6 +255,7 @@ impl IssueGuards {
             caller_pod_uid: caller.kube.as_ref().map(|k| k.pod_uid.as_str()),
             caller_service_account: sa.as_deref(),
             token_key: kid.as_deref(),
+            token_signer: signer,
         };
         Ok(list.check(&subject)?)
     }
@@ -388,7 +410,10 @@ impl CertificateIssuer {
                 }
             }
         }
-        let result = self.guards.deny_check(creds, &caller, None, None);
+        let signer = self.guards.token_signer(creds, &caller).await;
+        let result = self
+            .guards
+            .deny_check(creds, &caller, signer.as_ref(), None, None);
         if let (Err(IssueError::Denied(hit)), Some(m)) = (&result, &self.metrics) {
             m.kill_switch
                 .denylist_hits
@@ -427,9 +452,13 @@ impl CertificateIssuer {
         audit.record().requested_identity = Some(identity.to_string());
         // Second pass with what authorization found (requested identity, node).
         let node = audit.record().node.clone();
-        let result = self
-            .guards
-            .deny_check(creds, &caller, Some(&identity), node.as_deref());
+        let result = self.guards.deny_check(
+            creds,
+            &caller,
+            signer.as_ref(),
+            Some(&identity),
+            node.as_deref(),
+        );
         if let (Err(IssueError::Denied(hit)), Some(m)) = (&result, &self.metrics) {
             m.kill_switch
                 .denylist_hits
@@ -654,6 +683,9 @@ impl SignJob {
         })
     }
 }
+
+#[cfg(test)]
+mod token_key_tests;
 
 #[cfg(test)]
 mod tests {

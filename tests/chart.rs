@@ -217,7 +217,7 @@ fn bound_roles(docs: &[Value]) -> BTreeSet<String> {
 }
 
 #[test]
-fn local_token_verification_binds_issuer_discovery_like_the_test_cluster() {
+fn issuer_discovery_is_bound_in_every_mode_like_the_test_cluster() {
     let discovery = "system:service-account-issuer-discovery".to_string();
     let testenv = docs(&std::fs::read_to_string(repo().join(TESTENV_RBAC)).unwrap());
     assert!(bound_roles(&testenv).contains(&discovery));
@@ -229,17 +229,14 @@ fn local_token_verification_binds_issuer_discovery_like_the_test_cluster() {
             &["--set", &format!("tokenVerification.mode={mode}")],
         ))
     };
-    for mode in ["local", "local-then-review"] {
+    // In every mode: `token-key` denylist entries need the issuer keys too.
+    for mode in ["review", "local", "local-then-review"] {
         let got = render_binding(mode);
         assert_eq!(
             got,
             BTreeSet::from(["meshca".to_string(), discovery.clone()])
         );
     }
-    assert_eq!(
-        render_binding("review"),
-        BTreeSet::from(["meshca".to_string()])
-    );
 }
 
 const DENYLIST_RBAC: &str = "tests/fixtures/rbac-denylist.yaml";

@@ -652,3 +652,76 @@ async fn mtls_callers_are_bound_to_the_cluster_their_certificate_was_issued_for(
         "{m}"
     );
 }
+
+/// A remote cluster's leaked signing key: the remote ztunnel's token
+/// claims re-signed with the remote API server's key and no `kid` are
+/// accepted by that cluster's TokenReview; once the remote key's `kid` is
+/// denylisted they are refused (`denylist_token_key`), found by their
+/// signature among the remote issuer's keys. The primary cluster's callers,
+/// whose signer is the primary's own key, keep getting certificates.
+#[tokio::test]
+async fn a_remote_clusters_denylisted_key_is_found_without_a_kid() {
+    use base64::Engine;
+    let dir = tempfile::tempdir().unwrap();
+    let deny = dir.path().join("denylist");
+    std::fs::write(&deny, "").unwrap();
+    let path = deny.clone();
+    let Mc {
+        a,
+        b,
+        srv,
+        zt_token,
+        zt_ns,
+        ..
+    } = setup_with(TokenVerificationMode::Review, move |cfg| {
+        cfg.kill_switch.denylist = meshca::denylist::DenylistSettings {
+            file: Some(path),
+            poll: Duration::from_millis(200),
+            configmap: None,
+        };
+    })
+    .await;
+    let segment = |i: usize| -> serde_json::Value {
+        let b = base64::engine::general_purpose::URL_SAFE_NO_PAD
+            .decode(zt_token.split('.').nth(i).unwrap())
+            .unwrap();
+        serde_json::from_slice(&b).unwrap()
+    };
+    let remote_kid = segment(0)["kid"].as_str().unwrap().to_string();
+    let kidless = b.sign_claims(&serde_json::json!({"alg": "RS256"}), &segment(1));
+    let zt_id = spiffe(&zt_ns, "ztunnel");
+    let local_ns = a.namespace("primary").await;
+    let (_, local_token) = a.pod_token(&local_ns, "app", "app-0", "node-a").await;
+    let local_id = spiffe(&local_ns, "app");
+    // The remote issuer's keys are fetched (in review mode too).
+    let registry = srv.app.clusters.clone().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while registry
+        .get(REMOTE)
+        .and_then(|c| c.keys.clone())
+        .and_then(|k| k.current())
+        .is_none()
+    {
+        assert!(Instant::now() < deadline, "remote keys never loaded");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    srv.call(&kidless, &zt_id, None, Some(REMOTE))
+        .await
+        .expect("the remote TokenReview accepts a kid-less token");
+    std::fs::write(&deny, format!("token-key {remote_kid}\n")).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while srv
+        .call(&zt_token, &zt_id, None, Some(REMOTE))
+        .await
+        .is_ok()
+    {
+        assert!(Instant::now() < deadline, "the entry never took effect");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let r = srv.call(&kidless, &zt_id, None, Some(REMOTE)).await;
+    denied(r, &srv, Code::Unauthenticated, "denylist_token_key");
+    assert_eq!(last_cluster(&srv).as_deref(), Some(REMOTE));
+    srv.call(&local_token, &local_id, None, None)
+        .await
+        .expect("a primary-cluster caller is not affected");
+}

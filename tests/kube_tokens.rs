@@ -334,6 +334,11 @@ async fn what_local_verification_cannot_decide_goes_to_tokenreview() {
     });
     // The API server tries every key for a token without a kid (and none for an unknown kid).
     let no_kid = cluster.sign(&json!({"alg": "RS256"}), &claims_of(&good));
+    // An unknown kid under the real key: the API server has no key by that id.
+    let rotated = cluster.sign(
+        &json!({"alg": "RS256", "kid": "rotated-out"}),
+        &claims_of(&good),
+    );
     // A Failed pod still exists for TokenReview, but leaves the pod index.
     let failed_uid = k.pod(&ns, "failed", "app", "node-a").await;
     let failed = k
@@ -352,7 +357,6 @@ async fn what_local_verification_cannot_decide_goes_to_tokenreview() {
     let fetched_before = keys.stats.ok.load(std::sync::atomic::Ordering::SeqCst);
     for (token, reason) in [
         (&second_issuer, "token_local_unknown_issuer"),
-        (&no_kid, "token_local_unknown_kid"),
         (&failed, "token_local_pod_not_indexed"),
     ] {
         // The API server's informers may lag the new pods by a moment.
@@ -371,9 +375,16 @@ async fn what_local_verification_cannot_decide_goes_to_tokenreview() {
         assert!(!local.0, "local alone refuses {reason}");
         assert!(local.1.starts_with(reason), "{local:?}");
     }
+    // Without a kid, local verification tries each key as the API server
+    // does: decided locally in both local modes, no TokenReview.
+    for srv in [&t.local, &t.both] {
+        let v = verdict(srv, &no_kid, &id).await;
+        assert!(v.0, "{v:?}");
+        assert_eq!(v.2.as_deref(), Some("local"), "{v:?}");
+    }
     // Unknown kids do not turn into key fetches beyond the minimum interval (30 s).
     for _ in 0..5 {
-        verdict(&t.both, &no_kid, &id).await;
+        verdict(&t.both, &rotated, &id).await;
     }
     assert_eq!(
         keys.stats.ok.load(std::sync::atomic::Ordering::SeqCst),
@@ -396,10 +407,6 @@ async fn what_local_verification_cannot_decide_goes_to_tokenreview() {
     assert_eq!(local.last_reason(), "token_local_index_not_synced");
     // A fallback whose review refuses: an unknown kid under the real key
     // (the API server has no key by that id either).
-    let rotated = cluster.sign(
-        &json!({"alg": "RS256", "kid": "rotated-out"}),
-        &claims_of(&good),
-    );
     let v = verdict(&t.both, &rotated, &id).await;
     assert!(!v.0, "{v:?}");
     assert!(!verdict(&t.review, &rotated, &id).await.0);

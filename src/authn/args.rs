@@ -50,6 +50,13 @@ pub struct TokenVerificationArgs {
     /// Fewest time between two key fetches (an unknown `kid` triggers one).
     #[arg(long, env = "MESHCA_JWKS_MIN_REFRESH_INTERVAL", default_value = "30s")]
     pub jwks_min_refresh_interval: String,
+    /// Oldest the issuer's key set may be and still verify tokens locally
+    /// (fetches keep failing): past it `local-then-review` asks TokenReview
+    /// and `local` refuses retryably, so a key the issuer removed stops
+    /// verifying within this bound. At least the refresh interval plus the
+    /// minimum interval (one retry).
+    #[arg(long, env = "MESHCA_JWKS_MAX_AGE", default_value = "15m")]
+    pub jwks_max_age: String,
 }
 
 /// Parsed [`TokenVerificationArgs`].
@@ -91,6 +98,17 @@ impl TokenVerificationArgs {
                 "must not exceed MESHCA_JWKS_REFRESH_INTERVAL",
             ));
         }
+        let max_age =
+            bounded_duration("MESHCA_JWKS_MAX_AGE", &self.jwks_max_age, false, MAX_PERIOD)?;
+        // A set refreshed on time must never be judged too old: the periodic
+        // fetch and at least one retry fit in the maximum age.
+        if max_age < interval.saturating_add(min_interval) {
+            return Err(err(
+                "MESHCA_JWKS_MAX_AGE",
+                &self.jwks_max_age,
+                "must be at least MESHCA_JWKS_REFRESH_INTERVAL + MESHCA_JWKS_MIN_REFRESH_INTERVAL",
+            ));
+        }
         Ok(TokenVerification {
             mode: self.token_verification,
             require_pod_binding: self.token_require_pod_binding,
@@ -98,6 +116,7 @@ impl TokenVerificationArgs {
                 interval,
                 min_interval,
                 timeout: fetch_timeout,
+                max_age,
             },
         })
     }

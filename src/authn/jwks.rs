@@ -5,13 +5,19 @@
 //! One [`IssuerKeys`] per (cluster, issuer): it holds the last good key set,
 //! refreshes it periodically and on an unknown `kid` (never more often than
 //! the minimum interval), and keeps the last good set through an API server
-//! outage. Parsing is a plain function over bytes and is table-tested.
+//! outage, but verifies nothing with a set older than its maximum age
+//! ([`key_set_age`]): a key the issuer removed stops verifying within that
+//! bound even while fetches fail. It also remembers every key it has seen
+//! (bounded, [`MAX_SEEN_KEYS`]), after the issuer drops it, so that which key
+//! signed a token can still be told ([`IssuerKeys::signer_of`]): what a
+//! `token-key` denylist entry needs. Parsing is a plain function over bytes
+//! and is table-tested.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use arc_swap::ArcSwapOption;
+use arc_swap::{ArcSwap, ArcSwapOption};
 use jsonwebtoken::jwk::{AlgorithmParameters, EllipticCurve, JwkSet, KeyAlgorithm, PublicKeyUse};
 use jsonwebtoken::{Algorithm, DecodingKey};
 
@@ -73,6 +79,29 @@ impl KeySet {
     pub fn is_empty(&self) -> bool {
         self.keys.is_empty()
     }
+}
+
+/// Whether `token`'s signature verifies under `key`, with the algorithm the
+/// key allows (whatever the header says): proof that the key's owner signed
+/// these bytes. Claims are not looked at.
+pub fn verifies(token: &str, key: &VerifyKey) -> bool {
+    let Some((message, signature)) = token.rsplit_once('.') else {
+        return false;
+    };
+    // Compact form only: header.claims.signature.
+    if message.matches('.').count() != 1 || signature.is_empty() {
+        return false;
+    }
+    jsonwebtoken::crypto::verify(signature, message.as_bytes(), &key.key, key.alg).unwrap_or(false)
+}
+
+/// The `kid` of a JWT's header, unverified; an empty one counts as none
+/// (as the API server reads it).
+pub fn header_kid(token: &str) -> Option<String> {
+    jsonwebtoken::decode_header(token)
+        .ok()?
+        .kid
+        .filter(|k| !k.is_empty())
 }
 
 /// The algorithm a JWK may verify: its `alg` when given (asymmetric only),
@@ -234,6 +263,11 @@ pub struct RefreshPolicy {
     pub min_interval: Duration,
     /// Deadline of one fetch.
     pub timeout: Duration,
+    /// Oldest a key set may be and still verify a token locally: past it
+    /// (every fetch since has failed) a key the issuer removed could still
+    /// verify, so local verification hands the token to TokenReview or
+    /// refuses it ([`key_set_age`]).
+    pub max_age: Duration,
 }
 
 impl Default for RefreshPolicy {
@@ -242,8 +276,98 @@ impl Default for RefreshPolicy {
             interval: Duration::from_secs(600),
             min_interval: Duration::from_secs(30),
             timeout: Duration::from_secs(5),
+            max_age: Duration::from_secs(900),
         }
     }
+}
+
+/// Whether a key set fetched at `fetched` may still verify at `now`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeySetAge {
+    Fresh,
+    /// Older than the maximum age by this much or more: it verifies nothing.
+    Stale {
+        age: Duration,
+    },
+}
+
+/// The age decision: a set is stale once `now - fetched` exceeds `max_age`.
+/// A clock that went backwards counts as age zero (a monotonic clock does
+/// not, but the decision must not panic or grow stale from it).
+pub fn key_set_age(fetched: Instant, now: Instant, max_age: Duration) -> KeySetAge {
+    let age = now.saturating_duration_since(fetched);
+    if age > max_age {
+        KeySetAge::Stale { age }
+    } else {
+        KeySetAge::Fresh
+    }
+}
+
+/// Most keys one issuer's [`IssuerKeys`] remembers, the current ones
+/// included: past it the keys the issuer dropped longest ago are
+/// forgotten. Kubernetes rotates its signing keys rarely; a forgotten key's
+/// tokens are refused anyway while a `token-key` entry exists (their signer
+/// can no longer be established), only their refusal names no key.
+pub const MAX_SEEN_KEYS: usize = 64;
+
+/// A key seen in a fetched set.
+#[derive(Debug, Clone)]
+pub struct SeenKey {
+    pub key: VerifyKey,
+    /// When a fetched set last held it.
+    pub last_seen: Instant,
+}
+
+/// The keys remembered after a fetch: `seen` with `fresh`'s keys added or
+/// renewed at `now`, and, past `max`, the keys seen longest ago dropped
+/// (never one of `fresh`'s).
+pub fn remember(
+    seen: &HashMap<String, SeenKey>,
+    fresh: &KeySet,
+    now: Instant,
+    max: usize,
+) -> HashMap<String, SeenKey> {
+    let mut out = seen.clone();
+    for (kid, key) in &fresh.keys {
+        out.insert(
+            kid.clone(),
+            SeenKey {
+                key: key.clone(),
+                last_seen: now,
+            },
+        );
+    }
+    if out.len() > max {
+        let mut retired: Vec<(Instant, String)> = out
+            .iter()
+            .filter(|(kid, _)| !fresh.keys.contains_key(*kid))
+            .map(|(kid, k)| (k.last_seen, kid.clone()))
+            .collect();
+        retired.sort();
+        for (_, kid) in retired.into_iter().take(out.len().saturating_sub(max)) {
+            out.remove(&kid);
+        }
+    }
+    out
+}
+
+/// Which of `keys` signed `token`: the key its header names first (the
+/// usual case: one verification), then every other, in `kid` order.
+pub fn signer_among(token: &str, keys: &HashMap<String, SeenKey>) -> Option<String> {
+    let named = header_kid(token).filter(|k| keys.contains_key(k));
+    if let Some(kid) = &named {
+        if keys.get(kid).is_some_and(|k| verifies(token, &k.key)) {
+            return Some(kid.clone());
+        }
+    }
+    let mut rest: Vec<(&String, &SeenKey)> = keys
+        .iter()
+        .filter(|(kid, _)| Some(*kid) != named.as_ref())
+        .collect();
+    rest.sort_by(|a, b| a.0.cmp(b.0));
+    rest.into_iter()
+        .find(|(_, k)| verifies(token, &k.key))
+        .map(|(kid, _)| kid.clone())
 }
 
 /// Whether a fetch may start now, given the last attempt.
@@ -273,6 +397,8 @@ pub struct IssuerKeys {
     source: Arc<dyn KeySource>,
     policy: RefreshPolicy,
     current: ArcSwapOption<Snapshot>,
+    /// Every key seen in a fetched set, kept after the issuer drops it.
+    seen: ArcSwap<HashMap<String, SeenKey>>,
     /// Serializes fetches; holds the time of the last attempt.
     fetching: tokio::sync::Mutex<Option<Instant>>,
     last_error: Mutex<Option<JwksError>>,
@@ -286,6 +412,7 @@ impl IssuerKeys {
             source,
             policy,
             current: ArcSwapOption::empty(),
+            seen: ArcSwap::from_pointee(HashMap::new()),
             fetching: tokio::sync::Mutex::new(None),
             last_error: Mutex::new(None),
             stats: FetchStats::default(),
@@ -314,6 +441,50 @@ impl IssuerKeys {
     /// The last good key set, if any fetch ever succeeded.
     pub fn current(&self) -> Option<Arc<Snapshot>> {
         self.current.load_full()
+    }
+
+    pub fn policy(&self) -> &RefreshPolicy {
+        &self.policy
+    }
+
+    /// Every key seen since start (bounded by [`MAX_SEEN_KEYS`]), the ones
+    /// the issuer has dropped included.
+    pub fn seen(&self) -> Arc<HashMap<String, SeenKey>> {
+        self.seen.load_full()
+    }
+
+    /// The `kid` among `kids` whose remembered key verifies `token`'s
+    /// signature, whatever its header says (or leaves out).
+    pub fn signed_by_one_of(
+        &self,
+        token: &str,
+        kids: &std::collections::HashSet<String>,
+    ) -> Option<String> {
+        let seen = self.seen.load();
+        let mut named: Vec<&String> = kids.iter().filter(|k| seen.contains_key(*k)).collect();
+        named.sort();
+        named
+            .into_iter()
+            .find(|kid| seen.get(*kid).is_some_and(|k| verifies(token, &k.key)))
+            .cloned()
+    }
+
+    /// The `kid` of the key that signed `token`, among every key this
+    /// issuer has published since start. When none verifies it the keys
+    /// are fetched again (paced by the minimum interval: a rotated key)
+    /// and tried once more. `Err` says why the signer is unknown.
+    pub async fn signer_of(&self, token: &str) -> Result<String, String> {
+        if let Some(kid) = signer_among(token, &self.seen.load()) {
+            return Ok(kid);
+        }
+        self.refresh().await;
+        signer_among(token, &self.seen.load()).ok_or_else(|| {
+            if self.current().is_none() {
+                "the issuer's keys have not been fetched".to_string()
+            } else {
+                "no key the issuer has published since start verifies the token".to_string()
+            }
+        })
     }
 
     pub fn last_error(&self) -> Option<JwksError> {
@@ -361,10 +532,17 @@ impl IssuerKeys {
                     let kids: Vec<_> = keys.keys.keys().cloned().collect();
                     tracing::info!(%issuer, ?kids, "ServiceAccount issuer keys loaded");
                 }
+                let now = Instant::now();
+                self.seen.store(Arc::new(remember(
+                    &self.seen.load(),
+                    &keys,
+                    now,
+                    MAX_SEEN_KEYS,
+                )));
                 self.current.store(Some(Arc::new(Snapshot {
                     issuer,
                     keys,
-                    fetched: Instant::now(),
+                    fetched: now,
                 })));
                 *err = None;
                 self.count("ok");
@@ -379,12 +557,13 @@ impl IssuerKeys {
         true
     }
 
-    /// Background loop: fetch at start (retrying every minimum interval
-    /// until the first success), then every refresh interval.
+    /// Background loop: fetch at start, then every refresh interval; after
+    /// a failed fetch, again every minimum interval until one succeeds (the
+    /// last good set ages towards its maximum meanwhile).
     pub async fn run(self: Arc<Self>) {
         loop {
             self.refresh().await;
-            let wait = if self.current().is_some() {
+            let wait = if self.current().is_some() && self.last_error().is_none() {
                 self.policy.interval
             } else {
                 self.policy.min_interval
@@ -529,5 +708,234 @@ mod tests {
             keys.current().unwrap().keys.get("k1").is_some(),
             "outage keeps the last good set"
         );
+    }
+}
+
+/// Real signing keys and a key source the tests can change, for the tests
+/// of this module, `authn::local`, the cluster registry and the use case.
+#[cfg(test)]
+pub(crate) mod test_keys {
+    use super::*;
+    use aws_lc_rs::signature::{EcdsaKeyPair, KeyPair, ECDSA_P256_SHA256_FIXED_SIGNING};
+    use base64::Engine;
+    use jsonwebtoken::{EncodingKey, Header};
+
+    /// A P-256 key (fast to make) published under `kid`.
+    pub struct EcKey {
+        pub enc: EncodingKey,
+        pub jwk: serde_json::Value,
+    }
+
+    pub fn ec_key(kid: &str) -> EcKey {
+        let rng = aws_lc_rs::rand::SystemRandom::new();
+        let pkcs8 = EcdsaKeyPair::generate_pkcs8(&ECDSA_P256_SHA256_FIXED_SIGNING, &rng).unwrap();
+        let pair =
+            EcdsaKeyPair::from_pkcs8(&ECDSA_P256_SHA256_FIXED_SIGNING, pkcs8.as_ref()).unwrap();
+        // Uncompressed point: 0x04 || x || y.
+        let point = pair.public_key().as_ref();
+        let b64 = |b: &[u8]| base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(b);
+        EcKey {
+            enc: EncodingKey::from_ec_der(pkcs8.as_ref()),
+            jwk: serde_json::json!({
+                "kty": "EC", "crv": "P-256", "alg": "ES256", "use": "sig", "kid": kid,
+                "x": b64(&point[1..33]), "y": b64(&point[33..65]),
+            }),
+        }
+    }
+
+    /// A JWKS document publishing `keys`.
+    pub fn doc(keys: &[&EcKey]) -> Vec<u8> {
+        let keys: Vec<&serde_json::Value> = keys.iter().map(|k| &k.jwk).collect();
+        serde_json::to_vec(&serde_json::json!({ "keys": keys })).unwrap()
+    }
+
+    /// `claims` signed by `key` (ES256), the header naming `kid`.
+    pub fn sign(key: &EcKey, kid: Option<&str>, claims: &serde_json::Value) -> String {
+        let mut h = Header::new(Algorithm::ES256);
+        h.kid = kid.map(str::to_string);
+        jsonwebtoken::encode(&h, claims, &key.enc).unwrap()
+    }
+
+    /// An issuer whose published document the test sets (`None`: fetches fail).
+    #[derive(Debug)]
+    pub struct Switch {
+        pub issuer: String,
+        pub doc: Mutex<Option<Vec<u8>>>,
+    }
+
+    impl Switch {
+        pub fn new(issuer: &str, doc: Vec<u8>) -> Arc<Self> {
+            Arc::new(Self {
+                issuer: issuer.into(),
+                doc: Mutex::new(Some(doc)),
+            })
+        }
+        pub fn publish(&self, doc: Option<Vec<u8>>) {
+            *self.doc.lock().unwrap() = doc;
+        }
+    }
+
+    #[tonic::async_trait]
+    impl KeySource for Switch {
+        async fn fetch(&self) -> Result<(String, Vec<u8>), JwksError> {
+            match self.doc.lock().unwrap().clone() {
+                Some(d) => Ok((self.issuer.clone(), d)),
+                None => Err(JwksError::Fetch("403 Forbidden".into())),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod signer_tests {
+    use super::test_keys::{doc, ec_key, sign, Switch};
+    use super::*;
+    use std::collections::HashSet;
+    use test_case::test_case;
+
+    const S: fn(u64) -> Duration = Duration::from_millis;
+
+    // (age of the set in ms, max age in ms, stale?)
+    #[test_case(0, 1000, false ; "just fetched")]
+    #[test_case(999, 1000, false ; "just under")]
+    #[test_case(1000, 1000, false ; "exactly the max age")]
+    #[test_case(1001, 1000, true ; "just over")]
+    #[test_case(3_600_000, 900_000, true ; "an hour old")]
+    fn age_table(age_ms: u64, max_ms: u64, stale: bool) {
+        let fetched = Instant::now();
+        let got = key_set_age(fetched, fetched + S(age_ms), S(max_ms));
+        let want = if stale {
+            KeySetAge::Stale { age: S(age_ms) }
+        } else {
+            KeySetAge::Fresh
+        };
+        assert_eq!(got, want);
+    }
+
+    #[test]
+    fn a_clock_that_went_backwards_is_fresh() {
+        let now = Instant::now();
+        assert_eq!(key_set_age(now + S(5000), now, S(1000)), KeySetAge::Fresh);
+    }
+
+    fn set(kids: &[&str]) -> KeySet {
+        let mut s = KeySet::default();
+        for kid in kids {
+            let k = ec_key(kid);
+            s.keys.insert(
+                kid.to_string(),
+                VerifyKey {
+                    alg: Algorithm::ES256,
+                    key: DecodingKey::from_jwk(&serde_json::from_value(k.jwk).unwrap()).unwrap(),
+                },
+            );
+        }
+        s
+    }
+
+    /// Keys the issuer dropped are remembered; past the bound the ones
+    /// seen longest ago go, never one the issuer still publishes.
+    #[test]
+    fn remembered_keys_are_bounded_oldest_first() {
+        let t0 = Instant::now();
+        let mut seen = HashMap::new();
+        // a, b, c published in turn, one per fetch.
+        for (i, kid) in ["a", "b", "c"].iter().enumerate() {
+            seen = remember(&seen, &set(&[kid]), t0 + S(i as u64), 2);
+        }
+        let mut kids: Vec<&String> = seen.keys().collect();
+        kids.sort();
+        assert_eq!(kids, ["b", "c"], "a was dropped longest ago");
+        // A set larger than the bound is kept whole.
+        let seen = remember(&seen, &set(&["x", "y", "z"]), t0 + S(9), 2);
+        let mut kids: Vec<&String> = seen.keys().collect();
+        kids.sort();
+        assert_eq!(kids, ["x", "y", "z"]);
+        // Seen again: renewed, so another goes first.
+        let mut seen = HashMap::new();
+        seen = remember(&seen, &set(&["a"]), t0, 2);
+        seen = remember(&seen, &set(&["b"]), t0 + S(1), 2);
+        seen = remember(&seen, &set(&["a"]), t0 + S(2), 2);
+        seen = remember(&seen, &set(&["c"]), t0 + S(3), 2);
+        let mut kids: Vec<&String> = seen.keys().collect();
+        kids.sort();
+        assert_eq!(kids, ["a", "c"]);
+    }
+
+    fn claims() -> serde_json::Value {
+        serde_json::json!({"iss": "iss", "sub": "x", "exp": 4_000_000_000i64})
+    }
+
+    /// A leaked key's signature is found under any header; a key that
+    /// signed nothing here is never named.
+    #[tokio::test]
+    async fn the_signer_is_found_whatever_the_header_says() {
+        let (k1, k2, stranger) = (ec_key("k1"), ec_key("k2"), ec_key("k3"));
+        let src = Switch::new("iss", doc(&[&k1, &k2]));
+        let unpaced = RefreshPolicy {
+            min_interval: Duration::ZERO,
+            ..Default::default()
+        };
+        let keys = IssuerKeys::new(src.clone(), unpaced);
+        assert!(keys.refresh().await);
+        let c = claims();
+        let cases = [
+            (sign(&k1, Some("k1"), &c), Ok("k1")),
+            (sign(&k1, None, &c), Ok("k1")),
+            (sign(&k1, Some("k2"), &c), Ok("k1")),
+            (sign(&k1, Some("nobody"), &c), Ok("k1")),
+            (sign(&k2, Some(""), &c), Ok("k2")),
+            (sign(&stranger, None, &c), Err(())),
+            (sign(&stranger, Some("k1"), &c), Err(())),
+            ("not-a-jwt".to_string(), Err(())),
+        ];
+        for (token, want) in &cases {
+            let got = keys.signer_of(token).await;
+            assert_eq!(got.as_deref().map_err(|_| ()), *want, "{token}");
+        }
+        let deny: HashSet<String> = ["k1".to_string()].into();
+        assert_eq!(
+            keys.signed_by_one_of(&sign(&k1, None, &c), &deny)
+                .as_deref(),
+            Some("k1")
+        );
+        assert_eq!(keys.signed_by_one_of(&sign(&k2, None, &c), &deny), None);
+        // The issuer drops k1: it no longer verifies locally, but its
+        // signature is still recognised.
+        src.publish(Some(doc(&[&k2])));
+        assert!(keys.refresh().await);
+        assert!(keys.current().unwrap().keys.get("k1").is_none());
+        assert_eq!(
+            keys.signed_by_one_of(&sign(&k1, None, &c), &deny)
+                .as_deref(),
+            Some("k1")
+        );
+        assert_eq!(
+            keys.signer_of(&sign(&k1, None, &c)).await.as_deref(),
+            Ok("k1")
+        );
+    }
+
+    /// An unknown signer triggers one fetch (paced), so a key published
+    /// after the last fetch is found.
+    #[tokio::test]
+    async fn an_unknown_signer_refetches_once_paced() {
+        let (k1, k2) = (ec_key("k1"), ec_key("k2"));
+        let src = Switch::new("iss", doc(&[&k1]));
+        let policy = RefreshPolicy {
+            min_interval: S(200),
+            ..Default::default()
+        };
+        let keys = IssuerKeys::new(src.clone(), policy);
+        let fresh = sign(&k2, None, &claims());
+        // Nothing fetched yet: the first fetch decides.
+        src.publish(Some(doc(&[&k1])));
+        assert!(keys.signer_of(&fresh).await.is_err());
+        src.publish(Some(doc(&[&k1, &k2])));
+        // Within the minimum interval no second fetch: still unknown.
+        assert!(keys.signer_of(&fresh).await.is_err());
+        tokio::time::sleep(S(250)).await;
+        assert_eq!(keys.signer_of(&fresh).await.as_deref(), Ok("k2"));
+        assert_eq!(keys.stats.ok.load(std::sync::atomic::Ordering::SeqCst), 2);
     }
 }

@@ -12,11 +12,12 @@
 //! cluster is just another instance.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use jsonwebtoken::errors::ErrorKind;
 use jsonwebtoken::Validation;
 
-use super::jwks::{IssuerKeys, KeySet};
+use super::jwks::{key_set_age, IssuerKeys, KeySet, KeySetAge};
 use super::{AuthnError, AuthnMethod, Caller, KubernetesInfo, TokenAuthenticator};
 use crate::identity::{SpiffeId, TrustDomain};
 use crate::podindex::accounts::{AccountIndex, AccountState};
@@ -41,6 +42,10 @@ pub enum LocalError {
     UnknownKey(String),
     #[error("the issuer's keys have not been fetched yet")]
     KeysUnavailable,
+    /// The last good key set is older than `MESHCA_JWKS_MAX_AGE` (every
+    /// fetch since failed): a key the issuer removed may still be in it.
+    #[error("the issuer's keys were fetched {age_secs}s ago, over the maximum age of {max_secs}s")]
+    KeysStale { age_secs: u64, max_secs: u64 },
     #[error("signature does not verify")]
     BadSignature,
     #[error("the token has expired")]
@@ -107,6 +112,7 @@ impl LocalError {
             Self::UnknownIssuer(_) => "token_local_unknown_issuer",
             Self::UnknownKey(_) => "token_local_unknown_kid",
             Self::KeysUnavailable => "token_local_keys_unavailable",
+            Self::KeysStale { .. } => "token_local_keys_stale",
             Self::BadSignature => "token_local_bad_signature",
             Self::Expired => "token_local_expired",
             Self::NotYetValid => "token_local_not_yet_valid",
@@ -143,6 +149,7 @@ impl LocalError {
             Self::UnknownIssuer(_)
                 | Self::UnknownKey(_)
                 | Self::KeysUnavailable
+                | Self::KeysStale { .. }
                 | Self::NotPodBound
                 | Self::IndexNotSynced
                 | Self::IndexStale(_)
@@ -158,7 +165,10 @@ impl LocalError {
     pub fn is_retryable(&self) -> bool {
         matches!(
             self,
-            Self::KeysUnavailable | Self::IndexNotSynced | Self::IndexStale(_)
+            Self::KeysUnavailable
+                | Self::KeysStale { .. }
+                | Self::IndexNotSynced
+                | Self::IndexStale(_)
         )
     }
 }
@@ -235,31 +245,66 @@ pub fn verify_token(
         Some(serde_json::Value::String(iss)) => return Err(LocalError::UnknownIssuer(iss)),
         other => return Err(LocalError::UnknownIssuer(format!("{other:?}"))),
     }
-    let kid = header.kid.clone().unwrap_or_default();
-    let key = keys
-        .get(&kid)
-        .ok_or_else(|| LocalError::UnknownKey(kid.clone()))?;
-    if header.alg != key.alg {
-        return Err(LocalError::AlgorithmNotAllowed(format!("{:?}", header.alg)));
-    }
-    let mut v = Validation::new(key.alg);
+    let mut v = Validation::new(header.alg);
     v.leeway = CLOCK_SKEW_SECS;
     v.validate_nbf = true;
     v.set_audience(audiences);
     v.set_issuer(&[issuer]);
     v.set_required_spec_claims(&["exp", "iss", "aud", "sub"]);
-    let data = jsonwebtoken::decode::<Claims>(token, &key.key, &v).map_err(|e| match e.kind() {
-        ErrorKind::InvalidSignature => LocalError::BadSignature,
-        ErrorKind::ExpiredSignature => LocalError::Expired,
-        ErrorKind::ImmatureSignature => LocalError::NotYetValid,
-        ErrorKind::InvalidAudience => LocalError::AudienceMismatch(audiences.to_vec()),
-        ErrorKind::InvalidIssuer => LocalError::UnknownIssuer(String::new()),
-        ErrorKind::InvalidAlgorithm => LocalError::AlgorithmNotAllowed(format!("{:?}", header.alg)),
-        ErrorKind::MissingRequiredClaim(c) => LocalError::InvalidClaims(format!("no {c}")),
-        ErrorKind::InvalidClaimFormat(c) => LocalError::InvalidClaims(format!("bad {c}")),
-        ErrorKind::Json(j) => LocalError::InvalidClaims(j.to_string()),
-        _ => LocalError::Malformed(e.to_string()),
-    })?;
+    let decode = |key: &super::jwks::VerifyKey| {
+        jsonwebtoken::decode::<Claims>(token, &key.key, &v).map_err(|e| match e.kind() {
+            ErrorKind::InvalidSignature => LocalError::BadSignature,
+            ErrorKind::ExpiredSignature => LocalError::Expired,
+            ErrorKind::ImmatureSignature => LocalError::NotYetValid,
+            ErrorKind::InvalidAudience => LocalError::AudienceMismatch(audiences.to_vec()),
+            ErrorKind::InvalidIssuer => LocalError::UnknownIssuer(String::new()),
+            ErrorKind::InvalidAlgorithm => {
+                LocalError::AlgorithmNotAllowed(format!("{:?}", header.alg))
+            }
+            ErrorKind::MissingRequiredClaim(c) => LocalError::InvalidClaims(format!("no {c}")),
+            ErrorKind::InvalidClaimFormat(c) => LocalError::InvalidClaims(format!("bad {c}")),
+            ErrorKind::Json(j) => LocalError::InvalidClaims(j.to_string()),
+            _ => LocalError::Malformed(e.to_string()),
+        })
+    };
+    let data = match header.kid.as_deref().filter(|k| !k.is_empty()) {
+        Some(kid) => {
+            let key = keys
+                .get(kid)
+                .ok_or_else(|| LocalError::UnknownKey(kid.to_string()))?;
+            if header.alg != key.alg {
+                return Err(LocalError::AlgorithmNotAllowed(format!("{:?}", header.alg)));
+            }
+            decode(key)?
+        }
+        // No `kid`: the API server tries each of its keys, and so does this
+        // (those of the header's algorithm, in `kid` order). The signature
+        // is checked before the claims, so any other error than a bad
+        // signature means this key signed it.
+        None => {
+            let mut candidates: Vec<(&String, &super::jwks::VerifyKey)> = keys
+                .keys
+                .iter()
+                .filter(|(_, k)| k.alg == header.alg)
+                .collect();
+            if candidates.is_empty() {
+                return Err(LocalError::AlgorithmNotAllowed(format!("{:?}", header.alg)));
+            }
+            candidates.sort_by(|a, b| a.0.cmp(b.0));
+            let mut found = None;
+            for (_, key) in candidates {
+                match decode(key) {
+                    Err(LocalError::BadSignature) => continue,
+                    other => {
+                        found = Some(other?);
+                        break;
+                    }
+                }
+            }
+            // None of the keys known here: the issuer may have a newer one.
+            found.ok_or_else(|| LocalError::UnknownKey(String::new()))?
+        }
+    };
     let claims = data.claims;
     // The API server's validator refuses a token issued more than its leeway
     // in the future (jsonwebtoken checks exp and nbf, not iat).
@@ -450,8 +495,13 @@ impl LocalVerifier {
         let verified = match self.verify_signed(token) {
             // An unknown kid may be a rotated key: fetch (paced) and try once
             // more. No keys yet means the first fetch is running: `refresh`
-            // waits for it, and its result decides (not the pacing).
-            Err(LocalError::UnknownKey(_) | LocalError::KeysUnavailable) => {
+            // waits for it, and its result decides (not the pacing). A set
+            // past its maximum age gets the same one (paced) fetch.
+            Err(
+                LocalError::UnknownKey(_)
+                | LocalError::KeysUnavailable
+                | LocalError::KeysStale { .. },
+            ) => {
                 self.keys.refresh().await;
                 self.verify_signed(token)
             }
@@ -507,6 +557,13 @@ impl LocalVerifier {
 
     fn verify_signed(&self, token: &str) -> Result<Verified, LocalError> {
         let snap = self.keys.current().ok_or(LocalError::KeysUnavailable)?;
+        let max_age = self.keys.policy().max_age;
+        if let KeySetAge::Stale { age } = key_set_age(snap.fetched, Instant::now(), max_age) {
+            return Err(LocalError::KeysStale {
+                age_secs: age.as_secs(),
+                max_secs: max_age.as_secs(),
+            });
+        }
         verify_token(token, &snap.issuer, &snap.keys, &self.audiences)
     }
 }
@@ -632,8 +689,10 @@ impl TokenAuthenticator for TokenVerifier {
 /// Wiring for one cluster: the token authenticator of `verification`'s mode
 /// over `reviewer` (audiences, trust domain, cluster id and index staleness
 /// as `review`'s), and the issuer keys to keep fresh (their `run` loop is
-/// the caller's to spawn) when local verification is on (it reads the
-/// cluster's pod and ServiceAccount `indexes`).
+/// the caller's to spawn). The keys are kept in every mode: local
+/// verification (which also reads the cluster's pod and ServiceAccount
+/// `indexes`) checks tokens against them, and the denylist's `token-key`
+/// entries need to know which key signed a token whatever the mode.
 pub fn build(
     client: &kube::Client,
     verification: super::args::TokenVerification,
@@ -642,31 +701,28 @@ pub fn build(
     indexes: Option<(Arc<PodIndex>, Arc<AccountIndex>)>,
     reviewer: Arc<dyn TokenAuthenticator>,
     metrics: Arc<super::metrics::TokenPathMetrics>,
-) -> (Arc<TokenVerifier>, Option<Arc<IssuerKeys>>) {
+) -> (Arc<TokenVerifier>, Arc<IssuerKeys>) {
     let mode = verification.mode;
-    let (local, keys) = match (mode.uses_local(), indexes) {
-        (true, Some((index, accounts))) => {
-            let keys = Arc::new(
-                IssuerKeys::new(
-                    Arc::new(super::jwks::KubeKeySource(client.clone())),
-                    verification.refresh,
-                )
-                .with_metrics(metrics.clone()),
-            );
-            let local = LocalVerifier {
-                cluster_id: review.cluster_id.clone(),
-                keys: keys.clone(),
-                index,
-                accounts,
-                audiences: review.audiences.clone(),
-                trust_domain: review.trust_domain.clone(),
-                require_pod_binding: verification.require_pod_binding,
-                sync_wait,
-                max_index_staleness: review.max_index_staleness,
-            };
-            (Some(Arc::new(local)), Some(keys))
-        }
-        _ => (None, None),
+    let keys = Arc::new(
+        IssuerKeys::new(
+            Arc::new(super::jwks::KubeKeySource(client.clone())),
+            verification.refresh,
+        )
+        .with_metrics(metrics.clone()),
+    );
+    let local = match (mode.uses_local(), indexes) {
+        (true, Some((index, accounts))) => Some(Arc::new(LocalVerifier {
+            cluster_id: review.cluster_id.clone(),
+            keys: keys.clone(),
+            index,
+            accounts,
+            audiences: review.audiences.clone(),
+            trust_domain: review.trust_domain.clone(),
+            require_pod_binding: verification.require_pod_binding,
+            sync_wait,
+            max_index_staleness: review.max_index_staleness,
+        })),
+        _ => None,
     };
     let verifier = TokenVerifier {
         mode,
@@ -679,329 +735,4 @@ pub fn build(
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::authn::jwks::VerifyKey;
-    use crate::podindex::{pod, IndexEvent, LeanPod, Phase};
-    use jsonwebtoken::Algorithm;
-    use jsonwebtoken::{DecodingKey, EncodingKey, Header};
-    use serde_json::json;
-    use test_case::test_case;
-
-    const ISS: &str = "https://kubernetes.default.svc.cluster.local";
-
-    /// A reviewer that only answers from its "cache".
-    #[derive(Debug)]
-    struct CachedOnly;
-
-    #[tonic::async_trait]
-    impl TokenAuthenticator for CachedOnly {
-        async fn authenticate(&self, _: &str, _: Option<&str>) -> Result<Caller, AuthnError> {
-            Err(AuthnError::NoCredentials)
-        }
-        fn cached_verdict(&self, token: &str) -> Option<bool> {
-            match token {
-                "warm" => Some(true),
-                "garbage" => Some(false),
-                _ => None,
-            }
-        }
-    }
-
-    #[test]
-    fn familiarity_comes_from_the_review_cache_in_every_mode() {
-        for mode in [
-            TokenVerificationMode::Review,
-            TokenVerificationMode::Local,
-            TokenVerificationMode::LocalThenReview,
-        ] {
-            let v = TokenVerifier {
-                mode,
-                local: None,
-                review: Some(Arc::new(CachedOnly)),
-                require_pod_binding: false,
-                metrics: None,
-            };
-            assert_eq!(v.cached_verdict("warm"), Some(true), "{mode:?}");
-            assert_eq!(v.cached_verdict("garbage"), Some(false), "{mode:?}");
-            assert_eq!(v.cached_verdict("cold"), None, "{mode:?}");
-            let none = TokenVerifier { review: None, ..v };
-            assert_eq!(none.cached_verdict("warm"), None, "{mode:?}");
-        }
-    }
-
-    struct Keys {
-        enc: EncodingKey,
-        spki: Vec<u8>,
-        set: KeySet,
-    }
-
-    /// A fresh P-256 key as kid "k1" (EC keys are fast to make in tests).
-    fn keys() -> Keys {
-        use aws_lc_rs::signature::{EcdsaKeyPair, KeyPair, ECDSA_P256_SHA256_FIXED_SIGNING};
-        let rng = aws_lc_rs::rand::SystemRandom::new();
-        let pkcs8 = EcdsaKeyPair::generate_pkcs8(&ECDSA_P256_SHA256_FIXED_SIGNING, &rng).unwrap();
-        let pair =
-            EcdsaKeyPair::from_pkcs8(&ECDSA_P256_SHA256_FIXED_SIGNING, pkcs8.as_ref()).unwrap();
-        let spki = pair.public_key().as_ref().to_vec();
-        let mut set = KeySet::default();
-        set.keys.insert(
-            "k1".into(),
-            VerifyKey {
-                alg: Algorithm::ES256,
-                key: DecodingKey::from_ec_der(&spki),
-            },
-        );
-        Keys {
-            enc: EncodingKey::from_ec_der(pkcs8.as_ref()),
-            spki,
-            set,
-        }
-    }
-
-    fn now() -> i64 {
-        time::OffsetDateTime::now_utc().unix_timestamp()
-    }
-
-    fn claims() -> serde_json::Value {
-        let n = now();
-        json!({
-            "iss": ISS, "aud": ["istio-ca"], "sub": "system:serviceaccount:ns-a:sa-a",
-            "iat": n, "nbf": n, "exp": n + 3600,
-            "kubernetes.io": {
-                "namespace": "ns-a",
-                "serviceaccount": {"name": "sa-a", "uid": "sa-uid"},
-                "pod": {"name": "pod-a", "uid": "pod-uid"},
-                "node": {"name": "node-1", "uid": "node-uid"},
-            }
-        })
-    }
-
-    fn sign(k: &Keys, kid: Option<&str>, claims: &serde_json::Value) -> String {
-        let mut h = Header::new(Algorithm::ES256);
-        h.kid = kid.map(str::to_string);
-        jsonwebtoken::encode(&h, claims, &k.enc).unwrap()
-    }
-
-    fn with(f: impl FnOnce(&mut serde_json::Value)) -> serde_json::Value {
-        let mut c = claims();
-        f(&mut c);
-        c
-    }
-
-    fn b64(v: &[u8]) -> String {
-        use base64::Engine;
-        base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(v)
-    }
-
-    fn verify(k: &Keys, token: &str) -> Result<Verified, LocalError> {
-        verify_token(token, ISS, &k.set, &["istio-ca".to_string()])
-    }
-
-    #[test]
-    fn a_good_token_verifies() {
-        let k = keys();
-        let v = verify(&k, &sign(&k, Some("k1"), &claims())).unwrap();
-        assert_eq!(
-            v,
-            Verified {
-                namespace: "ns-a".into(),
-                service_account: "sa-a".into(),
-                service_account_uid: "sa-uid".into(),
-                pod: Some(("pod-a".into(), "pod-uid".into())),
-                node: Some(("node-1".into(), "node-uid".into())),
-            }
-        );
-    }
-
-    // Each changed claim and the reason it is refused with (and whether a review may still decide).
-    #[test_case(with(|c| c["aud"] = json!(["other"])), "token_local_audience_mismatch", false ; "wrong audience")]
-    #[test_case(with(|c| c["aud"] = json!("istio-ca")), "", false ; "audience as a string")]
-    #[test_case(with(|c| c["exp"] = json!(now() - 3600)), "token_local_expired", false ; "expired")]
-    #[test_case(with(|c| c["exp"] = json!(now() - 30)), "", false ; "expired within the skew")]
-    #[test_case(with(|c| c["nbf"] = json!(now() + 3600)), "token_local_not_yet_valid", false ; "not yet valid")]
-    #[test_case(with(|c| c["nbf"] = json!(now() + 30)), "", false ; "not yet valid within the skew")]
-    #[test_case(with(|c| c["iss"] = json!("https://other.example")), "token_local_unknown_issuer", true ; "foreign issuer")]
-    #[test_case(with(|c| { c.as_object_mut().unwrap().remove("iss"); }), "token_local_unknown_issuer", true ; "no issuer")]
-    #[test_case(with(|c| { c.as_object_mut().unwrap().remove("exp"); }), "token_local_invalid_claims", false ; "no exp")]
-    #[test_case(with(|c| c["sub"] = json!("system:serviceaccount:ns-a:other")), "token_local_invalid_claims", false ; "sub disagrees with claims")]
-    #[test_case(with(|c| { c.as_object_mut().unwrap().remove("kubernetes.io"); }), "token_local_invalid_claims", false ; "no kubernetes claims")]
-    #[test_case(with(|c| c["kubernetes.io"]["serviceaccount"]["uid"] = json!("")), "token_local_invalid_claims", false ; "no sa uid")]
-    #[test_case(with(|c| c["kubernetes.io"]["pod"]["uid"] = json!("")), "token_local_invalid_claims", false ; "pod without uid")]
-    #[test_case(with(|c| { c["kubernetes.io"]["node"].as_object_mut().unwrap().remove("uid"); }), "", false ; "node without uid as for a missing Node")]
-    #[test_case(with(|c| c["kubernetes.io"]["node"]["name"] = json!("")), "token_local_invalid_claims", false ; "node without name")]
-    fn claims_table(c: serde_json::Value, reason: &str, falls_back: bool) {
-        let k = keys();
-        match verify(&k, &sign(&k, Some("k1"), &c)) {
-            Ok(_) => assert_eq!(reason, "", "accepted"),
-            Err(e) => {
-                assert_eq!(e.reason(), reason, "{e}");
-                assert_eq!(e.falls_back(), falls_back);
-            }
-        }
-    }
-
-    #[test]
-    fn forged_tokens_are_refused() {
-        let k = keys();
-        let good = sign(&k, Some("k1"), &claims());
-        let parts: Vec<&str> = good.split('.').collect();
-        let reason = |t: &str| verify(&k, t).unwrap_err().reason();
-        // A changed claim under the original signature.
-        let tampered_claims = b64(&serde_json::to_vec(&with(|c| {
-            c["kubernetes.io"]["namespace"] = json!("ns-b");
-            c["sub"] = json!("system:serviceaccount:ns-b:sa-a");
-        }))
-        .unwrap());
-        assert_eq!(
-            reason(&format!("{}.{tampered_claims}.{}", parts[0], parts[2])),
-            "token_local_bad_signature"
-        );
-        // A flipped signature byte.
-        let mut sig = parts[2].as_bytes().to_vec();
-        sig[5] = if sig[5] == b'A' { b'B' } else { b'A' };
-        let flipped = format!(
-            "{}.{}.{}",
-            parts[0],
-            parts[1],
-            String::from_utf8(sig).unwrap()
-        );
-        assert_eq!(reason(&flipped), "token_local_bad_signature");
-        // alg none, no signature.
-        let none = format!("{}.{}.", b64(br#"{"alg":"none","kid":"k1"}"#), parts[1]);
-        assert_eq!(reason(&none), "token_local_alg_not_allowed");
-        // HS256 keyed with the public key's bytes.
-        let mut h = Header::new(Algorithm::HS256);
-        h.kid = Some("k1".into());
-        let hs = jsonwebtoken::encode(&h, &claims(), &EncodingKey::from_secret(&k.spki).unwrap())
-            .unwrap();
-        assert_eq!(reason(&hs), "token_local_alg_not_allowed");
-        // Signed by another key under our kid.
-        let stranger = keys();
-        assert_eq!(
-            reason(&sign(&stranger, Some("k1"), &claims())),
-            "token_local_bad_signature"
-        );
-        // Unknown or missing kid: a review may know the key.
-        let e = verify(&k, &sign(&k, Some("rotated"), &claims())).unwrap_err();
-        assert_eq!(
-            (e.reason(), e.falls_back()),
-            ("token_local_unknown_kid", true)
-        );
-        let e = verify(&k, &sign(&k, None, &claims())).unwrap_err();
-        assert_eq!(e.reason(), "token_local_unknown_kid");
-        assert_eq!(reason("not-a-jwt"), "token_local_malformed");
-    }
-
-    fn verified(node: Option<&str>) -> Verified {
-        Verified {
-            namespace: "ns-a".into(),
-            service_account: "sa-a".into(),
-            service_account_uid: "sa-uid".into(),
-            pod: Some(("pod-a".into(), "pod-uid".into())),
-            node: node.map(|n| (n.to_string(), "node-uid".to_string())),
-        }
-    }
-
-    fn index(pods: Vec<LeanPod>) -> IndexState {
-        let mut s = IndexState::default();
-        s.apply(IndexEvent::Init);
-        for p in pods {
-            s.apply(IndexEvent::InitApply(p));
-        }
-        s.apply(IndexEvent::InitDone);
-        s
-    }
-
-    fn pod_a(uid: &str, sa: &str, node: Option<&str>, phase: Phase) -> LeanPod {
-        pod("ns-a", "pod-a", uid, node, sa, phase)
-    }
-
-    const NOW: i64 = 1_000_000;
-
-    fn deleting(p: LeanPod, secs_ago: i64) -> LeanPod {
-        LeanPod {
-            deletion_timestamp: Some(NOW - secs_ago),
-            ..p
-        }
-    }
-
-    /// The token's service account as indexed: uid, seconds since its deletion began.
-    type Sa = Option<(&'static str, Option<i64>)>;
-    const SA: Sa = Some(("sa-uid", None));
-
-    fn accounts(sa: Sa) -> AccountState {
-        let rows: Vec<(&str, &str, &str, Option<i64>)> = sa
-            .into_iter()
-            .map(|(uid, ago)| ("ns-a", "sa-a", uid, ago.map(|a| NOW - a)))
-            .collect();
-        crate::podindex::accounts::state_of(&rows)
-    }
-
-    // What the API server refuses (with its one-minute leeway on deletions),
-    // then meshca's stricter checks; and whether a review may still decide.
-    #[test_case(verified(Some("node-1")), SA, vec![pod_a("pod-uid", "sa-a", Some("node-1"), Phase::Running)], None ; "live pod")]
-    #[test_case(verified(None), SA, vec![pod_a("pod-uid", "sa-a", Some("node-1"), Phase::Running)], None ; "token without node")]
-    #[test_case(verified(None), SA, vec![pod_a("pod-uid", "sa-a", None, Phase::Pending)], None ; "unscheduled pod")]
-    #[test_case(verified(None), SA, vec![pod_a("pod-uid", "sa-a", Some("node-1"), Phase::Succeeded)], None ; "succeeded pod still exists as for a review")]
-    #[test_case(verified(None), SA, vec![], Some(("token_local_pod_not_indexed", true)) ; "deleted pod")]
-    #[test_case(verified(None), SA, vec![pod_a("pod-uid", "sa-a", Some("node-1"), Phase::Failed)], Some(("token_local_pod_not_indexed", true)) ; "failed pod left the index")]
-    #[test_case(verified(None), SA, vec![pod_a("new-uid", "sa-a", Some("node-1"), Phase::Running)], Some(("token_local_pod_uid_mismatch", true)) ; "recreated pod")]
-    #[test_case(verified(None), SA, vec![deleting(pod_a("pod-uid", "sa-a", Some("node-1"), Phase::Running), 0)], None ; "pod deleting now")]
-    #[test_case(verified(None), SA, vec![deleting(pod_a("pod-uid", "sa-a", Some("node-1"), Phase::Running), 60)], None ; "pod deleting for the leeway")]
-    #[test_case(verified(None), SA, vec![deleting(pod_a("pod-uid", "sa-a", Some("node-1"), Phase::Running), 61)], Some(("token_local_pod_deleted", false)) ; "pod deleting past the leeway")]
-    #[test_case(verified(None), SA, vec![deleting(pod_a("pod-uid", "sa-a", Some("node-1"), Phase::Running), -30)], None ; "graceful deletion not yet due")]
-    #[test_case(verified(None), None, vec![pod_a("pod-uid", "sa-a", Some("node-1"), Phase::Running)], Some(("token_local_sa_not_indexed", true)) ; "deleted service account")]
-    #[test_case(verified(None), Some(("new-sa-uid", None)), vec![pod_a("pod-uid", "sa-a", Some("node-1"), Phase::Running)], Some(("token_local_sa_uid_mismatch", true)) ; "recreated service account")]
-    #[test_case(verified(None), Some(("sa-uid", Some(60))), vec![pod_a("pod-uid", "sa-a", Some("node-1"), Phase::Running)], None ; "service account deleting for the leeway")]
-    #[test_case(verified(None), Some(("sa-uid", Some(61))), vec![pod_a("pod-uid", "sa-a", Some("node-1"), Phase::Running)], Some(("token_local_sa_deleted", false)) ; "service account deleting past the leeway")]
-    #[test_case(verified(None), Some(("new-sa-uid", Some(3600))), vec![pod_a("pod-uid", "sa-a", Some("node-1"), Phase::Running)], Some(("token_local_sa_uid_mismatch", true)) ; "uid checked before deletion as the API server does")]
-    #[test_case(verified(None), SA, vec![pod_a("pod-uid", "sa-b", Some("node-1"), Phase::Running)], Some(("token_local_sa_mismatch", false)) ; "other service account")]
-    #[test_case(verified(Some("node-2")), SA, vec![pod_a("pod-uid", "sa-a", Some("node-1"), Phase::Running)], Some(("token_local_node_mismatch", false)) ; "other node")]
-    #[test_case(verified(Some("node-1")), SA, vec![pod_a("pod-uid", "sa-a", None, Phase::Pending)], Some(("token_local_node_not_indexed", true)) ; "index lags the binding")]
-    fn binding(v: Verified, sa: Sa, pods: Vec<LeanPod>, want: Option<(&str, bool)>) {
-        let got = bind(&v, false, NOW, &index(pods), &accounts(sa));
-        assert_eq!(got.err().map(|e| (e.reason(), e.falls_back())), want);
-    }
-
-    #[test]
-    fn unbound_tokens_fall_back_unless_binding_is_required() {
-        let mut v = verified(None);
-        v.pod = None;
-        let s = index(vec![]);
-        let e = bind(&v, false, NOW, &s, &accounts(SA)).unwrap_err();
-        assert_eq!(
-            (e.reason(), e.falls_back()),
-            ("token_local_not_pod_bound", true)
-        );
-        let e = bind(&v, true, NOW, &s, &accounts(SA)).unwrap_err();
-        assert_eq!(
-            (e.reason(), e.falls_back()),
-            ("token_pod_binding_required", false)
-        );
-    }
-
-    // (pods synced, accounts synced, pods disconnected s, accounts disconnected s, want)
-    #[test_case(true, true, None, None, None ; "current")]
-    #[test_case(false, true, None, None, Some("token_local_index_not_synced") ; "pods not synced")]
-    #[test_case(true, false, None, None, Some("token_local_index_not_synced") ; "accounts not synced")]
-    #[test_case(true, true, Some(30), None, None ; "pods briefly disconnected")]
-    #[test_case(true, true, Some(61), None, Some("token_local_index_stale") ; "pod watch down past the bound")]
-    #[test_case(true, true, None, Some(61), Some("token_local_index_stale") ; "account watch down past the bound")]
-    fn readiness(pods: bool, accts: bool, pd: Option<u64>, ad: Option<u64>, want: Option<&str>) {
-        let s = std::time::Duration::from_secs;
-        let got = indexes_ready(pods, accts, pd.map(s), ad.map(s), s(60));
-        assert_eq!(got.as_ref().err().map(|e| e.reason()), want);
-        if let Err(e) = got {
-            assert!(e.falls_back() && e.is_retryable(), "{e}");
-        }
-    }
-
-    #[test]
-    fn only_what_a_review_may_decide_falls_back() {
-        assert!(!LocalError::BadSignature.falls_back());
-        assert!(!LocalError::Expired.falls_back());
-        assert!(LocalError::IndexNotSynced.is_retryable());
-        assert!(!LocalError::PodNotIndexed("x".into()).is_retryable());
-    }
-}
+mod tests;

@@ -7,6 +7,7 @@ pub mod metrics;
 pub mod mtls;
 pub mod token;
 
+use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
@@ -201,6 +202,35 @@ pub trait TokenAuthenticator: Send + Sync + std::fmt::Debug {
     /// while overloaded and to budget only the requests that cost a review.
     fn cached_verdict(&self, _token: &str) -> Option<bool> {
         None
+    }
+}
+
+/// Which issuer key signed a token, for the denylist's `token-key` entries
+/// ([`crate::denylist`]): a token's header may name no key, or another one,
+/// and the API server still accepts it (it tries every key when there is no
+/// `kid`). Implemented over one issuer's keys ([`jwks::IssuerKeys`]) and
+/// over every cluster's (`cluster::ClusterRegistry`). Behind a trait so the
+/// use case and its tests need no Kubernetes.
+#[tonic::async_trait]
+pub trait TokenSigners: Send + Sync + std::fmt::Debug {
+    /// The `kid` among `kids` whose key, as published by any issuer since
+    /// start (kept after the issuer drops it), verifies `token`'s signature.
+    fn signed_by_one_of(&self, token: &str, kids: &HashSet<String>) -> Option<String>;
+
+    /// The `kid` of the key of `cluster`'s issuer (`None`: the local
+    /// cluster) that signed `token`. `Err` says why no signer could be
+    /// established.
+    async fn signer(&self, token: &str, cluster: Option<&str>) -> Result<String, String>;
+}
+
+#[tonic::async_trait]
+impl TokenSigners for jwks::IssuerKeys {
+    fn signed_by_one_of(&self, token: &str, kids: &HashSet<String>) -> Option<String> {
+        jwks::IssuerKeys::signed_by_one_of(self, token, kids)
+    }
+
+    async fn signer(&self, token: &str, _cluster: Option<&str>) -> Result<String, String> {
+        self.signer_of(token).await
     }
 }
 

@@ -115,7 +115,9 @@ pub struct Cluster {
     pub reviewer: Arc<KubeTokenAuthenticator>,
     /// The token path of the configured mode over this cluster's reviewer.
     pub tokens: Arc<TokenVerifier>,
-    /// The issuer keys, when local verification is on.
+    /// The issuer keys (fetched in every mode: local verification checks
+    /// tokens against them, and `token-key` denylist entries need to know
+    /// which key signed a token).
     pub keys: Option<Arc<IssuerKeys>>,
     /// Present when `CA_TRUSTED_NODE_ACCOUNTS` is set.
     pub authorizer: Option<KubeNodeAuthorizer>,
@@ -229,9 +231,7 @@ impl ClusterFactory {
             reviewer.clone(),
             self.token_paths.clone(),
         );
-        if let Some(keys) = &keys {
-            tasks.push(tokio::spawn(keys.clone().run()));
-        }
+        tasks.push(tokio::spawn(keys.clone().run()));
         let cluster = Cluster {
             id: id.to_string(),
             origin,
@@ -239,7 +239,7 @@ impl ClusterFactory {
             accounts,
             reviewer,
             tokens,
-            keys,
+            keys: Some(keys),
             authorizer,
             tasks: Vec::new(),
         };
@@ -525,6 +525,38 @@ impl TokenAuthenticator for ClusterRegistry {
     }
 }
 
+/// Which key signed a token, over every cluster's issuer keys: a
+/// denylisted key is looked for in all of them (one key may be trusted by
+/// several clusters), the signer of a token caller in its own cluster's.
+#[tonic::async_trait]
+impl crate::authn::TokenSigners for ClusterRegistry {
+    fn signed_by_one_of(
+        &self,
+        token: &str,
+        kids: &std::collections::HashSet<String>,
+    ) -> Option<String> {
+        let clusters: Vec<Arc<Cluster>> = self.read().values().cloned().collect();
+        clusters
+            .iter()
+            .filter_map(|c| c.keys.as_ref())
+            .find_map(|k| k.signed_by_one_of(token, kids))
+    }
+
+    async fn signer(&self, token: &str, cluster: Option<&str>) -> Result<String, String> {
+        let id = cluster.filter(|c| !c.is_empty()).unwrap_or(&self.local);
+        let c = self
+            .get(id)
+            .ok_or_else(|| format!("cluster {id:?} is not registered"))?;
+        let keys = c
+            .keys
+            .as_ref()
+            .ok_or_else(|| format!("cluster {id:?} has no issuer keys"))?;
+        keys.signer_of(token)
+            .await
+            .map_err(|why| format!("cluster {id:?}: {why}"))
+    }
+}
+
 /// istiod's MulticlusterNodeAuthorizor: the `clusterid` header, looked up
 /// exactly (no "empty means local"), picks the cluster's authorizer. An
 /// mTLS caller is held to its certificate's cluster ([`mtls_cluster`]).
@@ -725,6 +757,61 @@ mod tests {
             (Err(e), Err(reason)) => assert_eq!(e.reason(), reason, "{e}"),
             (got, want) => panic!("got {got:?}, want {want:?}"),
         }
+    }
+
+    /// Which key signed a token is asked of the token caller's own
+    /// cluster; a denylisted key is looked for in every cluster's keys (one
+    /// key may be trusted by several clusters).
+    #[tokio::test]
+    async fn token_signers_are_per_cluster() {
+        use crate::authn::jwks::test_keys::{doc, ec_key, sign, Switch};
+        use crate::authn::TokenSigners;
+        let (local_key, east_key) = (ec_key("k-local"), ec_key("k-east"));
+        let mut clusters = Vec::new();
+        for (id, key) in [("Kubernetes", &local_key), ("east", &east_key)] {
+            let keys = Arc::new(IssuerKeys::new(
+                Switch::new(&format!("https://{id}"), doc(&[key])),
+                crate::authn::jwks::RefreshPolicy {
+                    min_interval: std::time::Duration::ZERO,
+                    ..Default::default()
+                },
+            ));
+            assert!(keys.refresh().await);
+            let mut c = cluster(id, false);
+            c.keys = Some(keys);
+            clusters.push(c);
+        }
+        let east = clusters.pop().unwrap();
+        let r = ClusterRegistry::new(
+            clusters.pop().unwrap(),
+            TokenVerificationMode::Review,
+            false,
+            None,
+        );
+        r.insert(east);
+        let claims = serde_json::json!({"sub": "x"});
+        let by_east = sign(&east_key, None, &claims);
+        let by_local = sign(&local_key, Some("k-east"), &claims);
+        assert_eq!(
+            r.signer(&by_east, Some("east")).await.as_deref(),
+            Ok("k-east")
+        );
+        assert_eq!(r.signer(&by_local, None).await.as_deref(), Ok("k-local"));
+        assert_eq!(
+            r.signer(&by_local, Some("")).await.as_deref(),
+            Ok("k-local")
+        );
+        // Another cluster's key establishes nothing for this one.
+        assert!(r.signer(&by_east, None).await.is_err());
+        assert!(r.signer(&by_local, Some("east")).await.is_err());
+        let e = r.signer(&by_east, Some("west")).await.unwrap_err();
+        assert!(e.contains("not registered"), "{e}");
+        let deny: std::collections::HashSet<String> = ["k-east".to_string()].into();
+        assert_eq!(
+            r.signed_by_one_of(&by_east, &deny).as_deref(),
+            Some("k-east")
+        );
+        assert_eq!(r.signed_by_one_of(&by_local, &deny), None);
     }
 
     fn cluster(id: &'static str, authorize: bool) -> Cluster {

@@ -34,6 +34,7 @@ impl KillSwitchMetrics {
                     "denylist_pod",
                     "denylist_service_account",
                     "denylist_token_key",
+                    "denylist_token_key_unknown_signer",
                 ],
             ),
             denylist_reloads: registry.metric(
