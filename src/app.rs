@@ -56,7 +56,8 @@ pub fn audit_sink(
     let to = match a.sink {
         AuditSinkKind::Stdout => Destination::Stdout,
         AuditSinkKind::Null => anyhow::bail!("the null audit sink has no chain"),
-        AuditSinkKind::File => Destination::file(a.file.clone(), a.max_bytes, a.max_files),
+        AuditSinkKind::File => Destination::file(a.file.clone(), a.max_bytes, a.max_files)
+            .retaining_issued(a.retain_issued),
     };
     let sink = ChainedSink::open(SinkOptions {
         to,
@@ -426,7 +427,8 @@ impl AuditStep {
                     }
                     anchor_to = Some((client, settings));
                 }
-                let sink = audit_sink(&cfg.audit, run, head)?;
+                let sink = audit_sink(&cfg.audit, run, head)?
+                    .report_retained_in(metrics.audit.audit_files_retained.clone());
                 let mut observer = None;
                 if let Some((client, settings)) = anchor_to {
                     let public = sink.verify_key().map(|k| (k.key_id(), k.to_pem()));
@@ -442,7 +444,8 @@ impl AuditStep {
                 }
                 let writer = Arc::new(
                     AuditWriter::start(sink, cfg.audit.writer, observer, aggregator.clone())
-                        .context("starting the audit writer thread")?,
+                        .context("starting the audit writer thread")?
+                        .count_folds_in(metrics.audit.audit_unauthenticated_folded.clone()),
                 );
                 writer_out = Some(writer.clone());
                 writer
