@@ -341,6 +341,7 @@ async fn every_metric_the_rules_and_dashboard_use_is_exported() {
     for name in [
         "meshca_audit_unauthenticated_folded_total",
         "meshca_audit_files_retained",
+        "meshca_audit_anchor_heads_rejected_total",
     ] {
         assert!(
             samples.iter().any(|s| s.name == name),

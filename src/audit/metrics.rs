@@ -31,6 +31,9 @@ pub struct AuditMetrics {
     pub audit_unauthenticated_folded: Counter,
     /// Audit files kept past `--audit-max-files` for their issuance records.
     pub audit_files_retained: Gauge,
+    /// Objects labelled as this replica's anchors not taken as its head
+    /// (unsigned, signed by another key, or not at their own name).
+    pub audit_anchor_heads_rejected: Counter,
     /// Checkpoints anchored in Kubernetes (rendered only when anchoring is on).
     anchor: AnchorStats,
 }
@@ -62,6 +65,10 @@ impl AuditMetrics {
             audit_files_retained: registry.metric(
                 "meshca_audit_files_retained",
                 "Audit files kept past MESHCA_AUDIT_MAX_FILES because they hold issuance records younger than MESHCA_AUDIT_RETAIN_ISSUED (the volume must hold them)",
+            ),
+            audit_anchor_heads_rejected: registry.metric(
+                "meshca_audit_anchor_heads_rejected",
+                "Objects labelled as this replica's audit anchors that a starting stdout run did not take as its head: unsigned, not signed with its checkpoint key, or not at the name its checkpoint gives",
             ),
             anchor: AnchorStats::default(),
         }
