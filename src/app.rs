@@ -56,7 +56,8 @@ pub fn audit_sink(
     let to = match a.sink {
         AuditSinkKind::Stdout => Destination::Stdout,
         AuditSinkKind::Null => anyhow::bail!("the null audit sink has no chain"),
-        AuditSinkKind::File => Destination::file(a.file.clone(), a.max_bytes, a.max_files),
+        AuditSinkKind::File => Destination::file(a.file.clone(), a.max_bytes, a.max_files)
+            .retaining_issued(a.retain_issued),
     };
     let sink = ChainedSink::open(SinkOptions {
         to,
@@ -409,7 +410,7 @@ impl AuditStep {
             }
             None => {
                 let run = RunInfo::from_env();
-                let (mut head, mut anchor_to) = (None, None);
+                let (mut head, mut anchor_to, mut rejected) = (None, None, Vec::new());
                 if let (Some(target), Some(kube)) = (&cfg.audit.anchor, &cfg.kube) {
                     let client = kube_client(kube.kubeconfig.as_deref()).await?;
                     let settings = crate::audit::anchor::AnchorSettings {
@@ -418,15 +419,29 @@ impl AuditStep {
                         replica: run.replica.clone(),
                         interval: target.interval,
                     };
-                    // A file continues from its own tail; stdout from the anchor.
+                    // A file continues from its own tail; stdout from the
+                    // newest anchor signed with this replica's key.
                     if cfg.audit.sink == AuditSinkKind::Stdout {
-                        head = crate::audit::anchor::read_head(&client, &settings)
-                            .await
-                            .context("reading this replica's anchored audit head")?;
+                        let key = match &cfg.audit.checkpoint_key {
+                            Some(p) => Some(
+                                CheckpointKey::from_pem(
+                                    &std::fs::read(p)
+                                        .with_context(|| format!("reading {}", p.display()))?,
+                                )?
+                                .verify_key(),
+                            ),
+                            None => None,
+                        };
+                        let found =
+                            crate::audit::anchor::read_head(&client, &settings, key.as_ref())
+                                .await
+                                .context("reading this replica's anchored audit head")?;
+                        (head, rejected) = (found.head, found.rejected);
                     }
                     anchor_to = Some((client, settings));
                 }
-                let sink = audit_sink(&cfg.audit, run, head)?;
+                let sink = audit_sink(&cfg.audit, run, head)?
+                    .report_retained_in(metrics.audit.audit_files_retained.clone());
                 let mut observer = None;
                 if let Some((client, settings)) = anchor_to {
                     let public = sink.verify_key().map(|k| (k.key_id(), k.to_pem()));
@@ -442,8 +457,20 @@ impl AuditStep {
                 }
                 let writer = Arc::new(
                     AuditWriter::start(sink, cfg.audit.writer, observer, aggregator.clone())
-                        .context("starting the audit writer thread")?,
+                        .context("starting the audit writer thread")?
+                        .count_folds_in(metrics.audit.audit_unauthenticated_folded.clone()),
                 );
+                if !rejected.is_empty() {
+                    // Said in the log it would have broken, and counted.
+                    metrics
+                        .audit
+                        .audit_anchor_heads_rejected
+                        .inc_by(rejected.len() as u64);
+                    let record = crate::audit::anchor::rejected_heads_record(&rejected);
+                    if let Err(e) = writer.emit(&record) {
+                        tracing::error!(error = %e, "the audit record of rejected anchor heads was not written");
+                    }
+                }
                 writer_out = Some(writer.clone());
                 writer
             }

@@ -640,6 +640,7 @@ fn audit(cmd: AuditCommand) -> anyhow::Result<()> {
                                     source: format!("{}:{}", p.display(), i + 1),
                                     line: l.to_string(),
                                     created: None,
+                                    misplaced: None,
                                 })
                                 .collect::<Vec<_>>()
                         })

@@ -435,8 +435,11 @@ async fn a_pod_rolling_its_anchor_back_is_detected() {
         )
         .await,
     );
+    // At a name meshca itself could have written it under (its own name
+    // with a fresh suffix); at any other name verify reports a squat.
     let mut again = anchor_object(&ns, &t.run1_shutdown);
-    again.metadata.name = Some(format!("{SET}.{REPLICA}.rolled-back"));
+    let own = again.metadata.name.clone().unwrap();
+    again.metadata.name = Some(format!("{own}.0123456789abcdef"));
     // Stored a second later than every genuine anchor, as it would be.
     tokio::time::sleep(Duration::from_millis(1100)).await;
     api.create(&PostParams::default(), &again).await.unwrap();
@@ -745,4 +748,244 @@ async fn an_administrator_prunes_old_anchors_and_the_history_still_verifies() {
     let (code, out) = verify_against(&k, &ns, &t.key, &t.cut, &[]);
     assert_ne!(code, 0);
     assert!(out.contains("the log was cut after it"), "{out}");
+}
+
+/// The anchor objects of `replica` in the namespace, as the admin sees them.
+async fn replica_anchors(k: &common::Kte, ns: &str, replica: &str) -> Vec<ConfigMap> {
+    Api::<ConfigMap>::namespaced(k.admin.clone(), ns)
+        .list(&ListParams::default().labels(&format!(
+            "{LABEL_SET}={SET},{}={replica}",
+            anchor::LABEL_REPLICA
+        )))
+        .await
+        .unwrap()
+        .items
+}
+
+/// A signed start checkpoint of another replica (`meshca-1`): a genuine
+/// line whoever holds the namespace can read and copy.
+fn other_replicas_line(key: &Path) -> String {
+    use meshca::audit::chain::{ChainedSink, Destination, RunInfo, SinkOptions};
+    let sink = ChainedSink::open(SinkOptions {
+        key: Some(
+            meshca::audit::keys::CheckpointKey::from_pem(&std::fs::read(key).unwrap()).unwrap(),
+        ),
+        run: RunInfo::new("meshca-1"),
+        ..SinkOptions::new(Destination::Buffer)
+    })
+    .unwrap();
+    sink.buffer_contents().lines().next().unwrap().to_string()
+}
+
+/// Whoever holds a pod of the namespace creates objects at the names of a
+/// running replica's next anchors (its run id is in its start anchor, and
+/// the seq only grows), each holding another replica's genuine signed
+/// checkpoint. The replica still anchors its shutdown (under a fresh name,
+/// counted as `audit_anchor_conflict`), and `verify --anchors` reports the
+/// squatting objects instead of counting them as the other replica's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn squatted_anchor_names_neither_stop_anchoring_nor_pass_verify() {
+    let k = common::kte().await;
+    let ns = k.namespace("audit-anchor-squat").await;
+    anchor_rbac(&k, &ns).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (data, key, log) = (
+        dir.path().join("data"),
+        dir.path().join("checkpoint.pem"),
+        dir.path().join("run.log"),
+    );
+    std::fs::write(
+        &key,
+        meshca::audit::keys::CheckpointKey::generate_pem().unwrap(),
+    )
+    .unwrap();
+    let mut cmd = meshca::testing::serve_dev_command(env!("CARGO_BIN_EXE_meshca").as_ref(), &data);
+    cmd.args([
+        "--audit-sink",
+        "stdout",
+        "--audit-anchor",
+        "true",
+        "--audit-anchor-namespace",
+        &ns,
+        "--mtls-renewal-pod-check",
+        "false",
+    ])
+    .arg("--kubeconfig")
+    .arg(k.meshca_kubeconfig())
+    .env("POD_NAME", REPLICA)
+    .env("MESHCA_AUDIT_CHECKPOINT_KEY", &key)
+    .stdout(std::fs::File::create(&log).unwrap());
+    let (child, addr, admin) = meshca::testing::spawn_listening(cmd).await;
+
+    // The replica's start anchor names its run and seq.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let start = loop {
+        if let Some(cm) = replica_anchors(&k, &ns, REPLICA).await.first() {
+            break line(cm);
+        }
+        assert!(Instant::now() < deadline, "no start anchor");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let start: serde_json::Value = serde_json::from_str(&start).unwrap();
+    let (run, seq) = (
+        start["run"].as_str().unwrap().to_string(),
+        start["seq"].as_u64().unwrap(),
+    );
+    // Squat the next 60 names with the pod's own credentials.
+    let other = other_replicas_line(&key);
+    let api = Api::<ConfigMap>::namespaced(pod_client(&k).await, &ns);
+    let mut squatted = Vec::new();
+    for s in seq + 1..=seq + 60 {
+        let mut cm = anchor_object(&ns, &other);
+        let n = anchor::checkpoint_name(SET, REPLICA, &run, s);
+        cm.metadata.name = Some(n.clone());
+        api.create(&PostParams::default(), &cm).await.unwrap();
+        squatted.push(n);
+    }
+
+    let mut c = meshca::testing::dev_client(addr, &data).await;
+    let csr_key = rcgen::KeyPair::generate().unwrap();
+    let csr = meshca::testing::csr_for(&csr_key, "spiffe://cluster.local/ns/default/sa/default");
+    for _ in 0..3 {
+        c.create_certificate(meshca::testing::request(csr.clone(), 0, &[]))
+            .await
+            .unwrap();
+    }
+    drop(c);
+    let status = meshca::testing::terminate(child, Duration::from_secs(40)).await;
+    assert!(status.success(), "{status}");
+    let _ = admin;
+
+    let text = std::fs::read_to_string(&log).unwrap();
+    let shutdown = text.lines().last().unwrap().to_string();
+    let cp: serde_json::Value = serde_json::from_str(&shutdown).unwrap();
+    assert_eq!(cp["reason"], "shutdown");
+    let shutdown_name = anchor::checkpoint_name(SET, REPLICA, &run, cp["seq"].as_u64().unwrap());
+    assert!(
+        squatted.contains(&shutdown_name),
+        "the test squatted the shutdown's own name {shutdown_name}"
+    );
+    // The shutdown was anchored all the same, under a fresh name.
+    let holding: Vec<String> = replica_anchors(&k, &ns, REPLICA)
+        .await
+        .iter()
+        .filter(|cm| line(cm) == shutdown)
+        .map(name)
+        .collect();
+    assert_eq!(
+        holding.len(),
+        1,
+        "the shutdown checkpoint is not anchored: {holding:?}"
+    );
+    assert!(
+        holding[0].starts_with(&format!("{shutdown_name}.")),
+        "{holding:?}"
+    );
+
+    // The squatting objects are reported, not counted as meshca-1's.
+    let (code, out) = verify_against(&k, &ns, &key, &log, &[]);
+    assert_ne!(
+        code, 0,
+        "squatting objects passed as another replica's anchors: {out}"
+    );
+    assert!(out.contains("squatting on an anchor name"), "{out}");
+    // Without them the log and its anchors (the fresh name included) verify.
+    let admin_api = Api::<ConfigMap>::namespaced(k.admin.clone(), &ns);
+    for n in &squatted {
+        admin_api.delete(n, &DeleteParams::default()).await.unwrap();
+    }
+    let (code, out) = verify_against(&k, &ns, &key, &log, &[]);
+    assert_eq!(code, 0, "{out}");
+}
+
+/// Anyone who can create ConfigMaps in the namespace creates an unsigned
+/// (`alg: none`) checkpoint at the replica's next anchor name, continuing
+/// from a made-up head. The replica restarts: it does not take that object
+/// as its head (it continues from its own signed shutdown anchor), says so
+/// in its log and its metrics, and the genuine log still verifies.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unsigned_anchor_is_not_taken_as_the_head() {
+    use meshca::audit::chain::{ChainedSink, Destination, RunInfo, SinkOptions};
+    let k = common::kte().await;
+    let ns = k.namespace("audit-anchor-unsigned").await;
+    anchor_rbac(&k, &ns).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (data, key) = (dir.path().join("data"), dir.path().join("checkpoint.pem"));
+    std::fs::write(
+        &key,
+        meshca::audit::keys::CheckpointKey::generate_pem().unwrap(),
+    )
+    .unwrap();
+    let (run1, run2) = (dir.path().join("run1.log"), dir.path().join("run2.log"));
+    run_once(&k, &ns, &data, &key, &run1, &[], Duration::ZERO).await;
+    let r1 = std::fs::read_to_string(&run1).unwrap();
+
+    // The forged head: no key, far past the replica's real head.
+    let forged = ChainedSink::open(SinkOptions {
+        run: RunInfo::new(REPLICA),
+        head: Some((1000, "ff".repeat(32))),
+        ..SinkOptions::new(Destination::Buffer)
+    })
+    .unwrap();
+    let forged_line = forged.buffer_contents().lines().next().unwrap().to_string();
+    assert!(forged_line.contains("\"alg\":\"none\""), "{forged_line}");
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let forged_obj = anchor_object(&ns, &forged_line);
+    Api::<ConfigMap>::namespaced(pod_client(&k).await, &ns)
+        .create(&PostParams::default(), &forged_obj)
+        .await
+        .unwrap();
+
+    let metrics = run_once(&k, &ns, &data, &key, &run2, &[], Duration::ZERO).await;
+    let r2 = std::fs::read_to_string(&run2).unwrap();
+    let start: serde_json::Value = serde_json::from_str(r2.lines().next().unwrap()).unwrap();
+    assert_eq!(
+        start["previous"]["hash"].as_str(),
+        Some(meshca::audit::format::line_hash(r1.lines().last().unwrap()).as_str()),
+        "run 2 continues from run 1's signed shutdown anchor: {start}"
+    );
+    // Said in the audit log, and counted.
+    let said = r2
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find(|v| v["reason"] == "audit_anchor_head_rejected")
+        .expect("an audit record of the rejected head");
+    let detail = said["detail"].as_str().unwrap();
+    let forged_name = forged_obj.metadata.name.clone().unwrap();
+    assert!(
+        detail.contains(&forged_name) && detail.contains("not signed"),
+        "{detail}"
+    );
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l == "meshca_audit_anchor_heads_rejected_total 1"),
+        "{metrics}"
+    );
+
+    // The genuine log verifies on its own.
+    let whole = dir.path().join("whole.log");
+    std::fs::write(&whole, format!("{r1}{r2}")).unwrap();
+    let (code, out) = meshca(&[
+        "audit",
+        "verify",
+        "--strict",
+        "--key",
+        key.to_str().unwrap(),
+        whole.to_str().unwrap(),
+    ]);
+    assert_eq!(
+        code, 0,
+        "the genuine log fails because of a forged anchor: {out}"
+    );
+    // Against the cluster the forged object is an unsigned anchor; without
+    // it everything verifies.
+    let (code, out) = verify_against(&k, &ns, &key, &whole, &[]);
+    assert_ne!(code, 0, "{out}");
+    Api::<ConfigMap>::namespaced(k.admin.clone(), &ns)
+        .delete(&forged_name, &DeleteParams::default())
+        .await
+        .unwrap();
+    let (code, out) = verify_against(&k, &ns, &key, &whole, &[]);
+    assert_eq!(code, 0, "{out}");
 }

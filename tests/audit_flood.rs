@@ -193,3 +193,227 @@ async fn every_refusal_is_named_in_the_log_when_the_writer_cannot_keep_up() {
         "gate refusals"
     );
 }
+
+/// The audit files of `log`, oldest first: `log.N` ... `log.1`, `log`.
+fn audit_files(log: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let dir = log.parent().unwrap();
+    let name = log.file_name().unwrap().to_str().unwrap().to_string();
+    let mut rotated: Vec<(u32, std::path::PathBuf)> = std::fs::read_dir(dir)
+        .unwrap()
+        .filter_map(|e| {
+            let e = e.unwrap();
+            let n: u32 = e
+                .file_name()
+                .to_str()?
+                .strip_prefix(&format!("{name}."))?
+                .parse()
+                .ok()?;
+            Some((n, e.path()))
+        })
+        .collect();
+    rotated.sort_by_key(|r| std::cmp::Reverse(r.0));
+    let mut files: Vec<std::path::PathBuf> = rotated.into_iter().map(|(_, p)| p).collect();
+    files.push(log.to_path_buf());
+    files
+}
+
+/// Every audit record in `files`, as JSON.
+fn records(files: &[std::path::PathBuf]) -> Vec<serde_json::Value> {
+    files
+        .iter()
+        .flat_map(|f| {
+            std::fs::read_to_string(f)
+                .unwrap()
+                .lines()
+                .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+                .collect::<Vec<_>>()
+        })
+        .filter(|v| v["type"] == "audit")
+        .collect()
+}
+
+/// Serials of the workload certificates the log says were issued.
+fn issued_serials(files: &[std::path::PathBuf]) -> std::collections::BTreeSet<String> {
+    records(files)
+        .into_iter()
+        .filter(|v| v["decision"] == "allow" && v["reason"] == "issued")
+        .map(|v| v["serial"].as_str().unwrap().to_string())
+        .collect()
+}
+
+/// What a flood of unauthenticated refusals left of the log.
+struct Flooded {
+    files: Vec<std::path::PathBuf>,
+    calls: u64,
+    seconds: f64,
+    /// Refusals of the flood written as full records, and folded.
+    full: u64,
+    folded: u64,
+    metrics: String,
+}
+
+/// Issues `ISSUED` certificates, then floods unauthenticated refusals (TLS
+/// without a client certificate, no token) against a file sink of three
+/// 64 KiB files, `env` set for the server. Checks that every issuance record
+/// from before the flood is still in the files and that `meshca audit
+/// verify --strict` accepts them, oldest first, and that every refusal of
+/// the flood is in the log exactly once: a full record, or counted in an
+/// aggregate.
+async fn unauthenticated_flood(env: &[(&str, &str)]) -> Flooded {
+    const ISSUED: usize = 20;
+    const FLOOD: u64 = 12_000;
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let log = dir.path().join("audit").join("audit.log");
+    let bin = env!("CARGO_BIN_EXE_meshca");
+    let mut cmd = meshca::testing::serve_dev_command(bin.as_ref(), &data);
+    cmd.args(["--audit-sink", "file", "--audit-file"])
+        .arg(&log)
+        .args(["--audit-max-bytes", "65536", "--audit-max-files", "3"]);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let (child, addr, admin) = meshca::testing::spawn_listening(cmd).await;
+
+    let mut c = meshca::testing::dev_client(addr, &data).await;
+    let k = rcgen::KeyPair::generate().unwrap();
+    let csr = meshca::testing::csr_for(&k, FLOOD_ID);
+    for _ in 0..ISSUED {
+        c.create_certificate(meshca::testing::request(csr.clone(), 0, &[]))
+            .await
+            .unwrap();
+    }
+    // Each was acknowledged only once its record was written.
+    let before = issued_serials(&audit_files(&log));
+    assert_eq!(before.len(), ISSUED);
+
+    let root = std::fs::read_to_string(data.join("dev-client/root-cert.pem")).unwrap();
+    let calls = Arc::new(AtomicU64::new(0));
+    let started = std::time::Instant::now();
+    let mut tasks = vec![];
+    for _ in 0..4 {
+        let (root, csr, calls) = (root.clone(), csr.clone(), calls.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut anon = meshca::testing::client(addr, &root, None).await.unwrap();
+            while calls.fetch_add(1, Ordering::Relaxed) < FLOOD {
+                let s = anon
+                    .create_certificate(meshca::testing::request(csr.clone(), 0, &[]))
+                    .await
+                    .unwrap_err();
+                assert_eq!(s.code(), tonic::Code::Unauthenticated, "{s:?}");
+            }
+            calls.fetch_sub(1, Ordering::Relaxed);
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    let calls = calls.load(Ordering::Relaxed);
+    let metrics = std::process::Command::new("curl")
+        .args(["-sf", &format!("http://{admin}/metrics")])
+        .output()
+        .unwrap();
+    let status = meshca::testing::terminate(child, Duration::from_secs(20)).await;
+    assert!(status.success(), "{status}");
+
+    let files = audit_files(&log);
+    let after = issued_serials(&files);
+    let lost: Vec<&String> = before.difference(&after).collect();
+    assert!(
+        lost.is_empty(),
+        "{} of {ISSUED} issuance records rotated out by the flood ({} files left): {lost:?}",
+        lost.len(),
+        files.len()
+    );
+    let mut args = vec!["audit".to_string(), "verify".into(), "--strict".into()];
+    args.extend(files.iter().map(|f| f.display().to_string()));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (code, out) = meshca::testing::run_cli(bin.as_ref(), &args);
+    assert_eq!(code, 0, "{out}");
+
+    let (mut full, mut folded) = (0, 0);
+    for v in records(&files)
+        .iter()
+        .filter(|v| v["reason"] == "authn_no_credentials")
+    {
+        match v["count"].as_u64() {
+            Some(n) => folded += n,
+            None => full += 1,
+        }
+    }
+    assert_eq!(
+        full + folded,
+        calls,
+        "every refusal of the flood, exactly once"
+    );
+    Flooded {
+        files,
+        calls,
+        seconds,
+        full,
+        folded,
+        metrics: String::from_utf8_lossy(&metrics.stdout).into_owned(),
+    }
+}
+
+const FLOOD_ID: &str = "spiffe://cluster.local/ns/default/sa/default";
+
+/// Rotation alone (every refusal written in full): the files holding the
+/// issuance records stay past `--audit-max-files`, however much the flood
+/// writes after them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unauthenticated_flood_does_not_rotate_issuance_records_out() {
+    let f = unauthenticated_flood(&[("MESHCA_AUDIT_UNAUTHENTICATED_RATE", "1000000")]).await;
+    eprintln!(
+        "{} refusals in {:.1}s, {} full records, {} folded, {} files",
+        f.calls,
+        f.seconds,
+        f.full,
+        f.folded,
+        f.files.len()
+    );
+    assert_eq!(f.folded, 0, "every refusal written in full");
+    assert!(
+        f.files.len() > 3,
+        "files kept past the count: {}",
+        f.files.len()
+    );
+    let retained = f
+        .metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("meshca_audit_files_retained "))
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    assert!(retained.is_some_and(|n| n > 0), "{retained:?}");
+}
+
+/// The defaults: past `--audit-unauthenticated-rate` (20/s) the flood is
+/// folded into aggregate records, so it writes a bounded number of lines,
+/// counts exact, and the issuance records stay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unauthenticated_flood_is_folded_past_the_rate() {
+    let f = unauthenticated_flood(&[]).await;
+    eprintln!(
+        "{} refusals in {:.1}s, {} full records, {} folded, {} files",
+        f.calls,
+        f.seconds,
+        f.full,
+        f.folded,
+        f.files.len()
+    );
+    // The burst and the rate over the flood's duration (shutdown included).
+    let most = 20 + (20.0 * (f.seconds + 2.0)).ceil() as u64;
+    assert!(f.full <= most, "{} full records, at most {most}", f.full);
+    assert!(f.folded >= f.calls - most);
+    let counted = f
+        .metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("meshca_audit_unauthenticated_folded_total "))
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .unwrap_or(0);
+    assert!(
+        counted > 0 && counted <= f.folded,
+        "{counted} of {}",
+        f.folded
+    );
+}

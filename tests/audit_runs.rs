@@ -168,6 +168,7 @@ fn anchored(
             source: "ns/meshca-audit-anchor-a".into(),
             line: anchor.to_string(),
             created: None,
+            misplaced: None,
         }],
         &anchors::AnchorOptions {
             keys: k,

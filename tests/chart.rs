@@ -624,6 +624,81 @@ fn pod_is_restricted_and_mounts_cacerts_for_hot_reload() {
     assert_eq!(audit["subPathExpr"].as_str(), Some("$(POD_NAME)"));
 }
 
+/// The revocation store exists from install on, so no one who can create
+/// ConfigMaps in the namespace (meshca's own pod included: the anchor Role
+/// grants create on every ConfigMap there) can plant it first. It is empty
+/// and renders no data, so an upgrade never rewrites what `meshca revoke`
+/// wrote, and uninstall keeps it; meshca itself still only reads it.
+#[test]
+fn the_revocation_store_is_created_empty_at_install() {
+    let store_maps = |flags: &[&str]| -> Vec<Value> {
+        render_all(flags)
+            .into_iter()
+            .filter(|d| {
+                d["kind"].as_str() == Some("ConfigMap")
+                    && d["metadata"]["name"]
+                        .as_str()
+                        .is_some_and(|n| n.contains("revo"))
+            })
+            .collect()
+    };
+    let on = ["--set", "killSwitch.revocation.enabled=true"];
+    let maps = store_maps(&on);
+    assert_eq!(maps.len(), 1, "{maps:?}");
+    let cm = &maps[0];
+    // The very object the server reads.
+    let dep = render("templates/deployment.yaml", "meshca", "istio-system", &on);
+    let (ns, name) = env_of(&dep[0])
+        .into_iter()
+        .find(|(k, _)| k == "MESHCA_REVOCATION_CONFIGMAP")
+        .map(|(_, v)| {
+            let (ns, n) = v.split_once('/').unwrap();
+            (ns.to_string(), n.to_string())
+        })
+        .unwrap();
+    assert_eq!(cm["metadata"]["name"].as_str(), Some(name.as_str()));
+    assert_eq!(cm["metadata"]["namespace"].as_str(), Some(ns.as_str()));
+    assert!(
+        cm.get("data").is_none(),
+        "no data to rewrite on upgrade: {cm:?}"
+    );
+    assert!(cm.get("binaryData").is_none());
+    assert!(
+        cm.get("immutable").is_none(),
+        "meshca revoke must be able to append"
+    );
+    assert_eq!(
+        cm["metadata"]["annotations"]["helm.sh/resource-policy"].as_str(),
+        Some("keep"),
+        "uninstall keeps the revocations"
+    );
+    // ci-values.yaml names another store: the same, under that name.
+    let ci = repo()
+        .join("charts/meshca/ci-values.yaml")
+        .display()
+        .to_string();
+    let maps = store_maps(&["-f", &ci]);
+    assert_eq!(maps.len(), 1);
+    assert_eq!(maps[0]["metadata"]["name"].as_str(), Some("meshca-revoked"));
+    // Revocation off, or the operator keeps a store Helm does not own: none.
+    assert!(store_maps(&[]).is_empty());
+    assert!(store_maps(&[
+        "--set",
+        "killSwitch.revocation.enabled=true",
+        "--set",
+        "killSwitch.revocation.createConfigMap=false"
+    ])
+    .is_empty());
+    // meshca still only reads it: no create, update or delete on its name.
+    let docs = render("templates/role.yaml", "meshca", "istio-system", &on);
+    let rules: Vec<Rule> = rules_of(&docs, "Role")
+        .into_iter()
+        .filter(|r| r.resource_names.contains("meshca-revocations"))
+        .collect();
+    assert_eq!(rules.len(), 1);
+    assert_eq!(rules[0].verbs, ["get"].map(String::from).into());
+}
+
 const AUDIT_ANCHOR_RBAC: &str = "tests/fixtures/rbac-audit-anchor.yaml";
 
 /// Signed checkpoints and anchors are on by default: the chart generates a

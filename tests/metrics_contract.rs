@@ -336,6 +336,18 @@ async fn every_metric_the_rules_and_dashboard_use_is_exported() {
             "no decision {reason}"
         );
     }
+    // The audit log's own state is exported from the start (no rule or
+    // panel reads these yet; the names are part of the contract).
+    for name in [
+        "meshca_audit_unauthenticated_folded_total",
+        "meshca_audit_files_retained",
+        "meshca_audit_anchor_heads_rejected_total",
+    ] {
+        assert!(
+            samples.iter().any(|s| s.name == name),
+            "no {name} in the scrape"
+        );
+    }
     // The revocation was read from the store as an event of its own, not
     // only exported from zero.
     let line = "meshca_revocation_events_total{reason=\"revoked\"} 1";

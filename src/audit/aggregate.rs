@@ -1,19 +1,28 @@
-//! Refusals that could not get a record of their own, folded into bounded
-//! aggregate records so that every refused caller is still named in the
-//! chain. Two sources feed it:
+//! Refusals that get no full record of their own, folded into bounded
+//! aggregate records so that every refused caller is still counted in the
+//! chain. Three sources feed it:
 //!
 //! - the audit writer, when its queue is full and a record cannot be queued
 //!   (a flood of cheap refusals must not hide a probe among them);
 //! - the transport's request gate and connection limits, whose refusals
-//!   happen before any request record exists.
+//!   happen before any request record exists;
+//! - the audit writer, for refusals of unauthenticated callers past
+//!   `--audit-unauthenticated-rate`: whoever can open a connection must not
+//!   decide how much the log grows (and so how soon rotation deletes it).
 //!
-//! Keys are (reason, subject): the caller's identity when it is known, else
-//! its source address. At most `max_keys` keys are kept; beyond them the
-//! counts go to one key per reason with the subject `overflow`, so memory is
-//! bounded and no refusal is uncounted. Each key becomes one `deny` record
-//! with `count` and the first and last time it was seen.
+//! Keys are (source, reason, subject): the caller's identity when it is
+//! known, else its source address. At most `max_keys` keys are named; when a
+//! new caller comes and the table is full, the key ranked lowest gives up
+//! its name and its count moves to one key per (source, reason) with the
+//! subject `overflow`. Ranks follow the Space-Saving scheme (a newcomer
+//! ranks just above the key it replaced), so a caller that makes more than
+//! 1/`max_keys` of an interval's refusals keeps its name however many
+//! sources an attacker sprays; junk sources replace each other. The counts
+//! written are exact: a named key counts every refusal since it took its
+//! place, `overflow` every other, and nothing is counted twice. Each key
+//! becomes one `deny` record with `count` and the first and last time.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::net::IpAddr;
 use std::sync::Mutex;
 
@@ -21,7 +30,7 @@ use time::OffsetDateTime;
 
 use super::{Aggregate, AuditRecord, AuditSink, Decision};
 
-/// Subject of the key where sources over the cap are counted.
+/// Subject of the key where callers without a name are counted.
 pub const OVERFLOW: &str = "overflow";
 
 /// Default of `--audit-aggregate-max-keys`.
@@ -34,7 +43,7 @@ pub enum Subject {
     Identity(Box<str>),
     /// A source address, when no identity was established.
     Peer(IpAddr),
-    /// Anything over the key cap.
+    /// Callers without a named key.
     Overflow,
 }
 
@@ -57,6 +66,19 @@ impl Subject {
     }
 }
 
+/// A request refused before any identity was established: what
+/// `--audit-unauthenticated-rate` folds past its rate. Events (no peer),
+/// certificates (allow), aggregates and pod certificate decisions are not.
+pub fn unauthenticated_refusal(r: &AuditRecord) -> bool {
+    r.decision == Decision::Deny
+        && r.caller_identity.as_deref().is_none_or(str::is_empty)
+        && r.peer.is_some()
+        && r.aggregate.is_none()
+        && r.count.is_none()
+        && r.issued_kind.is_none()
+        && r.pod_certificate_request.is_none()
+}
+
 /// Why refusals were folded rather than written one by one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Source {
@@ -64,6 +86,8 @@ pub enum Source {
     AuditQueueFull,
     /// Refused by the transport before a request record existed.
     Transport,
+    /// An unauthenticated caller's refusal past `--audit-unauthenticated-rate`.
+    Unauthenticated,
 }
 
 impl Source {
@@ -71,6 +95,7 @@ impl Source {
         match self {
             Self::AuditQueueFull => "audit_queue_full",
             Self::Transport => "transport",
+            Self::Unauthenticated => "unauthenticated",
         }
     }
 }
@@ -94,15 +119,31 @@ impl Tally {
 /// `(source, reason, subject)`.
 pub type Key = (Source, Box<str>, Subject);
 
+/// A named key: its exact tally, and its rank for eviction.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Named {
+    tally: Tally,
+    /// Space-Saving's estimate: the exact count plus the rank of the key it
+    /// replaced. Only orders eviction; never written.
+    rank: u64,
+    /// When it was last counted (ties in rank: the stalest goes first).
+    touched: u64,
+}
+
 /// The folded refusals of one interval (plain data; table-tested).
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Folded {
-    pub tallies: HashMap<Key, Tally>,
+    named: HashMap<Key, Named>,
+    /// `(rank, touched, key)` of every named key: the first is evicted first.
+    order: BTreeSet<(u64, u64, Key)>,
+    /// Refusals of callers without a named key, per (source, reason).
+    overflow: HashMap<(Source, Box<str>), Tally>,
+    clock: u64,
 }
 
 impl Folded {
-    /// Counts one refusal at `at`; a new key beyond `max_keys` is counted
-    /// under its reason's overflow key instead.
+    /// Counts one refusal at `at`; a new key when `max_keys` are named takes
+    /// the place of the lowest-ranked one (see the module doc).
     pub fn add(&mut self, key: Key, at: OffsetDateTime, max_keys: usize) {
         self.add_tally(
             key,
@@ -116,66 +157,124 @@ impl Folded {
     }
 
     fn add_tally(&mut self, key: Key, t: Tally, max_keys: usize) {
-        let key = if self.tallies.contains_key(&key) || self.tallies.len() < max_keys {
-            key
-        } else {
-            (key.0, key.1, Subject::Overflow)
-        };
-        match self.tallies.get_mut(&key) {
+        self.clock += 1;
+        let touched = self.clock;
+        if key.2 == Subject::Overflow {
+            return self.overflow_add((key.0, key.1), t);
+        }
+        if let Some(n) = self.named.get_mut(&key) {
+            self.order.remove(&(n.rank, n.touched, key.clone()));
+            n.tally.merge(&t);
+            n.rank = n.rank.saturating_add(t.count);
+            n.touched = touched;
+            self.order.insert((n.rank, touched, key));
+            return;
+        }
+        let mut base = 0;
+        if self.named.len() >= max_keys.max(1) {
+            // Full: the lowest-ranked key gives up its name.
+            let Some((rank, _, evicted)) = self.order.pop_first() else {
+                return self.overflow_add((key.0, key.1), t);
+            };
+            if let Some(gone) = self.named.remove(&evicted) {
+                self.overflow_add((evicted.0, evicted.1), gone.tally);
+            }
+            base = rank;
+        }
+        let rank = base.saturating_add(t.count);
+        self.order.insert((rank, touched, key.clone()));
+        self.named.insert(
+            key,
+            Named {
+                tally: t,
+                rank,
+                touched,
+            },
+        );
+    }
+
+    fn overflow_add(&mut self, key: (Source, Box<str>), t: Tally) {
+        match self.overflow.get_mut(&key) {
             Some(existing) => existing.merge(&t),
             None => {
-                self.tallies.insert(key, t);
+                self.overflow.insert(key, t);
             }
         }
     }
 
     pub fn is_empty(&self) -> bool {
-        self.tallies.is_empty()
+        self.named.is_empty() && self.overflow.is_empty()
     }
 
     pub fn total(&self) -> u64 {
-        self.tallies.values().map(|t| t.count).sum()
+        self.entries().iter().map(|(_, t)| t.count).sum()
+    }
+
+    /// The tally of `key` (an `Overflow` subject: its reason's overflow).
+    pub fn get(&self, key: &Key) -> Option<Tally> {
+        match key.2 {
+            Subject::Overflow => self.overflow.get(&(key.0, key.1.clone())).copied(),
+            _ => self.named.get(key).map(|n| n.tally),
+        }
+    }
+
+    /// Every key and its tally, named keys first, in a stable order.
+    pub fn entries(&self) -> Vec<(Key, Tally)> {
+        let mut v: Vec<(Key, Tally)> = self
+            .named
+            .iter()
+            .map(|(k, n)| (k.clone(), n.tally))
+            .collect();
+        v.sort_by(|a, b| a.0.cmp(&b.0));
+        let mut over: Vec<(Key, Tally)> = self
+            .overflow
+            .iter()
+            .map(|((s, r), t)| ((*s, r.clone(), Subject::Overflow), *t))
+            .collect();
+        over.sort_by(|a, b| a.0.cmp(&b.0));
+        v.extend(over);
+        v
     }
 
     /// One `deny` record per key, in a stable order (overflow keys last),
     /// stamped `now`.
     pub fn records(&self, now: OffsetDateTime) -> Vec<AuditRecord> {
-        let mut keys: Vec<(&Key, &Tally)> = self.tallies.iter().collect();
-        keys.sort_by(|a, b| {
-            let over = |k: &Key| k.2 == Subject::Overflow;
-            (over(a.0), a.0).cmp(&(over(b.0), b.0))
-        });
-        keys.into_iter()
-            .map(|((source, reason, subject), t)| {
-                let rfc = |t: OffsetDateTime| {
-                    t.format(&time::format_description::well_known::Rfc3339)
-                        .unwrap_or_default()
-                };
-                let mut r = AuditRecord {
-                    detail: Some(format!(
-                        "{} refusal(s) folded ({}) from {} to {}",
-                        t.count,
-                        source.as_str(),
-                        rfc(t.first),
-                        rfc(t.last)
-                    )),
-                    count: Some(t.count),
-                    aggregate: Some(Aggregate {
-                        source: source.as_str().into(),
-                        first: t.first,
-                        last: t.last,
-                    }),
-                    ..AuditRecord::new(now, super::random_id(), Decision::Deny, reason.to_string())
-                };
-                match subject {
-                    Subject::Identity(id) => r.caller_identity = Some(id.to_string()),
-                    Subject::Peer(ip) => r.peer = Some(ip.to_string()),
-                    Subject::Overflow => r.peer = Some(OVERFLOW.into()),
-                }
-                r
-            })
+        self.entries()
+            .iter()
+            .map(|(key, t)| record(key, t, now))
             .collect()
     }
+}
+
+/// The aggregate record of one key.
+pub fn record(key: &Key, t: &Tally, now: OffsetDateTime) -> AuditRecord {
+    let (source, reason, subject) = key;
+    let rfc = |t: OffsetDateTime| {
+        t.format(&time::format_description::well_known::Rfc3339)
+            .unwrap_or_default()
+    };
+    let mut r = AuditRecord {
+        detail: Some(format!(
+            "{} refusal(s) folded ({}) from {} to {}",
+            t.count,
+            source.as_str(),
+            rfc(t.first),
+            rfc(t.last)
+        )),
+        count: Some(t.count),
+        aggregate: Some(Aggregate {
+            source: source.as_str().into(),
+            first: t.first,
+            last: t.last,
+        }),
+        ..AuditRecord::new(now, super::random_id(), Decision::Deny, reason.to_string())
+    };
+    match subject {
+        Subject::Identity(id) => r.caller_identity = Some(id.to_string()),
+        Subject::Peer(ip) => r.peer = Some(ip.to_string()),
+        Subject::Overflow => r.peer = Some(OVERFLOW.into()),
+    }
+    r
 }
 
 /// The shared table refusals are folded into; drained into the chain by the
@@ -214,6 +313,17 @@ impl Aggregator {
         self.lock().add(key, record.time, self.max_keys);
     }
 
+    /// Folds an unauthenticated caller's refusal (see
+    /// [`unauthenticated_refusal`]) that gets no full record.
+    pub fn fold_unauthenticated(&self, record: &AuditRecord) {
+        let key = (
+            Source::Unauthenticated,
+            Box::from(record.reason.as_str()),
+            Subject::of(record),
+        );
+        self.lock().add(key, record.time, self.max_keys);
+    }
+
     /// Folds a transport refusal from `ip`.
     pub fn fold_transport(&self, ip: IpAddr, reason: &'static str) {
         let key = (Source::Transport, Box::from(reason), Subject::Peer(ip));
@@ -230,10 +340,16 @@ impl Aggregator {
         std::mem::take(&mut *self.lock())
     }
 
+    /// Puts back a key whose record could not be written (written with the
+    /// next drain).
+    pub fn restore_one(&self, key: Key, tally: Tally) {
+        self.lock().add_tally(key, tally, self.max_keys);
+    }
+
     /// Puts back what could not be written (kept for the next drain).
     pub fn restore(&self, back: Folded) {
         let mut f = self.lock();
-        for (k, t) in back.tallies {
+        for (k, t) in back.entries() {
             f.add_tally(k, t, self.max_keys);
         }
     }
@@ -246,22 +362,12 @@ impl Aggregator {
             return;
         }
         let now = OffsetDateTime::now_utc();
-        let mut kept = Folded::default();
-        let mut keys: Vec<(Key, Tally)> = folded.tallies.into_iter().collect();
-        keys.sort_by(|a, b| a.0.cmp(&b.0));
-        for (key, tally) in keys {
-            let one = Folded {
-                tallies: HashMap::from([(key.clone(), tally)]),
-            };
-            for mut r in one.records(now) {
-                r.bound();
-                if sink.emit(&r).is_err() {
-                    kept.add_tally(key.clone(), tally, usize::MAX);
-                }
+        for (key, tally) in folded.entries() {
+            let mut r = record(&key, &tally, now);
+            r.bound();
+            if sink.emit(&r).is_err() {
+                self.restore_one(key, tally);
             }
-        }
-        if !kept.is_empty() {
-            self.restore(kept);
         }
     }
 
@@ -303,58 +409,96 @@ mod tests {
         Subject::Identity(s.into())
     }
 
+    fn peer(i: u32) -> Subject {
+        Subject::Peer(IpAddr::from(std::net::Ipv4Addr::from(0x0a00_0000 + i)))
+    }
+
     #[test]
-    fn counts_first_and_last_per_key_and_overflow_per_reason() {
+    fn a_new_caller_takes_the_place_of_the_lowest_ranked_and_totals_stay_exact() {
         let mut f = Folded::default();
-        // (key, time): two subjects fit under a cap of 2; the third spills.
+        // (key, time) under a cap of 2 named keys.
         let events = [
             (key("denylist_node", id("a")), 5),
             (key("denylist_node", id("a")), 1),
             (key("denylist_node", id("b")), 3),
+            // Full: c replaces b (rank 1, below a's 2); b's count moves to
+            // its reason's overflow, c ranks just above it.
             (key("denylist_node", id("c")), 4),
+            // Another reason: a and c both rank 2; a was counted last at
+            // event 2, c at event 4, so a is the staler and gives way.
             (key("denylist_pod", id("d")), 9),
-            (key("denylist_node", id("a")), 7),
+            (key("denylist_node", Subject::Overflow), 6),
         ];
         for (k, t) in events {
             f.add(k, at(t), 2);
         }
-        let tally = |k: Key| {
-            f.tallies
-                .get(&k)
-                .copied()
-                .map(|t| (t.count, t.first, t.last))
-        };
+        let tally = |k: Key| f.get(&k).map(|t| (t.count, t.first, t.last));
+        assert_eq!(tally(key("denylist_node", id("a"))), None);
+        assert_eq!(tally(key("denylist_node", id("b"))), None);
         assert_eq!(
-            tally(key("denylist_node", id("a"))),
-            Some((3, at(1), at(7)))
-        );
-        assert_eq!(
-            tally(key("denylist_node", id("b"))),
-            Some((1, at(3), at(3)))
-        );
-        assert_eq!(tally(key("denylist_node", id("c"))), None);
-        assert_eq!(
-            tally(key("denylist_node", Subject::Overflow)),
+            tally(key("denylist_node", id("c"))),
             Some((1, at(4), at(4)))
         );
+        assert_eq!(tally(key("denylist_pod", id("d"))), Some((1, at(9), at(9))));
+        // a (2) and b (1) lost their names, plus one counted as overflow.
         assert_eq!(
-            tally(key("denylist_pod", Subject::Overflow)),
-            Some((1, at(9), at(9)))
+            tally(key("denylist_node", Subject::Overflow)),
+            Some((4, at(1), at(6)))
         );
-        assert_eq!(f.total(), 6, "nothing uncounted");
+        assert_eq!(tally(key("denylist_pod", Subject::Overflow)), None);
+        assert_eq!(f.total(), 6, "nothing uncounted, nothing counted twice");
         let records = f.records(at(10));
-        assert_eq!(records.len(), 4);
+        assert_eq!(records.len(), 3);
         assert!(records.iter().all(|r| r.decision == Decision::Deny));
         let sum: u64 = records.iter().map(|r| r.count.unwrap()).sum();
         assert_eq!(sum, 6);
         // Overflow keys come last and name no caller.
-        assert_eq!(records[3].peer.as_deref(), Some(OVERFLOW));
-        assert_eq!(records[0].caller_identity.as_deref(), Some("a"));
-        let agg = records[0].aggregate.clone().unwrap();
+        assert_eq!(records[2].peer.as_deref(), Some(OVERFLOW));
+        assert_eq!(records[2].caller_identity, None);
+        assert_eq!(records[0].caller_identity.as_deref(), Some("c"));
+        let agg = records[2].aggregate.clone().unwrap();
         assert_eq!(
             (agg.source.as_str(), agg.first, agg.last),
-            ("audit_queue_full", at(1), at(7))
+            ("audit_queue_full", at(1), at(6))
         );
+    }
+
+    /// An attacker sprays refusals from thousands of source addresses to
+    /// fill the table before a heavy caller shows up: the heavy caller still
+    /// gets its name and its exact count, junk sources replace each other,
+    /// and the totals per reason stay exact.
+    #[test]
+    fn a_heavy_caller_keeps_its_name_among_sprayed_sources() {
+        const CAP: usize = 8;
+        let mut f = Folded::default();
+        let heavy = key("authn_no_credentials", peer(1_000_000));
+        let mut junk = 0u32;
+        let mut spray = |f: &mut Folded, n: u32| {
+            for _ in 0..n {
+                junk += 1;
+                f.add(key("authn_no_credentials", peer(junk)), at(0), CAP);
+            }
+        };
+        spray(&mut f, 100);
+        // One heavy refusal for every two sprayed sources.
+        for _ in 0..3000 {
+            f.add(heavy.clone(), at(1), CAP);
+            spray(&mut f, 2);
+        }
+        spray(&mut f, 100);
+        assert_eq!(f.total(), 100 + 3000 * 3 + 100, "exact totals");
+        assert_eq!(f.get(&heavy).map(|t| t.count), Some(3000), "named, exactly");
+        let named = f
+            .entries()
+            .iter()
+            .filter(|(k, _)| k.2 != Subject::Overflow)
+            .count();
+        assert_eq!(named, CAP);
+        let over = f
+            .get(&key("authn_no_credentials", Subject::Overflow))
+            .unwrap()
+            .count;
+        assert_eq!(over, 100 + 3000 * 2 + 100 - (CAP as u64 - 1));
     }
 
     #[test]
@@ -370,6 +514,47 @@ mod tests {
     }
 
     #[test]
+    fn only_requests_refused_before_an_identity_are_unauthenticated_refusals() {
+        let base = || {
+            let mut r = AuditRecord::new(at(0), "x".into(), Decision::Deny, "r".into());
+            r.peer = Some("10.0.0.1:5000".into());
+            r
+        };
+        type Edit = fn(&mut AuditRecord);
+        let cases: [(&str, Edit, bool); 8] = [
+            ("refused, no identity", |_| {}, true),
+            (
+                "empty identity",
+                |r| r.caller_identity = Some(String::new()),
+                true,
+            ),
+            (
+                "authenticated",
+                |r| r.caller_identity = Some("spiffe://td/ns/a/sa/b".into()),
+                false,
+            ),
+            ("issued", |r| r.decision = Decision::Allow, false),
+            ("an event (no peer)", |r| r.peer = None, false),
+            ("an aggregate", |r| r.count = Some(3), false),
+            (
+                "a certificate meshca issued itself",
+                |r| r.issued_kind = Some("serving".into()),
+                false,
+            ),
+            (
+                "a pod certificate decision",
+                |r| r.pod_certificate_request = Some("ns/x".into()),
+                false,
+            ),
+        ];
+        for (what, edit, want) in cases {
+            let mut r = base();
+            edit(&mut r);
+            assert_eq!(unauthenticated_refusal(&r), want, "{what}");
+        }
+    }
+
+    #[test]
     fn an_issued_record_that_was_not_queued_is_a_queue_full_refusal() {
         let agg = Aggregator::new(8);
         let mut r = AuditRecord::new(at(0), "x".into(), Decision::Allow, "issued".into());
@@ -377,8 +562,8 @@ mod tests {
         agg.fold_record(&r);
         let f = agg.take();
         assert_eq!(
-            f.tallies.keys().next().map(|k| &*k.1),
-            Some("audit_queue_full")
+            f.entries().first().map(|(k, _)| k.1.to_string()),
+            Some("audit_queue_full".into())
         );
         assert!(agg.is_empty());
     }

@@ -11,6 +11,13 @@
 //! Start, recovery and shutdown checkpoints are always anchored (retried);
 //! other checkpoints at most once per `--audit-anchor-interval`, the
 //! newest one pending, which bounds the objects per replica and day.
+//!
+//! Whoever can create ConfigMaps in the namespace can also create objects
+//! at the names of a replica's next anchors, or objects that look like its
+//! anchors. So a writer whose name is taken writes under a fresh random one
+//! (and says so); an object counts as an anchor only at the name and with
+//! the labels its own checkpoint gives ([`misplaced`]); and a starting run
+//! takes a head only from a checkpoint signed with its own key.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
@@ -24,6 +31,7 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 use super::format::{line_hash, Checkpoint};
+use super::keys::{check_signature, VerifyKey};
 use super::verify::anchors::{newest_anchor, Anchor};
 use super::writer::CheckpointObserver;
 
@@ -74,6 +82,10 @@ pub enum AnchorError {
     Delete(String, kube::Error),
     #[error("audit anchor set name \"{0}\" is not a lower-case DNS name of at most {MAX_SET_NAME} characters")]
     SetName(String),
+    /// An object labelled as this replica's anchor that a starting run
+    /// does not continue from.
+    #[error("audit anchor {0} not taken as this replica's head: {1}")]
+    HeadRejected(String, String),
 }
 
 impl AnchorError {
@@ -84,6 +96,7 @@ impl AnchorError {
             Self::Conflict(..) => "audit_anchor_conflict",
             Self::Delete(..) => "audit_anchor_delete_failed",
             Self::SetName(..) => "audit_anchor_set_name",
+            Self::HeadRejected(..) => "audit_anchor_head_rejected",
         }
     }
 }
@@ -145,6 +158,60 @@ pub fn name_part(s: &str) -> String {
 /// The object holding checkpoint `seq` of `run` on `replica`.
 pub fn checkpoint_name(set: &str, replica: &str, run: &str, seq: u64) -> String {
     format!("{set}.{}.{}.{seq}", name_part(replica), name_part(run))
+}
+
+/// A fresh name for checkpoint `canonical` when another object holds that
+/// name: `<canonical>.<16 hex digits>`, random, so it cannot be taken first.
+fn fresh_name(canonical: &str) -> String {
+    let mut id = [0u8; 8];
+    let _ = aws_lc_rs::rand::fill(&mut id);
+    format!("{canonical}.{}", hex::encode(id))
+}
+
+/// Why an object of set `set` named `name` with `labels` is not where the
+/// checkpoint `line` it holds belongs (`None`: it is, or `line` is no
+/// checkpoint, which verify reports on its own). Its name must be the
+/// checkpoint's ([`checkpoint_name`]), or that name with the random suffix
+/// a writer takes when the name is squatted; its labels must be the set's,
+/// `kind=checkpoint` and the checkpoint's replica. An object elsewhere was
+/// not written by meshca: someone who can create ConfigMaps put a
+/// checkpoint (perhaps another replica's genuine one) there.
+pub fn misplaced(
+    set: &str,
+    name: &str,
+    labels: &BTreeMap<String, String>,
+    line: &str,
+) -> Option<String> {
+    let cp = serde_json::from_str::<Checkpoint>(line).ok()?;
+    let replica = cp.replica.clone().unwrap_or_default();
+    let run = cp.run.clone().unwrap_or_else(|| "v1".into());
+    let want = checkpoint_name(set, &replica, &run, cp.seq);
+    let suffixed = name
+        .strip_prefix(want.as_str())
+        .and_then(|rest| rest.strip_prefix('.'))
+        .is_some_and(|h| h.len() == 16 && h.bytes().all(|b| b.is_ascii_hexdigit()));
+    if name != want && !suffixed {
+        return Some(format!(
+            "the object's name is not {want}, the name of the checkpoint it holds (replica {}, run {run}, seq {}): an object squatting on an anchor name, not an anchor meshca wrote",
+            replica.escape_debug(),
+            cp.seq
+        ));
+    }
+    let label = |k: &str| labels.get(k).map(String::as_str);
+    let want_labels = [
+        (LABEL_SET, label_value(set)),
+        (LABEL_KIND, "checkpoint".to_string()),
+        (LABEL_REPLICA, label_value(&replica)),
+    ];
+    for (k, v) in want_labels {
+        if label(k) != Some(v.as_str()) {
+            return Some(format!(
+                "the object's label {k} is {}, but the checkpoint it holds gives {v}: not an anchor meshca wrote",
+                label(k).unwrap_or("(none)").escape_debug()
+            ));
+        }
+    }
+    None
 }
 
 /// The object publishing the public key `key_id`.
@@ -220,15 +287,17 @@ fn created(cm: &ConfigMap) -> Option<i64> {
         .map(|t| t.0.as_second())
 }
 
-fn to_anchor(namespace: &str, cm: ConfigMap) -> Anchor {
+fn to_anchor(namespace: &str, set: &str, cm: ConfigMap) -> Anchor {
     let created = created(&cm);
     let name = cm.metadata.name.clone().unwrap_or_default();
+    let labels = cm.metadata.labels.clone().unwrap_or_default();
     let line = cm
         .data
         .and_then(|mut d| d.remove(DATA_CHECKPOINT))
         .unwrap_or_default();
     Anchor {
         source: format!("{namespace}/{name}"),
+        misplaced: misplaced(set, &name, &labels, &line),
         line,
         created,
     }
@@ -266,34 +335,109 @@ pub async fn fetch(client: &Client, namespace: &str, set: &str) -> Result<Fetche
                 out.keys.push((id, pem));
             }
         } else {
-            out.checkpoints.push(to_anchor(namespace, cm));
+            out.checkpoints.push(to_anchor(namespace, set, cm));
         }
     }
     Ok(out)
 }
 
+/// What a starting run found among the objects labelled as its anchors.
+#[derive(Debug, Default)]
+pub struct Head {
+    /// (seq, line hash) of the newest anchor it continues from.
+    pub head: Option<(u64, String)>,
+    /// The objects it did not take, and why (each a `HeadRejected`).
+    pub rejected: Vec<AnchorError>,
+}
+
+/// Whether an anchor may be a head: a checkpoint of `replica` at its own
+/// name, signed with `key` (without a key, checkpoints are unsigned and
+/// any is taken).
+fn head_candidate(a: &Anchor, replica: &str, key: Option<&VerifyKey>) -> Result<(), String> {
+    let Ok(cp) = serde_json::from_str::<Checkpoint>(&a.line) else {
+        return Err("not a checkpoint line".into());
+    };
+    if cp.replica.as_deref() != Some(replica) {
+        return Err(format!(
+            "it holds a checkpoint of replica {}",
+            cp.replica.as_deref().unwrap_or("(none)").escape_debug()
+        ));
+    }
+    if let Some(why) = &a.misplaced {
+        return Err(why.clone());
+    }
+    let Some(k) = key else {
+        return Ok(());
+    };
+    let why = if cp.sig.is_none() {
+        format!("not signed (alg {})", cp.alg.escape_debug())
+    } else {
+        match check_signature(&cp, std::slice::from_ref(k)) {
+            Ok(true) => return Ok(()),
+            Ok(false) => "not checked".into(),
+            Err(why) => why,
+        }
+    };
+    Err(format!(
+        "{why}: only a checkpoint signed with this replica's checkpoint key is a head"
+    ))
+}
+
 /// The head a new run continues from: (seq, line hash) of the replica's
-/// newest anchor (in the order the history is verified in), if any.
-/// Objects that are not this replica's checkpoints are skipped (verify
-/// reports them).
+/// newest anchor (in the order the history is verified in) among those
+/// that are its checkpoints, at their own names, signed with `key`. Every
+/// other object labelled as the replica's is logged and returned as
+/// rejected (anyone who can create ConfigMaps in the namespace can add
+/// one; taking it as the head would make the genuine log fail `verify`).
 pub async fn read_head(
     client: &Client,
     s: &AnchorSettings,
-) -> Result<Option<(u64, String)>, AnchorError> {
+    key: Option<&VerifyKey>,
+) -> Result<Head, AnchorError> {
     let extra = format!(",{LABEL_REPLICA}={}", label_value(&s.replica));
-    let anchors: Vec<Anchor> = list(client, &s.namespace, &s.set, &extra)
-        .await?
-        .into_iter()
-        .map(|cm| to_anchor(&s.namespace, cm))
-        .collect();
-    let newest = newest_anchor(&anchors, &s.replica);
-    if newest.is_none() && !anchors.is_empty() {
+    let mut out = Head::default();
+    let mut anchors = Vec::new();
+    for cm in list(client, &s.namespace, &s.set, &extra).await? {
+        let a = to_anchor(&s.namespace, &s.set, cm);
+        match head_candidate(&a, &s.replica, key) {
+            Ok(()) => anchors.push(a),
+            Err(why) => {
+                let e = AnchorError::HeadRejected(a.source.clone(), why);
+                tracing::warn!(error = %e, reason = e.reason(), "an object labelled as this replica's audit anchor is not taken as its head");
+                out.rejected.push(e);
+            }
+        }
+    }
+    if key.is_none() && !anchors.is_empty() {
         tracing::warn!(
-            objects = anchors.len(),
-            "none of the objects labelled as this replica's anchors is its checkpoint; starting a new chain"
+            "no checkpoint key: the anchored head this run continues from cannot be authenticated"
         );
     }
-    Ok(newest.map(|(cp, a)| (cp.seq, line_hash(&a.line))))
+    out.head = newest_anchor(&anchors, &s.replica).map(|(cp, a)| (cp.seq, line_hash(&a.line)));
+    Ok(out)
+}
+
+/// The audit record saying which objects a starting run did not take as
+/// its head (at most 16 named, all counted).
+pub fn rejected_heads_record(rejected: &[AnchorError]) -> super::AuditRecord {
+    let mut detail = format!(
+        "{} object(s) labelled as this replica's audit anchors not taken as its head",
+        rejected.len()
+    );
+    for e in rejected.iter().take(16) {
+        detail.push_str("; ");
+        detail.push_str(&e.to_string());
+    }
+    let mut r = super::AuditRecord::new(
+        time::OffsetDateTime::now_utc(),
+        super::random_id(),
+        super::Decision::Deny,
+        "audit_anchor_head_rejected".into(),
+    );
+    r.detail = Some(detail);
+    r.count = Some(rejected.len() as u64);
+    r.bound();
+    r
 }
 
 /// Every value of `meshca_audit_anchor_writes_total{result}`: `written`,
@@ -485,7 +629,7 @@ impl KubeAnchor {
                 // lines wait behind it (coalesced), keeping the order.
                 let mut pause = FIRST_RETRY;
                 let result = loop {
-                    let r = write(&client, &s, &line).await;
+                    let r = write(&client, &s, &line, &metrics).await;
                     if let Some(m) = &metrics {
                         m.anchor_written(r.as_ref().map_err(AnchorError::reason).err());
                     }
@@ -547,7 +691,8 @@ pub trait AnchorMetrics: Send + Sync + std::fmt::Debug {
 
 /// Creates `obj`; when it exists already (a retry whose first response was
 /// lost, or a key published by an earlier run) its `data_key` must hold the
-/// same value. Returns the object as stored.
+/// same value, else the name is taken (`Conflict`). Returns the object as
+/// stored.
 async fn create_once(
     client: &Client,
     obj: &ConfigMap,
@@ -575,9 +720,35 @@ async fn create_once(
     }
 }
 
-/// Stores the line as a new immutable object and emits the Event.
-async fn write(client: &Client, s: &AnchorSettings, line: &str) -> Result<(), AnchorError> {
-    let cm = create_once(client, &checkpoint_object(s, line), DATA_CHECKPOINT).await?;
+/// Fresh names tried after a squatted one.
+const FRESH_NAMES: usize = 4;
+
+/// Stores the line as a new immutable object and emits the Event. When
+/// another object holds the checkpoint's name (squatted), the line goes
+/// under a fresh random name; each squat is logged and counted as
+/// `audit_anchor_conflict`.
+async fn write(
+    client: &Client,
+    s: &AnchorSettings,
+    line: &str,
+    metrics: &Option<Arc<dyn AnchorMetrics>>,
+) -> Result<(), AnchorError> {
+    let mut obj = checkpoint_object(s, line);
+    let canonical = obj.metadata.name.clone().unwrap_or_default();
+    let mut fresh = 0;
+    let cm = loop {
+        match create_once(client, &obj, DATA_CHECKPOINT).await {
+            Err(e @ AnchorError::Conflict(_)) if fresh < FRESH_NAMES => {
+                fresh += 1;
+                if let Some(m) = metrics {
+                    m.anchor_written(Some(e.reason()));
+                }
+                obj.metadata.name = Some(fresh_name(&canonical));
+                tracing::error!(error = %e, reason = e.reason(), fresh_name = ?obj.metadata.name, "another object sits at this audit anchor's name (squatted by whoever can create ConfigMaps here); anchoring under a fresh name");
+            }
+            r => break r?,
+        }
+    };
     let name = cm.metadata.name.clone().unwrap_or_default();
     let summary = serde_json::from_str::<Checkpoint>(line)
         .map(|cp| {
@@ -906,5 +1077,57 @@ mod tests {
             .collect();
         assert_eq!(names, ["a0", "a1", "b0", "c0", "junk"]);
         assert!(prune_plan(&objects, 0).is_empty());
+    }
+
+    fn line_of(replica: &str, run: &str, seq: u64) -> String {
+        format!(
+            r#"{{"type":"checkpoint","seq":{seq},"prev":"p","time":"t","reason":"start","records":0,"alg":"none","key_id":null,"sig":null,"replica":"{replica}","run":"{run}","count":0,"shed":0}}"#
+        )
+    }
+
+    /// Whoever can create ConfigMaps in the namespace can create objects at
+    /// a replica's anchor names holding someone else's checkpoint: such an
+    /// object is misplaced unless name and labels are the ones its own
+    /// checkpoint gives (a fresh random suffix, taken when the name was
+    /// squatted, included).
+    #[test]
+    fn an_object_is_an_anchor_only_at_its_checkpoints_name_and_labels() {
+        let s = AnchorSettings {
+            namespace: "ns".into(),
+            set: "set".into(),
+            replica: "meshca-0".into(),
+            interval: DEFAULT_INTERVAL,
+        };
+        let mine = line_of("meshca-0", "r1", 7);
+        let obj = checkpoint_object(&s, &mine);
+        let name = obj.metadata.name.clone().unwrap();
+        let labels = obj.metadata.labels.clone().unwrap();
+        assert_eq!(name, "set.meshca-0.r1.7");
+        let at = |name: &str, labels: &BTreeMap<String, String>, line: &str| {
+            misplaced("set", name, labels, line)
+        };
+        assert_eq!(at(&name, &labels, &mine), None);
+        assert_eq!(at(&fresh_name(&name), &labels, &mine), None, "a fresh name");
+        // Another replica's genuine line at this replica's next name.
+        let other = line_of("meshca-1", "r9", 3);
+        let squat = at("set.meshca-0.r1.8", &labels, &other).unwrap();
+        assert!(squat.contains("squatting"), "{squat}");
+        // The right name for that line, with this replica's label.
+        let relabelled = at("set.meshca-1.r9.3", &labels, &other).unwrap();
+        assert!(relabelled.contains(LABEL_REPLICA), "{relabelled}");
+        // Other names: the next seq, a suffix that is not a fresh name.
+        for bad in [
+            "set.meshca-0.r1.8",
+            "set.meshca-0.r1.7.x",
+            "set.meshca-0.r1.7-0123456789abcdef",
+            "other.meshca-0.r1.7",
+        ] {
+            assert!(at(bad, &labels, &mine).is_some(), "{bad}");
+        }
+        let mut no_kind = labels.clone();
+        no_kind.remove(LABEL_KIND);
+        assert!(at(&name, &no_kind, &mine).is_some());
+        // Not a checkpoint at all: verify says so on its own.
+        assert_eq!(at(&name, &labels, "junk"), None);
     }
 }

@@ -17,8 +17,9 @@ use time::OffsetDateTime;
 use super::format::{fit_line, line_hash, Checkpoint, PreviousHead, Recovery, GENESIS};
 use super::keys::{CheckpointKey, VerifyKey};
 use super::{AuditError, AuditRecord, AuditSink};
-use tail::{recover, rotate_files, Damage};
+use tail::{recover, Damage};
 
+mod retain;
 mod tail;
 
 /// Default cap on one audit line (`MESHCA_AUDIT_MAX_LINE_BYTES`).
@@ -62,11 +63,14 @@ impl RunInfo {
 pub enum Destination {
     /// Standard output: only audit lines go there (logs go to stderr).
     Stdout,
-    /// A file rotated by size: `path`, `path.1`, ... `path.<max_files-1>`.
+    /// A file rotated by size: `path`, `path.1`, ... `path.<max_files-1>`,
+    /// and older files past the count while they hold an issuance record
+    /// younger than `retain_issued` (zero: by count alone).
     File {
         path: PathBuf,
         max_bytes: u64,
         max_files: u32,
+        retain_issued: std::time::Duration,
     },
     /// In memory (tests; read back with [`ChainedSink::buffer_contents`]).
     Buffer,
@@ -75,13 +79,23 @@ pub enum Destination {
 }
 
 impl Destination {
-    /// A file rotated by size (see [`Destination::File`]).
+    /// A file rotated by size, deleted by count (see [`Destination::File`]).
     pub fn file(path: impl AsRef<Path>, max_bytes: u64, max_files: u32) -> Self {
         Self::File {
             path: path.as_ref().to_path_buf(),
             max_bytes,
             max_files,
+            retain_issued: std::time::Duration::ZERO,
         }
+    }
+
+    /// A file destination whose rotation keeps files holding issuance
+    /// records younger than `retain` (no effect on other destinations).
+    pub fn retaining_issued(mut self, retain: std::time::Duration) -> Self {
+        if let Self::File { retain_issued, .. } = &mut self {
+            *retain_issued = retain;
+        }
+        self
     }
 }
 
@@ -131,6 +145,10 @@ enum Output {
         size: u64,
         max_bytes: u64,
         max_files: u32,
+        retain_issued: std::time::Duration,
+        /// The newest issuance record of each file, as far as known
+        /// (index 0: the current file; see [`retain::Issued`]).
+        issued: Vec<retain::Issued>,
     },
     Buffer(Vec<u8>),
     Writer(Box<dyn Write + Send>),
@@ -236,6 +254,9 @@ pub struct ChainedSink {
     rotations: AtomicU64,
     /// Checkpoints written by this sink (anchors follow the newest).
     checkpoints: AtomicU64,
+    /// Files kept past the count for their issuance records
+    /// (`meshca_audit_files_retained`).
+    retained: prometheus_client::metrics::gauge::Gauge,
 }
 
 impl ChainedSink {
@@ -264,9 +285,10 @@ impl ChainedSink {
                 path,
                 max_bytes,
                 max_files,
+                retain_issued,
             } => {
                 let (out, seq, prev, damage) =
-                    open_file(path, max_bytes, max_files, max_line_bytes)?;
+                    open_file(path, max_bytes, max_files, retain_issued, max_line_bytes)?;
                 (out, seq, prev, damage, "file")
             }
             Destination::Stdout => linked(Output::Stdout),
@@ -298,6 +320,7 @@ impl ChainedSink {
             shed: Arc::new(AtomicU64::new(0)),
             rotations: AtomicU64::new(0),
             checkpoints: AtomicU64::new(0),
+            retained: Default::default(),
         };
         // Every start is marked, so restarts are visible in the log (a
         // pending recovery is written first).
@@ -353,6 +376,24 @@ impl ChainedSink {
     /// The public key of the checkpoint key, when checkpoints are signed.
     pub fn verify_key(&self) -> Option<VerifyKey> {
         self.key.as_ref().map(CheckpointKey::verify_key)
+    }
+
+    /// Reports in `gauge` how many files are kept past the count for their
+    /// issuance records (from the files on disk now, then at each rotation).
+    pub fn report_retained_in(mut self, gauge: prometheus_client::metrics::gauge::Gauge) -> Self {
+        if let Ok(st) = self.state.lock() {
+            if let Output::File {
+                path, max_files, ..
+            } = &st.out
+            {
+                let past = retain::rotated_numbers(path)
+                    .map(|v| v.iter().filter(|i| **i >= *max_files).count())
+                    .unwrap_or(0);
+                gauge.set(i64::try_from(past).unwrap_or(i64::MAX));
+            }
+        }
+        self.retained = gauge;
+        self
     }
 
     /// The run this sink writes.
@@ -688,13 +729,14 @@ fn open_file(
     path: PathBuf,
     max_bytes: u64,
     max_files: u32,
+    retain_issued: std::time::Duration,
     max_line: u64,
 ) -> Result<(Output, u64, String, Option<Damage>), AuditError> {
     let io = |e: std::io::Error| AuditError(format!("{}: {e}", path.display()));
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir).map_err(io)?;
     }
-    let (seq, prev, damage) = recover(&path, max_line, max_files).map_err(io)?;
+    let (seq, prev, damage) = recover(&path, max_line, max_files, retain_issued).map_err(io)?;
     let file = OpenOptions::new()
         .create(true)
         .append(true)
@@ -707,6 +749,9 @@ fn open_file(
         size,
         max_bytes: max_bytes.max(4096),
         max_files: max_files.max(1),
+        retain_issued,
+        // What an existing file holds is read if it is ever to be deleted.
+        issued: vec![if size == 0 { Some(None) } else { None }],
     };
     Ok((out, seq, prev, damage))
 }
@@ -734,12 +779,14 @@ impl ChainedSink {
             path,
             max_files,
             file,
+            retain_issued,
+            issued,
             ..
         } = &mut st.out
         else {
             return Ok(());
         };
-        let (path, max_files) = (path.clone(), *max_files);
+        let (path, max_files, retain) = (path.clone(), *max_files, *retain_issued);
         let io = |e: std::io::Error| AuditError(format!("rotating {}: {e}", path.display()));
         if let Some(d) = st.damage.as_mut().filter(|d| d.open) {
             // Terminate a torn line in the file it belongs to.
@@ -747,8 +794,24 @@ impl ChainedSink {
             d.add(b"\n");
         }
         file.sync_data().map_err(io)?;
-        rotate_files(&path, max_files).map_err(io)?;
+        let rotated =
+            retain::rotate_files(&path, max_files, retain, issued, OffsetDateTime::now_utc())
+                .map_err(io)?;
         self.rotations.fetch_add(1, Ordering::Relaxed);
+        // File i is now i + 1; a fresh current file holds nothing.
+        let mut now_known = Vec::with_capacity(rotated.files as usize + 1);
+        now_known.push(Some(None));
+        now_known.extend((0..rotated.files as usize).map(|i| issued.get(i).copied().flatten()));
+        *issued = now_known;
+        let was = self.retained.set(i64::from(rotated.retained));
+        if rotated.retained > 0 && was < i64::from(rotated.retained) {
+            tracing::warn!(
+                retained = rotated.retained,
+                files = rotated.files + 1,
+                max_files,
+                "audit files kept past --audit-max-files: they hold issuance records younger than --audit-retain-issued"
+            );
+        }
         let new = OpenOptions::new()
             .create(true)
             .append(true)
@@ -783,6 +846,15 @@ impl AuditSink for ChainedSink {
         self.write_line(&mut st, &line)?;
         st.records += 1;
         st.since_checkpoint += 1;
+        if record.decision == super::Decision::Allow {
+            if let Output::File { issued, .. } = &mut st.out {
+                // Only ever moves forward: a rolled-back line may keep its
+                // file a little longer, never shorter.
+                if let Some(Some(newest)) = issued.first_mut() {
+                    *newest = Some(newest.map_or(record.time, |t| t.max(record.time)));
+                }
+            }
+        }
         Ok(())
     }
 }

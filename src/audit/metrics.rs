@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
 use super::anchor::{AnchorMetrics, WRITE_RESULTS};
@@ -25,6 +26,14 @@ pub struct AuditMetrics {
     pub audit_anchor_writes: Family<ResultLabels, Counter>,
     /// Periodic checkpoints a newer one replaced before they were anchored.
     pub audit_anchor_coalesced: Counter,
+    /// Refusals of unauthenticated callers folded into aggregate records
+    /// past `--audit-unauthenticated-rate`.
+    pub audit_unauthenticated_folded: Counter,
+    /// Audit files kept past `--audit-max-files` for their issuance records.
+    pub audit_files_retained: Gauge,
+    /// Objects labelled as this replica's anchors not taken as its head
+    /// (unsigned, signed by another key, or not at their own name).
+    pub audit_anchor_heads_rejected: Counter,
     /// Checkpoints anchored in Kubernetes (rendered only when anchoring is on).
     anchor: AnchorStats,
 }
@@ -48,6 +57,18 @@ impl AuditMetrics {
             audit_anchor_coalesced: registry.metric(
                 "meshca_audit_anchor_coalesced",
                 "Periodic audit checkpoints not anchored because a newer one replaced them within the anchor interval",
+            ),
+            audit_unauthenticated_folded: registry.metric(
+                "meshca_audit_unauthenticated_folded",
+                "Refusals of callers without an identity folded into aggregate audit records past MESHCA_AUDIT_UNAUTHENTICATED_RATE (each still counted in an aggregate's count)",
+            ),
+            audit_files_retained: registry.metric(
+                "meshca_audit_files_retained",
+                "Audit files kept past MESHCA_AUDIT_MAX_FILES because they hold issuance records younger than MESHCA_AUDIT_RETAIN_ISSUED (the volume must hold them)",
+            ),
+            audit_anchor_heads_rejected: registry.metric(
+                "meshca_audit_anchor_heads_rejected",
+                "Objects labelled as this replica's audit anchors that a starting stdout run did not take as its head: unsigned, not signed with its checkpoint key, or not at the name its checkpoint gives",
             ),
             anchor: AnchorStats::default(),
         }

@@ -22,6 +22,9 @@ pub struct AuditSettings {
     pub file: PathBuf,
     pub max_bytes: u64,
     pub max_files: u32,
+    /// Rotation never deletes a file holding an issuance record younger than
+    /// this (`MESHCA_AUDIT_RETAIN_ISSUED`; zero: files are deleted by count).
+    pub retain_issued: Duration,
     pub max_line_bytes: u64,
     pub checkpoint_key: Option<PathBuf>,
     pub checkpoint_every: u64,
@@ -83,9 +86,18 @@ pub struct AuditArgs {
     /// Rotate the audit file at this size.
     #[arg(long, env = "MESHCA_AUDIT_MAX_BYTES", default_value_t = 100 * 1024 * 1024)]
     pub audit_max_bytes: u64,
-    /// Audit files kept (current + rotated).
+    /// Audit files kept (current + rotated). Rotation deletes the oldest
+    /// file beyond this count only when it holds no issuance record younger
+    /// than --audit-retain-issued.
     #[arg(long, env = "MESHCA_AUDIT_MAX_FILES", default_value_t = 10)]
     pub audit_max_files: u32,
+    /// Rotation never deletes a file holding a record of an issued
+    /// certificate younger than this, even past --audit-max-files (0s: files
+    /// are deleted by count alone). Size the volume for the issuance records
+    /// of this long; `meshca_audit_files_retained` shows files kept past the
+    /// count.
+    #[arg(long, env = "MESHCA_AUDIT_RETAIN_ISSUED", default_value = "24h")]
+    pub audit_retain_issued: String,
     /// Longest audit line (bytes, 4096..=1048576). A record over it is
     /// written in a reduced form that says so; it is never dropped.
     #[arg(long, env = "MESHCA_AUDIT_MAX_LINE_BYTES", default_value_t = super::chain::DEFAULT_MAX_LINE_BYTES)]
@@ -114,6 +126,17 @@ pub struct AuditArgs {
     /// shed with UNAVAILABLE (reason audit_queue_full).
     #[arg(long, env = "MESHCA_AUDIT_QUEUE", default_value_t = 4096)]
     pub audit_queue: usize,
+    /// Refusals of callers that established no identity (no or a bad client
+    /// certificate, token) are written as full records at most this many per
+    /// second (as many at once); past it they are folded into aggregate
+    /// records per (reason, source address), counts exact. 0 folds every
+    /// one. Bounds how fast an unauthenticated flood grows the log.
+    #[arg(
+        long,
+        env = "MESHCA_AUDIT_UNAUTHENTICATED_RATE",
+        default_value_t = super::writer::DEFAULT_UNAUTHENTICATED_RATE
+    )]
+    pub audit_unauthenticated_rate: u32,
     /// Rejected TLS handshakes are written as one aggregated `deny` record
     /// per (source IP, reason) this often (1s..=1h).
     #[arg(long, env = "MESHCA_AUDIT_HANDSHAKE_INTERVAL", default_value = "10s")]
@@ -132,8 +155,10 @@ pub struct AuditArgs {
     /// address), with count and first/last time, this often (100ms..=1h).
     #[arg(long, env = "MESHCA_AUDIT_AGGREGATE_INTERVAL", default_value = "1s")]
     pub audit_aggregate_interval: String,
-    /// Most (reason, caller) keys folded between two aggregate writes;
-    /// further callers are counted per reason under the peer `overflow`.
+    /// Most (reason, caller) keys named between two aggregate writes; when
+    /// it is reached, the callers with the most refusals keep their names
+    /// and the others are counted per reason under the peer `overflow`
+    /// (totals exact).
     #[arg(
         long,
         env = "MESHCA_AUDIT_AGGREGATE_MAX_KEYS",
@@ -196,6 +221,19 @@ impl AuditArgs {
             }
         }
         // Every issued certificate may wait this long: at most a second.
+        // Retention may be off (0s), or as long as ten years.
+        let retain_issued = bounded_duration(
+            "MESHCA_AUDIT_RETAIN_ISSUED",
+            &self.audit_retain_issued,
+            true,
+            Duration::from_secs(10 * 366 * 86400),
+        )?;
+        bounded(
+            "MESHCA_AUDIT_UNAUTHENTICATED_RATE",
+            self.audit_unauthenticated_rate,
+            0,
+            1_000_000,
+        )?;
         let batch_interval = bounded_duration(
             "MESHCA_AUDIT_FSYNC_BATCH_INTERVAL",
             &self.audit_fsync_batch_interval,
@@ -240,6 +278,7 @@ impl AuditArgs {
             file: self.audit_file.clone(),
             max_bytes: self.audit_max_bytes,
             max_files: self.audit_max_files,
+            retain_issued,
             max_line_bytes: self.audit_max_line_bytes,
             checkpoint_key: self.audit_checkpoint_key.clone(),
             checkpoint_every: self.audit_checkpoint_every,
@@ -254,6 +293,7 @@ impl AuditArgs {
                 batch_interval,
                 checkpoint_interval,
                 aggregate_interval,
+                unauthenticated_rate: self.audit_unauthenticated_rate,
             },
             aggregate_max_keys: self.audit_aggregate_max_keys,
             anchor: None,

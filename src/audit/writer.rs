@@ -12,9 +12,10 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
 
-use super::aggregate::Aggregator;
+use super::aggregate::{unauthenticated_refusal, Aggregator, Key, Tally};
 use super::chain::ChainedSink;
 use super::{Ack, AuditError, AuditRecord, AuditRefusal, AuditSink, Decision};
+use crate::ratelimit::TokenBucket;
 
 /// Reason codes of requests shed by the writer.
 pub const SHED_REASONS: [&str; 2] = ["audit_queue_full", "audit_writer_stopped"];
@@ -53,7 +54,14 @@ pub struct WriterSettings {
     pub checkpoint_interval: Duration,
     /// How often folded refusals are written as aggregate records.
     pub aggregate_interval: Duration,
+    /// Refusals of unauthenticated callers written as full records per
+    /// second (as many at once); the rest are folded into aggregates. 0:
+    /// every one is folded.
+    pub unauthenticated_rate: u32,
 }
+
+/// Default of `--audit-unauthenticated-rate`.
+pub const DEFAULT_UNAUTHENTICATED_RATE: u32 = 20;
 
 /// Something an anchor does with each checkpoint the writer writes (the
 /// Kubernetes anchor; tests). Runs on the writer thread: must not block long.
@@ -66,6 +74,8 @@ type BlockingReply = mpsc::Sender<Result<(), AuditError>>;
 
 enum Msg {
     Record(Box<AuditRecord>, Option<Reply>),
+    /// An aggregate record and the key and tally it stands for.
+    Folded(Box<AuditRecord>, Key, Tally),
     Checkpoint(&'static str, BlockingReply),
 }
 
@@ -74,12 +84,14 @@ enum Waiter {
     None,
     Request(Reply),
     Blocking(BlockingReply),
+    /// An aggregate: put back into the table when it was not written.
+    Fold(Key, Tally),
 }
 
 impl Waiter {
     fn send(self, r: Result<(), AuditError>) {
         match self {
-            Self::None => {}
+            Self::None | Self::Fold(..) => {}
             Self::Request(w) => {
                 let _ = w.send(r);
             }
@@ -99,6 +111,11 @@ pub struct AuditWriter {
     aggregator: Arc<Aggregator>,
     thread: Mutex<Option<JoinHandle<()>>>,
     run: super::chain::RunInfo,
+    /// Full records left for unauthenticated callers' refusals.
+    unauthenticated: Mutex<TokenBucket>,
+    unauthenticated_rate: u32,
+    /// Unauthenticated refusals folded (`meshca_audit_unauthenticated_folded_total`).
+    folded: prometheus_client::metrics::counter::Counter,
 }
 
 impl AuditWriter {
@@ -122,13 +139,43 @@ impl AuditWriter {
         let thread = std::thread::Builder::new()
             .name("meshca-audit".into())
             .spawn(move || worker.run(rx))?;
+        let rate = settings.unauthenticated_rate;
         Ok(Self {
             tx: Mutex::new(Some(tx)),
             shed,
             aggregator,
             thread: Mutex::new(Some(thread)),
             run,
+            unauthenticated: Mutex::new(TokenBucket::new(rate, rate, Instant::now())),
+            unauthenticated_rate: rate,
+            folded: Default::default(),
         })
+    }
+
+    /// Counts unauthenticated refusals folded into aggregates in `counter`.
+    pub fn count_folds_in(mut self, counter: prometheus_client::metrics::counter::Counter) -> Self {
+        self.folded = counter;
+        self
+    }
+
+    /// Folds `record` when it is an unauthenticated caller's refusal past
+    /// the rate: its count reaches the chain with the next aggregates, so
+    /// an unauthenticated flood writes at most the rate in full records plus
+    /// one aggregate per key and interval.
+    fn folds(&self, record: &AuditRecord) -> bool {
+        if !unauthenticated_refusal(record) {
+            return false;
+        }
+        let within = self.unauthenticated_rate > 0
+            && crate::primitives::lock(&self.unauthenticated)
+                .reserve(Instant::now(), Duration::ZERO)
+                .is_ok();
+        if within {
+            return false;
+        }
+        self.aggregator.fold_unauthenticated(record);
+        self.folded.inc();
+        true
     }
 
     /// The run the writer's checkpoints name.
@@ -222,11 +269,17 @@ impl AuditWriter {
 
 impl AuditSink for AuditWriter {
     fn emit(&self, record: &AuditRecord) -> Result<(), AuditError> {
+        if self.folds(record) {
+            return Ok(());
+        }
         self.send(Msg::Record(Box::new(record.clone()), None))
             .map_err(|e| AuditError(e.to_string()))
     }
 
     fn submit(&self, record: Box<AuditRecord>) -> Result<Ack, AuditRefusal> {
+        if self.folds(&record) {
+            return Ok(Ack::Written);
+        }
         let (reply, rx) = oneshot::channel();
         self.send(Msg::Record(record, Some(reply)))?;
         Ok(Ack::Pending(rx))
@@ -280,15 +333,14 @@ impl Worker {
         }
         self.last_aggregate = Instant::now();
         let folded = self.aggregator.take();
-        if folded.is_empty() {
-            return Vec::new();
-        }
+        let now = time::OffsetDateTime::now_utc();
         folded
-            .records(time::OffsetDateTime::now_utc())
+            .entries()
             .into_iter()
-            .map(|mut r| {
+            .map(|(key, tally)| {
+                let mut r = super::aggregate::record(&key, &tally, now);
                 r.bound();
-                Msg::Record(Box::new(r), None)
+                Msg::Folded(Box::new(r), key, tally)
             })
             .collect()
     }
@@ -323,6 +375,13 @@ impl Worker {
                         let _ = self.write_batch(folded);
                     }
                     let _ = self.checkpoint("shutdown");
+                    let lost = self.aggregator.take().total();
+                    if lost > 0 {
+                        tracing::error!(
+                            refusals = lost,
+                            "folded refusals could not be written before the audit writer stopped"
+                        );
+                    }
                     return;
                 }
             };
@@ -415,6 +474,15 @@ impl Worker {
                     }
                     acks.push((reply.map_or(Waiter::None, Waiter::Request), r));
                 }
+                Msg::Folded(record, key, tally) => {
+                    let mark = if staged { None } else { self.sink.mark() };
+                    let mut r = self.sink.emit(&record);
+                    self.pending = true;
+                    if r.is_ok() && !staged {
+                        r = self.durable(mark.as_ref());
+                    }
+                    acks.push((Waiter::Fold(key, tally), r));
+                }
                 Msg::Checkpoint(reason, reply) => {
                     let r = self.checkpoint(reason);
                     stop |= reason == "shutdown" && r.is_ok();
@@ -448,7 +516,12 @@ impl Worker {
             }
         }
         for (waiter, r) in acks {
-            waiter.send(r);
+            match waiter {
+                // Counts are never lost to a failed write: they go back into
+                // the table and out with the next drain (or at shutdown).
+                Waiter::Fold(key, tally) if r.is_err() => self.aggregator.restore_one(key, tally),
+                w => w.send(r),
+            }
         }
         self.anchor();
         stop
@@ -532,6 +605,7 @@ mod tests {
             batch_interval: Duration::from_millis(2),
             checkpoint_interval: Duration::from_secs(60),
             aggregate_interval: Duration::from_millis(100),
+            unauthenticated_rate: DEFAULT_UNAUTHENTICATED_RATE,
         }
     }
 
@@ -657,10 +731,16 @@ mod tests {
 
     /// An output that refuses every write while `full` is set (ENOSPC).
     #[derive(Clone, Default)]
-    struct Full(Arc<std::sync::atomic::AtomicBool>, Arc<Mutex<Vec<u8>>>);
+    struct Full(
+        Arc<std::sync::atomic::AtomicBool>,
+        Arc<Mutex<Vec<u8>>>,
+        /// Writes refused so far.
+        Arc<AtomicU64>,
+    );
     impl std::io::Write for Full {
         fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
             if self.0.load(Ordering::SeqCst) {
+                self.2.fetch_add(1, Ordering::SeqCst);
                 return Err(std::io::Error::from_raw_os_error(28));
             }
             self.1.lock().unwrap().extend_from_slice(buf);
@@ -748,5 +828,154 @@ mod tests {
             w.submit(Box::new(record(1))),
             Err(AuditRefusal::Shed("audit_writer_stopped"))
         ));
+    }
+
+    /// The lines of a writer's output, for `verify_lines`.
+    fn output_lines(data: &[u8]) -> Vec<(String, Vec<u8>)> {
+        data.split(|b| *b == b'\n')
+            .filter(|l| !l.is_empty())
+            .enumerate()
+            .map(|(i, l)| (format!("mem:{}", i + 1), l.to_vec()))
+            .collect()
+    }
+
+    /// Sum of `count` over the aggregate records of `reason`.
+    fn folded_count(lines: &[(String, Vec<u8>)], reason: &str) -> u64 {
+        lines
+            .iter()
+            .filter_map(|(_, l)| serde_json::from_slice::<serde_json::Value>(l).ok())
+            .filter(|v| v["aggregate"].is_object() && v["reason"] == reason)
+            .map(|v| v["count"].as_u64().unwrap())
+            .sum()
+    }
+
+    /// Folded counts whose aggregate records could not be written go back
+    /// into the table and reach the log with a later write.
+    #[test_case::test_case(FsyncPolicy::Batch ; "batch")]
+    #[test_case::test_case(FsyncPolicy::Always ; "always")]
+    #[tokio::test]
+    async fn folded_counts_survive_a_failed_write(fsync: FsyncPolicy) {
+        let out = Full::default();
+        let sink = ChainedSink::open(SinkOptions::new(Destination::Writer(Box::new(out.clone()))))
+            .unwrap();
+        let aggregator = agg();
+        let w = Arc::new(
+            AuditWriter::start(sink, settings(64, fsync), None, aggregator.clone()).unwrap(),
+        );
+        out.0.store(true, Ordering::SeqCst);
+        for _ in 0..7 {
+            aggregator.fold_transport("10.0.0.9".parse().unwrap(), "message_too_large");
+        }
+        // Several aggregate intervals pass while every write fails.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while out.2.load(Ordering::SeqCst) < 3 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(
+            out.2.load(Ordering::SeqCst) >= 3,
+            "the writer tried to write them"
+        );
+        out.0.store(false, Ordering::SeqCst);
+        for _ in 0..3 {
+            aggregator.fold_transport("10.0.0.9".parse().unwrap(), "message_too_large");
+        }
+        shut_down(&w).await;
+        let lines = output_lines(&out.1.lock().unwrap());
+        verify_lines(&lines, None).unwrap();
+        assert_eq!(folded_count(&lines, "message_too_large"), 10);
+    }
+
+    /// What is folded right before a stop is written before the shutdown
+    /// checkpoint, however long the aggregate interval.
+    #[tokio::test]
+    async fn folded_counts_are_written_before_the_shutdown_checkpoint() {
+        let out = Full::default();
+        let sink = ChainedSink::open(SinkOptions::new(Destination::Writer(Box::new(out.clone()))))
+            .unwrap();
+        let aggregator = agg();
+        let mut s = settings(64, FsyncPolicy::Batch);
+        s.aggregate_interval = Duration::from_secs(3600);
+        let w = Arc::new(AuditWriter::start(sink, s, None, aggregator.clone()).unwrap());
+        for i in 0..5u8 {
+            aggregator.fold_transport(std::net::IpAddr::from([10, 0, 0, i]), "request_timeout");
+        }
+        shut_down(&w).await;
+        let lines = output_lines(&out.1.lock().unwrap());
+        let rep = verify_lines(&lines, None).unwrap();
+        assert_eq!(rep.last_checkpoint_reason.as_deref(), Some("shutdown"));
+        assert_eq!(folded_count(&lines, "request_timeout"), 5);
+        assert!(aggregator.is_empty());
+    }
+
+    fn refusal(i: u64, peer: &str) -> AuditRecord {
+        let mut r = AuditRecord::new(
+            OffsetDateTime::now_utc(),
+            format!("anon-{i}"),
+            Decision::Deny,
+            "authn_no_credentials".into(),
+        );
+        r.peer = Some(peer.into());
+        r
+    }
+
+    /// Past `--audit-unauthenticated-rate`, unauthenticated refusals are
+    /// counted, not written one by one; authenticated refusals and issued
+    /// records are never folded; every refusal is accounted for exactly.
+    #[tokio::test]
+    async fn unauthenticated_refusals_past_the_rate_are_folded_with_exact_counts() {
+        let out = Full::default();
+        let sink = ChainedSink::open(SinkOptions::new(Destination::Writer(Box::new(out.clone()))))
+            .unwrap();
+        let mut s = settings(64, FsyncPolicy::Batch);
+        s.unauthenticated_rate = 5;
+        let counter = prometheus_client::metrics::counter::Counter::default();
+        let w = Arc::new(
+            AuditWriter::start(sink, s, None, agg())
+                .unwrap()
+                .count_folds_in(counter.clone()),
+        );
+        const N: u64 = 1000;
+        let started = Instant::now();
+        for i in 0..N {
+            match w.submit(Box::new(refusal(i, "10.1.1.1:4000"))).unwrap() {
+                Ack::Written => {}
+                Ack::Pending(rx) => rx.await.unwrap().unwrap(),
+            }
+        }
+        let took = started.elapsed().as_secs_f64();
+        let mut authed = refusal(N, "10.1.1.1:4000");
+        authed.caller_identity = Some("spiffe://cluster.local/ns/a/sa/b".into());
+        let Ok(Ack::Pending(rx)) = w.submit(Box::new(authed)) else {
+            panic!("an authenticated refusal is written in full")
+        };
+        rx.await.unwrap().unwrap();
+        let Ok(Ack::Pending(rx)) = w.submit(Box::new(record(N + 1))) else {
+            panic!("an issued record is written in full")
+        };
+        rx.await.unwrap().unwrap();
+        shut_down(&w).await;
+        let lines = output_lines(&out.1.lock().unwrap());
+        verify_lines(&lines, None).unwrap();
+        let full = lines
+            .iter()
+            .filter_map(|(_, l)| serde_json::from_slice::<serde_json::Value>(l).ok())
+            .filter(|v| {
+                v["reason"] == "authn_no_credentials"
+                    && v["aggregate"].is_null()
+                    && v["caller_identity"].is_null()
+            })
+            .count() as u64;
+        let folded = folded_count(&lines, "authn_no_credentials");
+        // The burst, and what the bucket refilled while the loop ran.
+        let most = 5 + (5.0 * took).ceil() as u64;
+        assert!(
+            (5..=most).contains(&full),
+            "{full} full records in {took:.2}s"
+        );
+        assert_eq!(full + folded, N, "exact");
+        assert_eq!(counter.get(), folded);
+        let text = String::from_utf8_lossy(&out.1.lock().unwrap()).into_owned();
+        assert!(text.contains("\"source\":\"unauthenticated\""), "{text}");
+        assert!(text.contains(&format!("\"req-{}\"", N + 1)));
     }
 }

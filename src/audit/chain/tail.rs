@@ -5,7 +5,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom, Write};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use crate::audit::format::{head_seq, line_hash, parse_line, Recovery, GENESIS};
 
@@ -99,6 +99,7 @@ pub(super) fn recover(
     path: &Path,
     max_line: u64,
     max_files: u32,
+    retain_issued: std::time::Duration,
 ) -> std::io::Result<(u64, String, Option<Damage>)> {
     let (mut seq, mut prev, mut damage) = (0, GENESIS.to_string(), None);
     if path.exists() {
@@ -134,7 +135,13 @@ pub(super) fn recover(
                         .unwrap_or_default()
                 );
                 tracing::warn!(file = %path.display(), found = d.found, moved_to = %old, "audit log has no good line near its end; keeping it and starting a new chain segment");
-                rotate_files(path, max_files.max(2))?;
+                super::retain::rotate_files(
+                    path,
+                    max_files.max(2),
+                    retain_issued,
+                    &[],
+                    time::OffsetDateTime::now_utc(),
+                )?;
                 // The old file's torn end is terminated by the verifier's
                 // reading, not by a write here: count its newline now.
                 if d.open {
@@ -147,33 +154,6 @@ pub(super) fn recover(
         }
     }
     Ok((seq, prev, damage))
-}
-
-/// `path.<n-2>` → `path.<n-1>`, ..., `path` → `path.1`; the oldest is dropped.
-pub(super) fn rotate_files(path: &Path, max_files: u32) -> std::io::Result<()> {
-    let name = |i: u32| -> PathBuf {
-        if i == 0 {
-            path.to_path_buf()
-        } else {
-            PathBuf::from(format!("{}.{i}", path.display()))
-        }
-    };
-    if max_files <= 1 {
-        return std::fs::remove_file(path).or_else(|e| {
-            if e.kind() == std::io::ErrorKind::NotFound {
-                Ok(())
-            } else {
-                Err(e)
-            }
-        });
-    }
-    let _ = std::fs::remove_file(name(max_files - 1));
-    for i in (0..max_files - 1).rev() {
-        if name(i).exists() {
-            std::fs::rename(name(i), name(i + 1))?;
-        }
-    }
-    Ok(())
 }
 
 /// What the end of an existing log looks like.

@@ -20,6 +20,10 @@ pub struct Anchor {
     /// choose. `None` for an anchor given as a file: it is checked against
     /// the log but takes no part in the history checks.
     pub created: Option<i64>,
+    /// Why the object is not at the name and labels the checkpoint it
+    /// holds gives (`None`: it is, or it is a file anchor); see
+    /// `anchor::misplaced`. Such an object was not written by meshca.
+    pub misplaced: Option<String>,
 }
 
 /// The order anchors were written in: the API server's creation time, then
@@ -29,14 +33,26 @@ fn history_key(a: &Anchor, cp: &Checkpoint) -> (i64, u64) {
 }
 
 /// The newest anchor (in history order) that is a checkpoint of `replica`.
+/// A line stored again after its first copy is a replay (anyone who can
+/// create ConfigMaps can store an older genuine line anew): it counts at
+/// the time of its first copy, so it never becomes the newest.
 pub fn newest_anchor<'a>(anchors: &'a [Anchor], replica: &str) -> Option<(Checkpoint, &'a Anchor)> {
+    let mut first: HashMap<&str, i64> = HashMap::new();
+    for a in anchors {
+        let t = a.created.unwrap_or(i64::MIN);
+        let e = first.entry(a.line.as_str()).or_insert(t);
+        *e = (*e).min(t);
+    }
     anchors
         .iter()
         .filter_map(|a| match parse_line(a.line.as_bytes()) {
             Ok(Parsed::Checkpoint(cp)) if cp.replica.as_deref() == Some(replica) => Some((*cp, a)),
             _ => None,
         })
-        .max_by_key(|(cp, a)| history_key(a, cp))
+        .max_by_key(|(cp, a)| {
+            let at = first.get(a.line.as_str()).copied().unwrap_or(i64::MIN);
+            (at, cp.seq)
+        })
 }
 
 /// What cross-checking against an anchor showed.
@@ -125,6 +141,12 @@ pub fn check_anchors<L: AsRef<[u8]>>(
                 ))
             }
         };
+        // Checked before the replica: an object holding another replica's
+        // genuine checkpoint at this replica's anchor names would otherwise
+        // pass as that replica's anchor and hide the squat.
+        if let Some(why) = &a.misplaced {
+            return Err(fail(Some(cp.seq), why.clone()));
+        }
         check_signature(&cp, opts.keys)
             .map_err(|why| fail(Some(cp.seq), format!("anchor: {why}")))?;
         let replica = cp.replica.clone().unwrap_or_default();
@@ -448,6 +470,7 @@ mod tests {
             source: format!("ns/{run}.{seq}.{created}"),
             line,
             created: Some(created),
+            misplaced: None,
         };
         (cp, a)
     }
@@ -617,5 +640,34 @@ mod tests {
         assert_eq!((r.anchors, r.other_replicas), (0, 1));
         // Without the history (files only) nothing is required.
         check_anchors(&lines, &report, &anchors, &AnchorOptions::default()).unwrap();
+    }
+
+    /// A starting run's head: the newest anchor of its replica, where an
+    /// older line stored again later counts at its first copy's time.
+    #[test]
+    fn a_replayed_older_anchor_is_not_the_newest() {
+        let v = linked();
+        let anchors: Vec<Anchor> = v.iter().map(|(_, a)| a.clone()).collect();
+        let newest = |a: &[Anchor]| newest_anchor(a, "meshca-0").map(|(cp, _)| cp.seq);
+        assert_eq!(newest(&anchors), Some(9));
+        let mut replayed = anchors.clone();
+        replayed.push(Anchor {
+            source: "ns/replay".into(),
+            created: Some(99),
+            ..anchors[1].clone()
+        });
+        assert_eq!(
+            newest(&replayed),
+            Some(9),
+            "the replay of seq 3 is not the head"
+        );
+        let mut other = anchor("rx", 50, "start", None, 99).1;
+        other.line = other.line.replace("meshca-0", "meshca-1");
+        replayed.push(other);
+        assert_eq!(
+            newest(&replayed),
+            Some(9),
+            "another replica's anchor is not"
+        );
     }
 }
