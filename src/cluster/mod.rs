@@ -169,6 +169,8 @@ impl ClusterFactory {
         });
         let verification = kube.token_verification;
         let mut tasks = Vec::new();
+        // Each watch brings evidence of freshness well within the bound.
+        let timing = crate::podindex::listwatch::Timing::for_max_staleness(cfg.max_index_staleness);
         let index = (!cfg.trusted_node_accounts.is_empty()
             || renewal_index
             || verification.mode.uses_local())
@@ -177,6 +179,7 @@ impl ClusterFactory {
             tasks.push(tokio::spawn(crate::podindex::watch::run(
                 client.clone(),
                 index.clone(),
+                timing,
             )));
             index
         });
@@ -187,6 +190,7 @@ impl ClusterFactory {
             tasks.push(tokio::spawn(crate::podindex::accounts::run(
                 client.clone(),
                 accounts.clone(),
+                timing,
             )));
             accounts
         });
@@ -373,11 +377,16 @@ impl ClusterRegistry {
         }
     }
 
-    /// Exports each cluster's sync state (called at scrape time).
+    /// Exports each cluster's sync state and index freshness (called at
+    /// scrape time).
     pub fn publish_sync(&self) {
         if let Some(m) = &self.metrics {
             for c in self.read().values() {
                 m.set_synced(&c.id, c.is_synced());
+                let pods = c.index.as_ref().and_then(|i| i.freshness_age());
+                let accounts = c.accounts.as_ref().and_then(|a| a.freshness_age());
+                m.set_freshness(&c.id, "pod", pods);
+                m.set_freshness(&c.id, "service_account", accounts);
             }
         }
     }
