@@ -66,7 +66,7 @@ impl ClusterMetrics {
             ),
             synced: registry.metric(
                 "meshca_cluster_synced",
-                "1 once a registered cluster's pod index has synced (its impersonations get Unavailable until then)",
+                "1 once a registered cluster's pod index (and ServiceAccount index, where it runs) has synced (its impersonations get Unavailable until then)",
             ),
             freshness_age: registry.metric(
                 "meshca_index_freshness_age_seconds",

@@ -184,8 +184,10 @@ impl ClusterFactory {
             index
         });
         // Local verification checks each token's ServiceAccount UID and
-        // deletion, as the API server does.
-        let accounts = verification.mode.uses_local().then(|| {
+        // deletion, as the API server does, and so does a cached TokenReview
+        // success: both run wherever the pod index runs (local verification
+        // always runs it).
+        let accounts = index.is_some().then(|| {
             let accounts = Arc::new(crate::podindex::accounts::AccountIndex::new());
             tasks.push(tokio::spawn(crate::podindex::accounts::run(
                 client.clone(),
@@ -218,10 +220,12 @@ impl ClusterFactory {
             max_index_staleness: cfg.max_index_staleness,
         };
         let review = settings.clone();
-        let reviewer = Arc::new(
-            KubeTokenAuthenticator::new(client.clone(), settings, index.clone())
-                .with_metrics(self.token_reviews.clone()),
-        );
+        let mut reviewer = KubeTokenAuthenticator::new(client.clone(), settings, index.clone())
+            .with_metrics(self.token_reviews.clone());
+        if let Some(a) = &accounts {
+            reviewer = reviewer.with_accounts(a.clone());
+        }
+        let reviewer = Arc::new(reviewer);
         let (tokens, keys) = crate::authn::local::build(
             &client,
             verification,

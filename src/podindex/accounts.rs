@@ -1,10 +1,11 @@
-//! ServiceAccounts as local token verification needs them: the UID and the
-//! deletion state of each one. A bound token names its ServiceAccount's UID;
-//! the API server refuses the token once that account is gone, recreated
-//! (new UID) or deleting past the leeway, and so must local verification.
+//! ServiceAccounts as local token verification and the TokenReview cache
+//! need them: the UID and the deletion state of each one. A bound token
+//! names its ServiceAccount's UID; the API server refuses the token once
+//! that account is gone, recreated (new UID) or deleting past the leeway,
+//! and so must local verification and a cached review.
 //!
-//! Fed by a metadata-only watch (names, UIDs and deletion timestamps; no
-//! secrets or annotations travel), so it stays small: one entry per
+//! Fed by a metadata-only watch (object metadata, no secrets travel; the
+//! index keeps names, UIDs and deletion timestamps), so it stays small: one entry per
 //! ServiceAccount, and clusters have far fewer of those than pods. The
 //! update function ([`AccountState::apply`]) is pure and table-tested.
 
