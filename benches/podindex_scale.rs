@@ -316,7 +316,11 @@ async fn real_run(n: usize, admin: &str, meshca: &str) -> anyhow::Result<()> {
     let rss0 = rss_bytes();
     let region = Region::new(GLOBAL);
     let t = Instant::now();
-    let task = tokio::spawn(meshca::podindex::watch::run(meshca, index.clone()));
+    let task = tokio::spawn(meshca::podindex::watch::run(
+        meshca,
+        index.clone(),
+        meshca::podindex::listwatch::Timing::for_max_staleness(std::time::Duration::from_secs(60)),
+    ));
     while !(index.is_synced() && index.len() as usize >= n) {
         anyhow::ensure!(
             t.elapsed() < Duration::from_secs(300),

@@ -245,6 +245,11 @@ impl App {
             ca: started.ca.clone(),
             custody: started.custody.clone(),
             index: started.kube.pod_index.clone(),
+            accounts: started
+                .kube
+                .clusters
+                .as_ref()
+                .and_then(|c| c.local().accounts.clone()),
             metrics: started.metrics.clone(),
             token_reviewer: started.kube.token_reviewer.clone(),
             crl: started.guards.revocations.clone(),

@@ -32,8 +32,10 @@ pub struct KillSwitchArgs {
     /// Longest leaf issued to an mTLS caller (renewals); default: DEFAULT_WORKLOAD_CERT_TTL.
     #[arg(long, env = "MESHCA_MTLS_RENEWAL_MAX_TTL")]
     pub mtls_renewal_max_ttl: Option<String>,
-    /// Pod watch disconnected longer than this: mTLS renewals and source-IP
-    /// impersonation are refused (retryable).
+    /// Pod or ServiceAccount index without evidence of freshness (its watch
+    /// failed or went silent) longer than this: mTLS renewals, impersonation
+    /// and local token verification are refused (retryable), and the server
+    /// is not ready.
     #[arg(long, env = "MESHCA_POD_INDEX_MAX_STALENESS", default_value = "60s")]
     pub pod_index_max_staleness: String,
     /// Denylist file (one `<kind> <value>` per line), re-read every MESHCA_DENYLIST_POLL.

@@ -1,6 +1,7 @@
 //! The admin HTTP port: liveness, readiness and Prometheus metrics. Nothing
 //! here takes a lock the signing path uses: readiness reads atomics.
 
+use std::borrow::Cow;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -21,6 +22,7 @@ use x509_parser::prelude::FromDer;
 use crate::authn::token::KubeTokenAuthenticator;
 use crate::ca::CaStore;
 use crate::metrics::Snapshot;
+use crate::podindex::accounts::AccountIndex;
 use crate::podindex::PodIndex;
 use crate::transport::metrics::TransportMetrics;
 use crate::transport::{AdminLimits, ConnTracker, Pool, Refusal};
@@ -40,30 +42,58 @@ pub struct Health {
     pub custody: Arc<CaStore>,
     /// Present when impersonation is served from a pod index.
     pub index: Option<Arc<PodIndex>>,
+    /// The local cluster's ServiceAccount index, when it runs.
+    pub accounts: Option<Arc<AccountIndex>>,
     pub metrics: Arc<dyn Exposition>,
     pub token_reviewer: Option<Arc<KubeTokenAuthenticator>>,
     /// The CRL in force, served at `/ca-crl.pem` when revocation is on.
     pub crl: Option<Arc<crate::revocation::LiveRevocations>>,
     /// The cluster registry: ready once the remote secrets are listed.
     pub clusters: Option<Arc<crate::cluster::ClusterRegistry>>,
-    /// `MESHCA_POD_INDEX_MAX_STALENESS`, exported beside the watch's disconnection.
+    /// `MESHCA_POD_INDEX_MAX_STALENESS`, exported beside the watch's
+    /// disconnection; past it a local index makes the server not ready.
     pub max_index_staleness: Duration,
 }
 
 impl Health {
     /// Ready when CA material is loaded and, with Kubernetes, the pod index
-    /// has completed its first sync (istiod has no such gate).
-    pub fn readiness(&self) -> Result<(), &'static str> {
+    /// has completed its first sync (istiod has no such gate) and neither
+    /// local index has gone without evidence of freshness past the staleness
+    /// bound (it vouches for nothing then: impersonation, bounded renewal
+    /// and local token verification refuse). The error says why.
+    pub fn readiness(&self) -> Result<(), Cow<'static, str>> {
         if time::OffsetDateTime::now_utc() >= self.ca.snapshot().signing_not_after() {
-            return Err("signing certificate expired");
+            return Err("signing certificate expired".into());
         }
         if self.crl.as_ref().is_some_and(|c| !c.is_loaded()) {
-            return Err("revocations not loaded");
+            return Err("revocations not loaded".into());
         }
-        match &self.index {
-            Some(i) if !i.is_synced() => Err("pod index not synced"),
-            _ => self.clusters.as_ref().map_or(Ok(()), |c| c.readiness()),
+        if self.index.as_ref().is_some_and(|i| !i.is_synced()) {
+            return Err("pod index not synced".into());
         }
+        let indexes = [
+            ("pod", self.index.as_ref().map(|i| i.disconnected_for())),
+            (
+                "service account",
+                self.accounts.as_ref().map(|a| a.disconnected_for()),
+            ),
+        ];
+        for (what, disconnected) in indexes {
+            if let Some(d) = disconnected
+                .flatten()
+                .filter(|d| *d > self.max_index_staleness)
+            {
+                return Err(format!(
+                    "{what} index stale: no evidence its watch is current for {}s (max {}s)",
+                    d.as_secs(),
+                    self.max_index_staleness.as_secs()
+                )
+                .into());
+            }
+        }
+        self.clusters
+            .as_ref()
+            .map_or(Ok(()), |c| c.readiness().map_err(Cow::Borrowed))
     }
 }
 

@@ -19,6 +19,7 @@ use std::net::IpAddr;
 use std::sync::Arc;
 
 pub mod accounts;
+pub mod listwatch;
 mod shared;
 mod store;
 pub mod watch;

@@ -298,7 +298,7 @@ impl Metrics {
             let _ = writeln!(out, "# HELP meshca_pod_index_events_total Watch events applied to the pod index.\n# TYPE meshca_pod_index_events_total counter\nmeshca_pod_index_events_total {events}");
         }
         if let Some((disconnected, bound)) = snap.pod_index_watch {
-            let _ = writeln!(out, "# HELP meshca_pod_index_disconnected_seconds How long the pod watch has been disconnected (0 while connected).\n# TYPE meshca_pod_index_disconnected_seconds gauge\nmeshca_pod_index_disconnected_seconds {disconnected}");
+            let _ = writeln!(out, "# HELP meshca_pod_index_disconnected_seconds How long the pod index has gone without evidence that its watch is current, once the watch failed or fell silent (0 while it follows the API server).\n# TYPE meshca_pod_index_disconnected_seconds gauge\nmeshca_pod_index_disconnected_seconds {disconnected}");
             let _ = writeln!(out, "# HELP meshca_pod_index_max_staleness_seconds Disconnected longer than this, the index is stale and refuses what depends on it (MESHCA_POD_INDEX_MAX_STALENESS).\n# TYPE meshca_pod_index_max_staleness_seconds gauge\nmeshca_pod_index_max_staleness_seconds {bound}");
         }
         if let Some((this_update, next_update)) = snap.crl {

@@ -61,14 +61,11 @@ async fn server(mode: TokenVerificationMode, k: &Kte, cache: Duration) -> Server
 }
 
 fn accounts(srv: &Server) -> Arc<AccountIndex> {
-    srv.app
-        .clusters
-        .as_ref()
-        .unwrap()
-        .local()
-        .accounts
-        .clone()
-        .expect("local verification runs the ServiceAccount index")
+    accounts_of(srv).expect("the ServiceAccount index runs beside the pod index")
+}
+
+fn accounts_of(srv: &Server) -> Option<Arc<AccountIndex>> {
+    srv.app.clusters.as_ref().unwrap().local().accounts.clone()
 }
 
 /// Waits until the ServiceAccount index satisfies `f`.
@@ -198,9 +195,10 @@ async fn local_verification_refuses_what_tokenreview_refuses() {
         local: server(TokenVerificationMode::Local, &k, Duration::ZERO).await,
         both: server(TokenVerificationMode::LocalThenReview, &k, Duration::ZERO).await,
     };
-    // A review server with the default success cache: a cached review must
-    // not outlive what a new review would refuse.
-    let cached = server(TokenVerificationMode::Review, &k, Duration::from_secs(60)).await;
+    // A review server with a long success cache: a cached review must not
+    // outlive what a new review would refuse (ten minutes, so no entry
+    // expires on its own while the test waits out the leeway).
+    let cached = server(TokenVerificationMode::Review, &k, Duration::from_secs(600)).await;
     assert!(
         cached.app.pod_index.is_some(),
         "the cache is checked against the pod index"
@@ -273,8 +271,19 @@ async fn local_verification_refuses_what_tokenreview_refuses() {
         .token(&ns, "app", Some(("recreated", &p)), "istio-ca")
         .await;
 
-    // The cached reviewer learns the held pod's token while it is live.
+    // The cached reviewer learns the held pod's token while it is live, and
+    // the tokens of the ServiceAccounts about to be recreated and deleted.
+    let held_sa_id = spiffe(&ns, "held-sa");
+    let recreated_sa_id = spiffe(&ns, "recreated-sa");
     cached.call(&held, &app, None, None).await.unwrap();
+    cached
+        .call(&recreated_sa, &recreated_sa_id, None, None)
+        .await
+        .unwrap();
+    cached
+        .call(&held_sa, &held_sa_id, None, None)
+        .await
+        .unwrap();
 
     // The changes.
     let sa_deleted_at = delete_now(&sas, "held-sa").await;
@@ -316,9 +325,20 @@ async fn local_verification_refuses_what_tokenreview_refuses() {
             })
             .await;
     }
-
-    let held_sa_id = spiffe(&ns, "held-sa");
-    let recreated_sa_id = spiffe(&ns, "recreated-sa");
+    // The review server checks its cached successes against a
+    // ServiceAccount index too (asserted at the end, so that without one the
+    // verdicts below show what goes wrong).
+    let cached_has_accounts = accounts_of(&cached).is_some();
+    if cached_has_accounts {
+        let (n1, u) = (ns.clone(), new_sa_uid.clone());
+        wait_accounts(&cached, "account changes", move |st| {
+            st.get(&n1, "recreated-sa").is_some_and(|a| a.uid == u)
+                && st
+                    .get(&n1, "held-sa")
+                    .is_some_and(|a| a.deletion_timestamp.is_some())
+        })
+        .await;
+    }
     let mut rows = vec![
         run(&s, "good token (control)", &good, &app, true).await,
         run(
@@ -359,6 +379,15 @@ async fn local_verification_refuses_what_tokenreview_refuses() {
         run(&s, "wrong audience", &wrong_aud, &app, false).await,
     ];
     let cached_before = verdict(&cached, &held, &app).await;
+    let cached_sa_before = verdict(&cached, &held_sa, &held_sa_id).await;
+    // The recreated ServiceAccount's cached success: the API server's own
+    // token cache may still say authenticated for 10 s after the change.
+    let mut cached_recreated = verdict(&cached, &recreated_sa, &recreated_sa_id).await;
+    let settle = Instant::now() + Duration::from_secs(20);
+    while cached_recreated.0 && Instant::now() < settle {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        cached_recreated = verdict(&cached, &recreated_sa, &recreated_sa_id).await;
+    }
 
     // Past the leeway: the API server's rule is deletionTimestamp < now - 60 s.
     let due = sa_deleted_at.max(pod_deleted_at) + 61;
@@ -389,11 +418,28 @@ async fn local_verification_refuses_what_tokenreview_refuses() {
     let misses = reviewer.misses.load(std::sync::atomic::Ordering::SeqCst);
     let cached_after = verdict(&cached, &held, &app).await;
     let reviewed = reviewer.misses.load(std::sync::atomic::Ordering::SeqCst) - misses;
+    let cached_sa_after = verdict(&cached, &held_sa, &held_sa_id).await;
 
     release(&pods, "held").await;
     release(&sas, "held-sa").await;
     let printed = table(&rows);
     eprintln!("{printed}");
+    let cell = |(ok, reason): &(bool, String)| {
+        format!("{} (`{reason}`)", if *ok { "allow" } else { "refuse" })
+    };
+    eprintln!(
+        "| case | cached TokenReview success (review server, 10 min cache) |\n|---|---|\n\
+         | pod deleting (finalizer), within the leeway | {} |\n\
+         | pod deleting (finalizer), past the leeway | {} |\n\
+         | ServiceAccount deleting (finalizer), within the leeway | {} |\n\
+         | ServiceAccount deleting (finalizer), past the leeway | {} |\n\
+         | ServiceAccount deleted and recreated | {} |",
+        cell(&cached_before),
+        cell(&cached_after),
+        cell(&cached_sa_before),
+        cell(&cached_sa_after),
+        cell(&cached_recreated)
+    );
     for r in &rows {
         assert_eq!(r.review.0, r.want, "review, {}: {:?}", r.case, r.review);
         assert_eq!(r.local.0, r.review.0, "local, {}: {:?}", r.case, r.local);
@@ -438,6 +484,22 @@ async fn local_verification_refuses_what_tokenreview_refuses() {
     assert_eq!(
         reviewed, 1,
         "the cached success was dropped and the token reviewed again"
+    );
+    assert!(
+        cached_sa_before.0,
+        "cached review, ServiceAccount within the leeway: {cached_sa_before:?}"
+    );
+    assert!(
+        !cached_sa_after.0,
+        "a cached review, ServiceAccount past the leeway: {cached_sa_after:?}"
+    );
+    assert!(
+        !cached_recreated.0,
+        "a cached review of a recreated ServiceAccount: {cached_recreated:?}"
+    );
+    assert!(
+        cached_has_accounts,
+        "the review server runs the ServiceAccount index"
     );
 }
 

@@ -678,6 +678,108 @@ async fn a_status_update_needs_sign_on_the_signer() {
     );
 }
 
+/// A pod held by a finalizer and deleted: within the API server's
+/// one-minute leeway its kubelet still gets a certificate (its tokens still
+/// vouch), past it the request is denied (`MeshcaPodDeleted`), as a token
+/// bound to that pod is refused then.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_deleting_past_the_leeway_gets_no_certificate() {
+    const HOLD: &str = "meshca.test/hold";
+    let f = fixture(1).await;
+    let k = &f.k;
+    let (node_a, uid_a) = f.nodes[0].clone();
+    let pods = Api::<Pod>::namespaced(k.admin.clone(), &f.ns);
+    pod(k, &f.ns, "held", SA, &node_a, &f.signer).await;
+    let patch = json!({"metadata": {"finalizers": [HOLD]}});
+    let held = pods
+        .patch(
+            "held",
+            &Default::default(),
+            &kube::api::Patch::Merge(&patch),
+        )
+        .await
+        .unwrap();
+    let pod_uid = held.metadata.uid.clone().unwrap();
+    let dp = kube::api::DeleteParams {
+        grace_period_seconds: Some(0),
+        ..Default::default()
+    };
+    pods.delete("held", &dp).await.unwrap();
+    let deleted_at = pods
+        .get("held")
+        .await
+        .unwrap()
+        .metadata
+        .deletion_timestamp
+        .expect("held by its finalizer")
+        .0
+        .as_second();
+    let now = || OffsetDateTime::now_utc().unix_timestamp();
+    let kubelet = node_client(k, &node_a).await;
+    let key = rcgen::KeyPair::generate().unwrap();
+    let ask = Ask {
+        ns: &f.ns,
+        pod: "held",
+        pod_uid: &pod_uid,
+        sa: SA,
+        sa_uid: &f.sa_uid,
+        node: &node_a,
+        node_uid: &uid_a,
+        signer: &f.signer,
+        key: &key,
+        max_expiration: None,
+        annotations: BTreeMap::new(),
+    };
+    let decide = || async {
+        let o = create_pcr(&kubelet, &ask).await.unwrap();
+        let (cond, reason, status) =
+            terminal(&k.admin, &f.ns, o.metadata.name.as_ref().unwrap()).await;
+        (cond, reason, status)
+    };
+    let within = decide().await;
+    let asked_within = now() - deleted_at;
+    // Past the leeway: the API server's rule is deletionTimestamp < now - 60 s.
+    while now() <= deleted_at + 61 {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let past = decide().await;
+    let patch = json!({"metadata": {"finalizers": null}});
+    let _ = pods
+        .patch(
+            "held",
+            &Default::default(),
+            &kube::api::Patch::Merge(&patch),
+        )
+        .await;
+    eprintln!(
+        "deleting {asked_within}s: {} {}; past the leeway: {} {}",
+        within.0, within.1, past.0, past.1
+    );
+    assert!(
+        asked_within < 60,
+        "the first request came within the leeway"
+    );
+    assert_eq!(within.0, "Issued", "within the leeway: {}", within.2);
+    assert_eq!(
+        (past.0.as_str(), past.1.as_str()),
+        ("Denied", "MeshcaPodDeleted"),
+        "past the leeway: {}",
+        past.2
+    );
+    assert!(past.2.get("certificateChain").is_none());
+    let audit = f.audit.clone();
+    f.app.shutdown().await.unwrap();
+    let lines = verify::read_lines(&[&audit]).unwrap();
+    verify::verify_lines(&lines, None).unwrap();
+    let (records, _) = query::query(&lines, &query::Query::default());
+    let reasons: Vec<_> = records
+        .iter()
+        .filter(|r| r.authn_method.as_deref() == Some(meshca::podcert::AUTHN_METHOD))
+        .map(|r| r.reason.as_str())
+        .collect();
+    assert_eq!(reasons, ["issued", "podcert_pod_deleted"]);
+}
+
 /// `apiserver_request_total` by (resource, subresource, verb), from the API
 /// server's /metrics.
 async fn request_counts(admin: &Client) -> BTreeMap<(String, String, String), f64> {

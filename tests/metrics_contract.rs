@@ -36,6 +36,7 @@ const KUBE_ONLY: &[(&str, &str)] = &[
     ("meshca_pod_index_synced", "the pod index is a Kubernetes watch"),
     ("meshca_pod_index_disconnected_seconds", "the pod index is a Kubernetes watch"),
     ("meshca_pod_index_max_staleness_seconds", "exported beside the pod index"),
+    ("meshca_index_freshness_age_seconds", "the indexes are Kubernetes watches"),
     ("meshca_cluster_synced", "the cluster registry holds Kubernetes clusters"),
     (
         "meshca_node_refusals_total",

@@ -5,6 +5,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
+use std::sync::atomic::AtomicU64;
 
 use crate::metrics::labels::RefusalLabels;
 use crate::metrics::Register;
@@ -22,6 +23,16 @@ pub struct ClusterLabels {
     pub cluster: String,
 }
 
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct IndexLabels {
+    pub cluster: String,
+    /// `pod` or `service_account`.
+    pub index: &'static str,
+}
+
+/// The indexes a cluster may run, by their `index` label.
+pub const INDEXES: [&str; 2] = ["pod", "service_account"];
+
 /// The cluster registry's families. The `cluster` label only ever takes a
 /// registered cluster id (or `unknown`): a caller cannot grow it.
 #[derive(Debug, Default)]
@@ -32,6 +43,9 @@ pub struct ClusterMetrics {
     pub registered: Family<ClusterLabels, Gauge>,
     /// 1 once the cluster's pod index has synced (set at scrape time).
     pub synced: Family<ClusterLabels, Gauge>,
+    /// Seconds since the last evidence that an index is current (set at
+    /// scrape time).
+    pub freshness_age: Family<IndexLabels, Gauge<f64, AtomicU64>>,
     pub kubeconfig_refused: Family<RefusalLabels, Counter>,
 }
 
@@ -52,7 +66,11 @@ impl ClusterMetrics {
             ),
             synced: registry.metric(
                 "meshca_cluster_synced",
-                "1 once a registered cluster's pod index has synced (its impersonations get Unavailable until then)",
+                "1 once a registered cluster's pod index (and ServiceAccount index, where it runs) has synced (its impersonations get Unavailable until then)",
+            ),
+            freshness_age: registry.metric(
+                "meshca_index_freshness_age_seconds",
+                "Seconds since the last evidence that a cluster's pod or ServiceAccount index is current (a completed list, a watch the API server accepted, an event, a bookmark); past the pod index staleness bound it vouches for nothing",
             ),
             kubeconfig_refused: registry.reasons(
                 "meshca_remote_kubeconfig_refused",
@@ -72,6 +90,12 @@ impl ClusterMetrics {
             };
             self.registered.remove(&label);
             self.synced.remove(&label);
+            for index in INDEXES {
+                self.freshness_age.remove(&IndexLabels {
+                    cluster: gone.clone(),
+                    index,
+                });
+            }
         }
         for id in &next {
             self.registered
@@ -97,6 +121,31 @@ impl ClusterMetrics {
                     cluster: id.to_string(),
                 })
                 .set(i64::from(synced));
+        }
+    }
+
+    /// Sets a registered cluster's index freshness (`None`: the index does
+    /// not run, or has had no evidence yet).
+    pub fn set_freshness(&self, id: &str, index: &'static str, age: Option<std::time::Duration>) {
+        let known = self
+            .names
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .1
+            .contains(id);
+        let label = IndexLabels {
+            cluster: id.to_string(),
+            index,
+        };
+        match age {
+            Some(age) if known => {
+                self.freshness_age
+                    .get_or_create(&label)
+                    .set(age.as_secs_f64());
+            }
+            _ => {
+                self.freshness_age.remove(&label);
+            }
         }
     }
 

@@ -171,6 +171,8 @@ impl ClusterFactory {
         });
         let verification = kube.token_verification;
         let mut tasks = Vec::new();
+        // Each watch brings evidence of freshness well within the bound.
+        let timing = crate::podindex::listwatch::Timing::for_max_staleness(cfg.max_index_staleness);
         let index = (!cfg.trusted_node_accounts.is_empty()
             || renewal_index
             || verification.mode.uses_local())
@@ -179,16 +181,20 @@ impl ClusterFactory {
             tasks.push(tokio::spawn(crate::podindex::watch::run(
                 client.clone(),
                 index.clone(),
+                timing,
             )));
             index
         });
         // Local verification checks each token's ServiceAccount UID and
-        // deletion, as the API server does.
-        let accounts = verification.mode.uses_local().then(|| {
+        // deletion, as the API server does, and so does a cached TokenReview
+        // success: both run wherever the pod index runs (local verification
+        // always runs it).
+        let accounts = index.is_some().then(|| {
             let accounts = Arc::new(crate::podindex::accounts::AccountIndex::new());
             tasks.push(tokio::spawn(crate::podindex::accounts::run(
                 client.clone(),
                 accounts.clone(),
+                timing,
             )));
             accounts
         });
@@ -216,10 +222,12 @@ impl ClusterFactory {
             max_index_staleness: cfg.max_index_staleness,
         };
         let review = settings.clone();
-        let reviewer = Arc::new(
-            KubeTokenAuthenticator::new(client.clone(), settings, index.clone())
-                .with_metrics(self.token_reviews.clone()),
-        );
+        let mut reviewer = KubeTokenAuthenticator::new(client.clone(), settings, index.clone())
+            .with_metrics(self.token_reviews.clone());
+        if let Some(a) = &accounts {
+            reviewer = reviewer.with_accounts(a.clone());
+        }
+        let reviewer = Arc::new(reviewer);
         let (tokens, keys) = crate::authn::local::build(
             &client,
             verification,
@@ -373,11 +381,16 @@ impl ClusterRegistry {
         }
     }
 
-    /// Exports each cluster's sync state (called at scrape time).
+    /// Exports each cluster's sync state and index freshness (called at
+    /// scrape time).
     pub fn publish_sync(&self) {
         if let Some(m) = &self.metrics {
             for c in self.read().values() {
                 m.set_synced(&c.id, c.is_synced());
+                let pods = c.index.as_ref().and_then(|i| i.freshness_age());
+                let accounts = c.accounts.as_ref().and_then(|a| a.freshness_age());
+                m.set_freshness(&c.id, "pod", pods);
+                m.set_freshness(&c.id, "service_account", accounts);
             }
         }
     }

@@ -245,12 +245,14 @@ pub fn index_view(
     if let Some(d) = index.disconnected_for().filter(|d| *d > max_staleness) {
         return IndexView::Stale(d);
     }
+    let now = OffsetDateTime::now_utc().unix_timestamp();
     IndexView::Synced(index.read(|s| {
         s.get(namespace, pod).map(|p| PodFacts {
             uid: p.uid.to_string(),
             node: p.node.map(str::to_string),
             service_account: p.service_account.to_string(),
             phase: p.phase,
+            deleted: p.deleted_by(now),
         })
     }))
 }

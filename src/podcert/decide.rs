@@ -62,6 +62,10 @@ pub struct PodFacts {
     pub node: Option<String>,
     pub service_account: String,
     pub phase: Phase,
+    /// Deleting for longer than the API server's leeway
+    /// ([`crate::podindex::deleted_by`]): its tokens no longer vouch, and
+    /// neither does it here.
+    pub deleted: bool,
 }
 
 /// What the pod index can say right now.
@@ -119,6 +123,8 @@ pub enum DenyReason {
     },
     #[error("pod {0} has terminated")]
     PodTerminated(String),
+    #[error("pod {0} has been deleting for longer than the API server's one-minute leeway")]
+    PodDeleted(String),
 }
 
 impl DenyReason {
@@ -134,6 +140,7 @@ impl DenyReason {
             Self::PodNotOnNode { .. } => "podcert_pod_not_on_node",
             Self::ServiceAccountMismatch { .. } => "podcert_service_account_mismatch",
             Self::PodTerminated(_) => "podcert_pod_terminated",
+            Self::PodDeleted(_) => "podcert_pod_deleted",
         }
     }
 
@@ -149,6 +156,7 @@ impl DenyReason {
             Self::PodNotOnNode { .. } => "MeshcaPodNotOnNode",
             Self::ServiceAccountMismatch { .. } => "MeshcaServiceAccountMismatch",
             Self::PodTerminated(_) => "MeshcaPodTerminated",
+            Self::PodDeleted(_) => "MeshcaPodDeleted",
         }
     }
 }
@@ -273,6 +281,10 @@ pub fn decide(pcr: &PcrFacts, index: &IndexView, denylist: &Denylist, policy: &P
             })
         };
     }
+    // As the API server decides a bound token: the UID first, then deletion.
+    if p.deleted {
+        return Decision::Deny(DenyReason::PodDeleted(pod));
+    }
     if p.node.as_deref() != Some(pcr.node_name.as_str()) {
         return Decision::Deny(DenyReason::PodNotOnNode {
             pod,
@@ -387,6 +399,7 @@ mod tests {
             node: Some(NODE.into()),
             service_account: "web".into(),
             phase: Phase::Running,
+            deleted: false,
         }
     }
 
@@ -426,6 +439,8 @@ mod tests {
     #[test_case(|_, i, _| *i = synced(Some(PodFacts { node: None, ..pod() })), "podcert_pod_not_on_node" ; "unscheduled pod")]
     #[test_case(|p, _, _| p.service_account = "admin".into(), "podcert_service_account_mismatch" ; "wrong service account")]
     #[test_case(|_, i, _| *i = synced(Some(PodFacts { phase: Phase::Succeeded, ..pod() })), "podcert_pod_terminated" ; "terminated pod")]
+    #[test_case(|_, i, _| *i = synced(Some(PodFacts { deleted: true, ..pod() })), "podcert_pod_deleted" ; "pod deleting past the leeway")]
+    #[test_case(|p, i, _| { p.pod_uid = "other".into(); *i = synced(Some(PodFacts { deleted: true, ..pod() })); }, "wait:PodNotIndexedYet" ; "uid checked before deletion")]
     fn decisions(edit: Edit, want: &str) {
         let (mut p, mut i, mut d) = (pcr(), synced(Some(pod())), Denylist::default());
         edit(&mut p, &mut i, &mut d);
@@ -470,6 +485,7 @@ mod tests {
             DenyReason::InvalidIdentity.condition_reason(),
             DenyReason::Denylisted(DenyHit::Node(String::new())).condition_reason(),
             DenyReason::PodNotFound(String::new()).condition_reason(),
+            DenyReason::PodDeleted(String::new()).condition_reason(),
             FailReason::Signing(String::new()).condition_reason(),
             FailReason::IssuanceRecord(String::new()).condition_reason(),
             FailReason::MalformedKey(String::new()).condition_reason(),

@@ -1,10 +1,11 @@
-//! ServiceAccounts as local token verification needs them: the UID and the
-//! deletion state of each one. A bound token names its ServiceAccount's UID;
-//! the API server refuses the token once that account is gone, recreated
-//! (new UID) or deleting past the leeway, and so must local verification.
+//! ServiceAccounts as local token verification and the TokenReview cache
+//! need them: the UID and the deletion state of each one. A bound token
+//! names its ServiceAccount's UID; the API server refuses the token once
+//! that account is gone, recreated (new UID) or deleting past the leeway,
+//! and so must local verification and a cached review.
 //!
-//! Fed by a metadata-only watch (names, UIDs and deletion timestamps; no
-//! secrets or annotations travel), so it stays small: one entry per
+//! Fed by a metadata-only watch (object metadata, no secrets travel; the
+//! index keeps names, UIDs and deletion timestamps), so it stays small: one entry per
 //! ServiceAccount, and clusters have far fewer of those than pods. The
 //! update function ([`AccountState::apply`]) is pure and table-tested.
 
@@ -12,10 +13,9 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::ServiceAccount;
-use kube::runtime::watcher;
-use kube::runtime::WatchStreamExt;
 use kube::{Api, Client};
 
+use super::listwatch::{KubeSource, Timing};
 use super::{IndexEvent, Indexed, Shared};
 
 /// A ServiceAccount as the index keeps it.
@@ -133,14 +133,17 @@ fn lean(m: kube::core::PartialObjectMeta<ServiceAccount>) -> LeanAccount {
     }
 }
 
-/// Watches the metadata of all ServiceAccounts forever, re-listing after
-/// errors with kube-runtime's backoff; the index keeps its last state (and
-/// says how stale it is) while the API server is unreachable.
-pub async fn run(client: Client, index: Arc<AccountIndex>) {
-    // Metadata only: a ServiceAccount's secrets and annotations never travel.
-    let api: Api<kube::core::PartialObjectMeta<ServiceAccount>> = Api::all(client);
-    let stream = watcher::watcher(api, watcher::Config::default()).default_backoff();
-    super::shared::follow(stream, &index, "service account", lean).await
+/// Watches the metadata of all ServiceAccounts forever, with freshness
+/// bounded by evidence ([`super::listwatch`]); the index keeps its last
+/// state (and says how stale it is) while the API server is unreachable.
+pub async fn run(client: Client, index: Arc<AccountIndex>, timing: Timing) {
+    // Metadata only (the API's PartialObjectMetadata lists and watches): a
+    // ServiceAccount's secrets and image pull secrets never travel.
+    let source = KubeSource {
+        api: Api::<kube::core::PartialObjectMeta<ServiceAccount>>::all(client),
+        fields: None,
+    };
+    super::listwatch::run(source, &index, "service account", lean, timing).await
 }
 
 /// A synced account state from `(namespace, name, uid, deletion)` rows.

@@ -1,14 +1,11 @@
 //! What every watch-fed index shares: a state readers see through a lock
 //! the watch holds only to swap or apply one event, a (re)list buffered
 //! outside that lock, readiness and size mirrored in atomics (health checks
-//! and metrics never take the lock the request path uses), and how long the
-//! watch has been disconnected.
+//! and metrics never take the lock the request path uses), and whether the
+//! watch still follows the API server, judged by evidence of freshness.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, RwLock};
-
-use futures::{Stream, StreamExt};
-use kube::runtime::watcher::Event;
 
 use super::IndexEvent;
 use crate::primitives::lock;
@@ -26,20 +23,33 @@ pub trait Indexed: Default {
     }
 }
 
-/// Whether a watch is following its API server, lock-free: how long it has
-/// been disconnected, if it is.
+/// Whether a watch is following its API server, lock-free. Freshness is
+/// shown, not assumed: the watch marks each piece of evidence that the index
+/// is current (a completed list, a watch the API server accepted, an event,
+/// a bookmark), and the index counts as disconnected once it has gone
+/// without evidence longer than the watch promises to bring some
+/// ([`WatchHealth::expect_evidence_within`]), or once the watch failed. A
+/// connection that stays open but silent (a partition, a stopped API
+/// server) then goes stale like a broken one.
 #[derive(Debug)]
 pub struct WatchHealth {
-    /// Milliseconds since `epoch` + 1 at which the watch lost the API
-    /// server; 0 while connected.
-    disconnected_at: AtomicU64,
+    /// Milliseconds since `epoch` + 1 of the last evidence; 0 before any.
+    fresh_at: AtomicU64,
+    /// Milliseconds since `epoch` + 1 of the first failure since the last
+    /// evidence; 0 while none.
+    failed_at: AtomicU64,
+    /// Longer than this (ms) without evidence, the watch is silent: no
+    /// bound until a watch sets one.
+    silent_after: AtomicU64,
     epoch: std::time::Instant,
 }
 
 impl Default for WatchHealth {
     fn default() -> Self {
         Self {
-            disconnected_at: AtomicU64::new(0),
+            fresh_at: AtomicU64::new(0),
+            failed_at: AtomicU64::new(0),
+            silent_after: AtomicU64::new(u64::MAX),
             epoch: std::time::Instant::now(),
         }
     }
@@ -50,28 +60,53 @@ impl WatchHealth {
         u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX - 1)
     }
 
-    /// The watch failed: it stops following the API server from now (the
-    /// first failure counts; later ones do not move it).
+    /// The watch brings evidence at least this often while it follows the
+    /// API server; longer without any, the index counts as disconnected.
+    pub fn expect_evidence_within(&self, bound: std::time::Duration) {
+        let ms = u64::try_from(bound.as_millis()).unwrap_or(u64::MAX);
+        self.silent_after.store(ms, Ordering::Release);
+    }
+
+    /// Evidence that the index is current as of now.
+    pub fn mark_fresh(&self) {
+        self.fresh_at.store(self.now_ms() + 1, Ordering::Release);
+        self.failed_at.store(0, Ordering::Release);
+    }
+
+    /// The watch failed or fell silent (the first failure since the last
+    /// evidence counts; later ones do not move it).
     pub fn mark_disconnected(&self) {
         let now = self.now_ms() + 1;
         let _ = self
-            .disconnected_at
+            .failed_at
             .compare_exchange(0, now, Ordering::AcqRel, Ordering::Acquire);
     }
 
-    /// The watch delivered a current event again.
-    pub fn mark_connected(&self) {
-        self.disconnected_at.store(0, Ordering::Release);
-    }
-
-    /// How long the watch has been disconnected; `None` while connected.
-    pub fn disconnected_for(&self) -> Option<std::time::Duration> {
-        match self.disconnected_at.load(Ordering::Acquire) {
+    /// Time since the last evidence that the index is current; `None`
+    /// before any.
+    pub fn freshness_age(&self) -> Option<std::time::Duration> {
+        match self.fresh_at.load(Ordering::Acquire) {
             0 => None,
             at => Some(std::time::Duration::from_millis(
                 self.now_ms().saturating_sub(at - 1),
             )),
         }
+    }
+
+    /// How long the index may have been missing changes, once its watch
+    /// failed or fell silent: the time since the last evidence (since the
+    /// failure when there never was any). `None` while the watch follows.
+    pub fn disconnected_for(&self) -> Option<std::time::Duration> {
+        let fresh = self.fresh_at.load(Ordering::Acquire);
+        let failed = self.failed_at.load(Ordering::Acquire);
+        let since = match (fresh, failed) {
+            (0, 0) => return None,
+            (0, f) => f - 1,
+            (f, _) => f - 1,
+        };
+        let age = self.now_ms().saturating_sub(since);
+        let silent = age > self.silent_after.load(Ordering::Acquire);
+        (failed != 0 || silent).then(|| std::time::Duration::from_millis(age))
     }
 }
 
@@ -118,20 +153,26 @@ impl<S: Indexed> Shared<S> {
         }
     }
 
-    /// The watch failed: the index stops following the API server from now
-    /// (the first failure counts; later ones do not move it).
+    /// Whether the watch follows the API server (see [`WatchHealth`]).
+    pub fn health(&self) -> &WatchHealth {
+        &self.health
+    }
+
+    /// The watch failed or fell silent (see [`WatchHealth::mark_disconnected`]).
     pub fn mark_disconnected(&self) {
         self.health.mark_disconnected()
     }
 
-    /// The watch delivered a current event again.
-    pub fn mark_connected(&self) {
-        self.health.mark_connected()
-    }
-
-    /// How long the watch has been disconnected; `None` while connected.
+    /// How long the index may have been missing changes, once its watch
+    /// failed or fell silent; `None` while it follows the API server (see
+    /// [`WatchHealth::disconnected_for`]).
     pub fn disconnected_for(&self) -> Option<std::time::Duration> {
         self.health.disconnected_for()
+    }
+
+    /// Time since the last evidence that the index is current.
+    pub fn freshness_age(&self) -> Option<std::time::Duration> {
+        self.health.freshness_age()
     }
 
     pub fn apply(&self, event: IndexEvent<S::Item>) {
@@ -220,46 +261,6 @@ impl<S: Indexed> Shared<S> {
         match self.state.read() {
             Ok(s) => f(&s),
             Err(poisoned) => f(&poisoned.into_inner()),
-        }
-    }
-}
-
-/// Feeds `index` from a kube-runtime watch stream (with its backoff) until
-/// the stream ends, turning each object into the index's lean form with
-/// `lean`. A relist in progress is not current yet; any other event is. The
-/// index keeps serving its last state while the API server is unreachable,
-/// and says for how long.
-pub async fn follow<K, S>(
-    stream: impl Stream<Item = Result<Event<K>, kube::runtime::watcher::Error>>,
-    index: &Shared<S>,
-    what: &'static str,
-    lean: impl Fn(K) -> S::Item,
-) where
-    S: Indexed,
-{
-    let mut stream = std::pin::pin!(stream);
-    while let Some(event) = stream.next().await {
-        match event {
-            Ok(e) => {
-                let done = matches!(e, Event::InitDone);
-                if !matches!(e, Event::Init | Event::InitApply(_)) {
-                    index.mark_connected();
-                }
-                index.apply(match e {
-                    Event::Init => IndexEvent::Init,
-                    Event::InitApply(o) => IndexEvent::InitApply(lean(o)),
-                    Event::InitDone => IndexEvent::InitDone,
-                    Event::Apply(o) => IndexEvent::Apply(lean(o)),
-                    Event::Delete(o) => IndexEvent::Delete(lean(o)),
-                });
-                if done {
-                    tracing::info!(objects = index.len(), "{what} index synced");
-                }
-            }
-            Err(e) => {
-                index.mark_disconnected();
-                tracing::warn!(error = %e, "{what} watch error; retrying with backoff");
-            }
         }
     }
 }

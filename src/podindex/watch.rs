@@ -1,4 +1,4 @@
-//! Feeds a [`PodIndex`] from a kube-runtime watcher over all pods
+//! Feeds a [`PodIndex`] from a watch over all pods
 //! (`status.phase!=Failed`). Pods are decoded into a wire type that names
 //! only the fields the index keeps; the rest of the JSON is skipped.
 
@@ -7,11 +7,10 @@ use std::net::IpAddr;
 use std::sync::Arc;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use kube::runtime::watcher;
-use kube::runtime::WatchStreamExt;
 use kube::{Api, Client, Resource};
 use serde::Deserialize;
 
+use super::listwatch::{KubeSource, Timing};
 use super::{LeanPod, Phase, PodIndex};
 
 /// A pod as decoded from the API server: metadata plus four fields.
@@ -94,14 +93,15 @@ impl From<PodWire> for LeanPod {
     }
 }
 
-/// Watches all pods forever, re-listing after errors (including 410 Gone)
-/// with kube-runtime's backoff. The index keeps serving its last state while
-/// the API server is unreachable.
-pub async fn run(client: Client, index: Arc<PodIndex>) {
-    let api: Api<PodWire> = Api::all(client);
-    let config = watcher::Config::default().fields("status.phase!=Failed");
-    let stream = watcher::watcher(api, config).default_backoff();
-    super::shared::follow(stream, &index, "pod", LeanPod::from).await
+/// Watches all pods (`status.phase!=Failed`) forever, with freshness
+/// bounded by evidence ([`super::listwatch`]). The index keeps serving its
+/// last state while the API server is unreachable, and says how stale it is.
+pub async fn run(client: Client, index: Arc<PodIndex>, timing: Timing) {
+    let source = KubeSource {
+        api: Api::<PodWire>::all(client),
+        fields: Some("status.phase!=Failed"),
+    };
+    super::listwatch::run(source, &index, "pod", LeanPod::from, timing).await
 }
 
 #[cfg(test)]
