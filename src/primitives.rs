@@ -13,6 +13,19 @@ pub fn sha256(data: &[u8]) -> [u8; 32] {
     out
 }
 
+/// The hex digits of a serial as people write it (`0x` prefix, colons,
+/// upper case), lower-cased; `None` unless only hex digits remain.
+pub fn serial_hex_digits(s: &str) -> Option<String> {
+    let t: String = s
+        .trim()
+        .trim_start_matches("0x")
+        .chars()
+        .filter(|c| *c != ':')
+        .collect::<String>()
+        .to_ascii_lowercase();
+    (!t.is_empty() && t.chars().all(|c| c.is_ascii_hexdigit())).then_some(t)
+}
+
 /// PEM-encodes one DER object with 64-column lines and `\n` endings.
 pub fn pem_encode(label: &str, der: &[u8]) -> String {
     use base64::Engine;

@@ -84,16 +84,8 @@ impl Query {
 /// A serial as compared by `--serial`: hex digits only, lower case, without
 /// leading zeros, so `0x00AB:CD`, `ab:cd` and the records' own spelling meet.
 pub fn serial_key(s: &str) -> Result<String, String> {
-    let hex: String = s
-        .trim()
-        .trim_start_matches("0x")
-        .chars()
-        .filter(|c| *c != ':')
-        .collect::<String>()
-        .to_ascii_lowercase();
-    if hex.is_empty() || !hex.chars().all(|c| c.is_ascii_hexdigit()) {
-        return Err(format!("{s:?} is not a hexadecimal serial"));
-    }
+    let hex = crate::primitives::serial_hex_digits(s)
+        .ok_or_else(|| format!("{s:?} is not a hexadecimal serial"))?;
     let trimmed = hex.trim_start_matches('0');
     Ok(if trimmed.is_empty() { "0" } else { trimmed }.to_string())
 }
@@ -306,17 +298,16 @@ mod tests {
     }
 
     fn record(serial: Option<&str>, presented: Option<&str>) -> AuditRecord {
-        let mut r: AuditRecord = serde_json::from_str(
-            r#"{"time":"2026-01-01T00:00:00Z","request_id":"r","peer":null,"authn_method":null,
-            "caller_identity":null,"caller_pod":null,"caller_pod_uid":null,"node":null,
-            "requested_identity":null,"impersonated":false,"decision":"allow","reason":"issued",
-            "detail":null,"evidence":null,"serial":null,"spki_sha256":null,"csr_sha256":null,
-            "not_before":null,"not_after":null,"issuer_key_id":null,"latency_ms":1.0}"#,
-        )
-        .unwrap();
-        r.serial = serial.map(str::to_string);
-        r.presented_serial = presented.map(str::to_string);
-        r
+        AuditRecord {
+            serial: serial.map(str::to_string),
+            presented_serial: presented.map(str::to_string),
+            ..AuditRecord::new(
+                OffsetDateTime::UNIX_EPOCH,
+                "r".into(),
+                Decision::Allow,
+                "issued".into(),
+            )
+        }
     }
 
     #[test_case::test_case("0a1b", Some("a1b") ; "leading zero")]

@@ -143,16 +143,8 @@ pub fn parse_reason(s: &str) -> Result<RevocationReason, RevocationError> {
 /// A serial as the audit log writes it, from user input (`0x`, colons,
 /// upper case and leading zeros accepted).
 pub fn normalize_serial(s: &str) -> Result<String, RevocationError> {
-    let t: String = s
-        .trim()
-        .trim_start_matches("0x")
-        .chars()
-        .filter(|c| *c != ':')
-        .collect::<String>()
-        .to_ascii_lowercase();
-    if t.is_empty() || !t.chars().all(|c| c.is_ascii_hexdigit()) {
-        return Err(RevocationError::BadSerial(s.to_string()));
-    }
+    let t = crate::primitives::serial_hex_digits(s)
+        .ok_or_else(|| RevocationError::BadSerial(s.to_string()))?;
     let even = if t.len() % 2 == 1 { format!("0{t}") } else { t };
     let bytes = hex::decode(&even).map_err(|_| RevocationError::BadSerial(s.to_string()))?;
     Ok(crate::ca::serial_hex(&bytes))
