@@ -21,6 +21,8 @@ use meshca::identity::{SpiffeId, TrustDomain};
 )]
 struct Cli {
     /// Log format: plain or json.
+    ///
+    /// Logs go to stderr; `RUST_LOG` filters them.
     #[arg(long, env = "LOG_FORMAT", default_value = "plain", global = true)]
     log_format: String,
     #[command(subcommand)]
@@ -80,6 +82,10 @@ enum Command {
     /// every replica signs its CRL from, and optionally deny the identity or
     /// node from now on. `--undo` lifts revocations.
     Revoke(Box<RevokeArgs>),
+    /// Print the flag reference (docs/flags.md) generated from this command
+    /// line: `cargo run -- flags > docs/flags.md`.
+    #[command(hide = true)]
+    Flags,
 }
 
 #[derive(clap::Args)]
@@ -315,6 +321,18 @@ fn main() -> std::process::ExitCode {
             args.kubeconfig = None;
         }
     }
+    if let Command::Flags = cli.command {
+        use std::io::Write as _;
+        let text = meshca::flags::doc::markdown(&Cli::command());
+        // A closed pipe (`| head`) ends quietly, as for the other commands.
+        return match std::io::stdout().lock().write_all(text.as_bytes()) {
+            Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
+                eprintln!("error: {e}");
+                std::process::ExitCode::FAILURE
+            }
+            _ => std::process::ExitCode::SUCCESS,
+        };
+    }
     match app::run_binary(&cli.log_format, run(cli.command)) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         // The reader of a pipeline went away (`meshca audit query ... | head`):
@@ -363,6 +381,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
         Command::Request(args) => meshca::certs::request(&args).await,
         Command::Revoke(args) => revoke(*args).await,
         Command::Rotate(cmd) => rotate(cmd),
+        Command::Flags => Ok(()),
         Command::Init {
             out,
             key_type,
