@@ -146,8 +146,11 @@ struct RevokeArgs {
 /// The cluster and the anchor set the audit commands read anchors from.
 #[derive(clap::Args)]
 struct AnchorSet {
+    /// Kubeconfig of the cluster holding the anchors (default: found as kubectl finds it,
+    /// KUBECONFIG, ~/.kube/config, then the in-cluster config).
     #[arg(long)]
     kubeconfig: Option<PathBuf>,
+    /// Namespace of the anchor ConfigMaps (MESHCA_AUDIT_ANCHOR_NAMESPACE of the server).
     #[arg(long, default_value = "istio-system")]
     anchor_namespace: String,
     /// The anchor set (MESHCA_AUDIT_ANCHOR_CONFIGMAP of the server).
@@ -215,8 +218,11 @@ enum AuditCommand {
         /// Caller identity or caller pod (ns/name).
         #[arg(long)]
         caller: Option<String>,
+        /// Only records with this decision.
         #[arg(long, value_parser = ["allow", "deny"])]
         decision: Option<String>,
+        /// Only records with this reason code (`issued`, `revoked`,
+        /// `impersonation_no_pod_on_node`, ...; docs/AUDIT.md lists them).
         #[arg(long)]
         reason: Option<String>,
         /// A certificate serial (hex, as `meshca revoke` and openssl print it;
@@ -233,6 +239,7 @@ enum AuditCommand {
         until: Option<String>,
         #[arg(short = 'o', long, default_value = "table", value_parser = ["table", "json"])]
         output: String,
+        /// Audit files to search, oldest first.
         #[arg(required = true)]
         files: Vec<PathBuf>,
         /// `--identity` matches the identity under the mesh trust domain and every alias.
@@ -254,6 +261,7 @@ enum AuditCommand {
     },
     /// Generate an ECDSA P-256 checkpoint signing key; prints its public key.
     Keygen {
+        /// Where to write the private key (PKCS#8 PEM); refused if it exists, unless --force.
         #[arg(long)]
         out: PathBuf,
         /// Replace an existing key (the old key's public half no longer
@@ -279,11 +287,13 @@ struct CertsArgs {
     /// Instead of a file: call CreateCertificate on this meshca (host:port).
     #[arg(long)]
     addr: Option<String>,
+    /// TLS name to verify the --addr server by.
     #[arg(long, default_value = "localhost")]
     server_name: String,
     /// Client certificate chain for --addr (mTLS).
     #[arg(long, requires = "key")]
     cert: Option<PathBuf>,
+    /// Private key of --cert.
     #[arg(long)]
     key: Option<PathBuf>,
     /// ServiceAccount token file for --addr.
