@@ -257,6 +257,7 @@ struct Fixture {
     pki: TestPki,
     audit: PathBuf,
     _dir: tempfile::TempDir,
+    cfg: meshca::config::Config,
     app: meshca::app::App,
 }
 
@@ -312,6 +313,7 @@ async fn fixture(nodes: usize) -> Fixture {
         pki,
         audit,
         _dir: dir,
+        cfg,
         app,
     }
 }
@@ -778,6 +780,134 @@ async fn a_pod_deleting_past_the_leeway_gets_no_certificate() {
         .map(|r| r.reason.as_str())
         .collect();
     assert_eq!(reasons, ["issued", "podcert_pod_deleted"]);
+}
+
+/// Two replicas watch the same requests: each request is signed once, by
+/// the replica that claimed it, and the two audit logs together hold
+/// exactly one record per request (before the claim, both replicas signed
+/// and recorded an issuance, and the loser's serial was never delivered).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_replicas_sign_each_request_once() {
+    const N: usize = 24;
+    let f = fixture(1).await;
+    let k = &f.k;
+    let (n, nuid) = f.nodes[0].clone();
+    let dir2 = tempfile::tempdir().unwrap();
+    let audit2 = dir2.path().join("audit.log");
+    let mut cfg2 = f.cfg.clone();
+    cfg2.audit.file = audit2.clone();
+    let app2 = meshca::app::App::start(&cfg2, Default::default())
+        .await
+        .unwrap();
+    let kubelet = node_client(k, &n).await;
+    let key = rcgen::KeyPair::generate().unwrap();
+    let mut pods = Vec::new();
+    for i in 0..N {
+        let name = format!("web-{i}");
+        let uid = pod(k, &f.ns, &name, SA, &n, &f.signer).await;
+        pods.push((name, uid));
+    }
+    // Both replicas' indexes know every pod before the first request, so
+    // both are ready to decide each one at once: the race is real.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    for app in [&f.app, &app2] {
+        let index = app.pod_index.clone().unwrap();
+        while index.read(|s| {
+            pods.iter()
+                .filter(|(p, _)| s.get(&f.ns, p).is_some())
+                .count()
+        }) < N
+        {
+            assert!(
+                Instant::now() < deadline,
+                "pod index never showed every pod"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    let mut created = Vec::new();
+    for (pod_name, pod_uid) in &pods {
+        let ask = Ask {
+            ns: &f.ns,
+            pod: pod_name,
+            pod_uid,
+            sa: SA,
+            sa_uid: &f.sa_uid,
+            node: &n,
+            node_uid: &nuid,
+            signer: &f.signer,
+            key: &key,
+            max_expiration: None,
+            annotations: BTreeMap::new(),
+        };
+        created.push(create_pcr(&kubelet, &ask).await.unwrap());
+    }
+    let mut delivered = BTreeMap::new();
+    for o in &created {
+        let name = o.metadata.name.clone().unwrap();
+        let (cond, _, status) = terminal(&k.admin, &f.ns, &name).await;
+        assert_eq!(cond, "Issued", "{status}");
+        let chain = pem_certs(status["certificateChain"].as_str().unwrap());
+        let (_, leaf) = x509_parser::parse_x509_certificate(&chain[0]).unwrap();
+        delivered.insert(
+            o.metadata.uid.clone().unwrap(),
+            leaf.raw_serial_as_string().replace(':', ""),
+        );
+    }
+    let claims = |app: &meshca::app::App| {
+        app.metrics
+            .pod_certificates
+            .claims
+            .get_or_create(&meshca::podcert::controller::ClaimLabels { result: "ours" })
+            .get()
+    };
+    let (won1, won2) = (claims(&f.app), claims(&app2));
+    let held1 = f
+        .app
+        .metrics
+        .pod_certificates
+        .claims
+        .get_or_create(&meshca::podcert::controller::ClaimLabels {
+            result: "held_elsewhere",
+        })
+        .get();
+    f.app.shutdown().await.unwrap();
+    app2.shutdown().await.unwrap();
+
+    // One issuance record per request across both logs, for the serial the
+    // kubelet received; each log verifies.
+    let mut issued: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for path in [&f.audit, &audit2] {
+        let lines = verify::read_lines(&[path]).unwrap();
+        verify::verify_lines(&lines, None).unwrap();
+        let (records, unreadable) = query::query(&lines, &query::Query::default());
+        assert!(unreadable.is_empty());
+        for r in records
+            .iter()
+            .filter(|r| r.authn_method.as_deref() == Some(meshca::podcert::AUTHN_METHOD))
+        {
+            assert_eq!(r.reason, "issued", "{r:?}");
+            issued
+                .entry(r.pod_certificate_request_uid.clone().unwrap())
+                .or_default()
+                .push(r.serial.clone().unwrap().to_ascii_lowercase());
+        }
+    }
+    let twice: Vec<_> = issued.iter().filter(|(_, s)| s.len() > 1).collect();
+    println!(
+        "two replicas, {N} PCRs: claims won {won1} + {won2}, replica 1 found {held1} held by the other; {} PCRs recorded as issued more than once",
+        twice.len()
+    );
+    assert!(twice.is_empty(), "signed by both replicas: {twice:?}");
+    assert_eq!(issued.len(), N, "one record per request");
+    for (uid, serial) in &delivered {
+        assert_eq!(
+            issued.get(uid).map(|s| s[0].trim_start_matches('0')),
+            Some(serial.to_ascii_lowercase().trim_start_matches('0')),
+            "the recorded serial is the delivered one"
+        );
+    }
+    assert_eq!(won1 + won2, N as u64, "one claim won per request");
 }
 
 /// `apiserver_request_total` by (resource, subresource, verb), from the API
