@@ -910,6 +910,87 @@ async fn two_replicas_sign_each_request_once() {
     assert_eq!(won1 + won2, N as u64, "one claim won per request");
 }
 
+/// A claim left by a replica that died lapses: the request is decided once
+/// the claim is 30 s old. A claim dated in the future holds nobody off.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_replicas_claim_lapses_and_a_future_one_is_ignored() {
+    let f = fixture(1).await;
+    let k = &f.k;
+    let (n, nuid) = f.nodes[0].clone();
+    let kubelet = node_client(k, &n).await;
+    let key = rcgen::KeyPair::generate().unwrap();
+    let now = OffsetDateTime::now_utc().unix_timestamp();
+    let mut started = Vec::new();
+    // (pod, claim annotation, earliest and latest decision after creation)
+    let cases = [
+        ("dead", format!("meshca-0-dead@{}", now - 25), 3.0, 20.0),
+        ("future", format!("squatter-0-0@{}", now + 3600), 0.0, 4.0),
+    ];
+    for (pod_name, claim, _, _) in &cases {
+        let pod_uid = pod(k, &f.ns, pod_name, SA, &n, &f.signer).await;
+        let index = f.app.pod_index.clone().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while index.read(|s| s.get(&f.ns, pod_name).is_none()) {
+            assert!(
+                Instant::now() < deadline,
+                "pod index never showed {pod_name}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let obj: DynamicObject = serde_json::from_value(json!({
+            "apiVersion": "certificates.k8s.io/v1", "kind": "PodCertificateRequest",
+            "metadata": {"name": unique(&format!("{pod_name}-pcr")), "namespace": f.ns,
+                "annotations": {"meshca.io/decider": claim}},
+            "spec": {
+                "signerName": f.signer, "podName": pod_name, "podUID": pod_uid,
+                "serviceAccountName": SA, "serviceAccountUID": f.sa_uid,
+                "nodeName": n, "nodeUID": nuid,
+                "stubPKCS10Request": base64::engine::general_purpose::STANDARD.encode(stub_csr(&key)),
+            }
+        }))
+        .unwrap();
+        let api: Api<DynamicObject> = Api::namespaced_with(kubelet.clone(), &f.ns, &pcr_resource());
+        let pp = PostParams::default();
+        let created = settle("create pcr", || api.create(&pp, &obj))
+            .await
+            .unwrap();
+        started.push((created.metadata.name.unwrap(), Instant::now()));
+    }
+    // Both polled together: each one's decision time is its own.
+    let api: Api<DynamicObject> = Api::namespaced_with(k.admin.clone(), &f.ns, &pcr_resource());
+    let mut decided: Vec<Option<(f64, DynamicObject)>> = vec![None, None];
+    let deadline = Instant::now() + Duration::from_secs(40);
+    while decided.iter().any(Option::is_none) {
+        for (i, (name, t0)) in started.iter().enumerate() {
+            if decided[i].is_none() {
+                let o = api.get(name).await.unwrap();
+                if o.data["status"]["conditions"][0]["type"].is_string() {
+                    decided[i] = Some((t0.elapsed().as_secs_f64(), o));
+                }
+            }
+        }
+        assert!(Instant::now() < deadline, "never decided: {decided:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for (d, (pod_name, _, earliest, latest)) in decided.into_iter().zip(&cases) {
+        let (took, o) = d.unwrap();
+        println!("claim {pod_name}: decided {took:.1} s after creation");
+        assert_eq!(
+            o.data["status"]["conditions"][0]["type"], "Issued",
+            "{pod_name}"
+        );
+        assert!(
+            (*earliest..*latest).contains(&took),
+            "{pod_name}: decided after {took:.1} s, expected between {earliest} and {latest}"
+        );
+        let claim = o.metadata.annotations.unwrap_or_default()["meshca.io/decider"].clone();
+        assert!(
+            !claim.starts_with("meshca-0-dead@") && !claim.starts_with("squatter-0-0@"),
+            "{pod_name}: the deciding replica wrote its own claim: {claim}"
+        );
+    }
+}
+
 /// `apiserver_request_total` by (resource, subresource, verb), from the API
 /// server's /metrics.
 async fn request_counts(admin: &Client) -> BTreeMap<(String, String, String), f64> {
