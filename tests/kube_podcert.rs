@@ -257,6 +257,7 @@ struct Fixture {
     pki: TestPki,
     audit: PathBuf,
     _dir: tempfile::TempDir,
+    cfg: meshca::config::Config,
     app: meshca::app::App,
 }
 
@@ -312,6 +313,7 @@ async fn fixture(nodes: usize) -> Fixture {
         pki,
         audit,
         _dir: dir,
+        cfg,
         app,
     }
 }
@@ -778,6 +780,215 @@ async fn a_pod_deleting_past_the_leeway_gets_no_certificate() {
         .map(|r| r.reason.as_str())
         .collect();
     assert_eq!(reasons, ["issued", "podcert_pod_deleted"]);
+}
+
+/// Two replicas watch the same requests: each request is signed once, by
+/// the replica that claimed it, and the two audit logs together hold
+/// exactly one record per request (before the claim, both replicas signed
+/// and recorded an issuance, and the loser's serial was never delivered).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_replicas_sign_each_request_once() {
+    const N: usize = 24;
+    let f = fixture(1).await;
+    let k = &f.k;
+    let (n, nuid) = f.nodes[0].clone();
+    let dir2 = tempfile::tempdir().unwrap();
+    let audit2 = dir2.path().join("audit.log");
+    let mut cfg2 = f.cfg.clone();
+    cfg2.audit.file = audit2.clone();
+    let app2 = meshca::app::App::start(&cfg2, Default::default())
+        .await
+        .unwrap();
+    let kubelet = node_client(k, &n).await;
+    let key = rcgen::KeyPair::generate().unwrap();
+    let mut pods = Vec::new();
+    for i in 0..N {
+        let name = format!("web-{i}");
+        let uid = pod(k, &f.ns, &name, SA, &n, &f.signer).await;
+        pods.push((name, uid));
+    }
+    // Both replicas' indexes know every pod before the first request, so
+    // both are ready to decide each one at once: the race is real.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    for app in [&f.app, &app2] {
+        let index = app.pod_index.clone().unwrap();
+        while index.read(|s| {
+            pods.iter()
+                .filter(|(p, _)| s.get(&f.ns, p).is_some())
+                .count()
+        }) < N
+        {
+            assert!(
+                Instant::now() < deadline,
+                "pod index never showed every pod"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    let mut created = Vec::new();
+    for (pod_name, pod_uid) in &pods {
+        let ask = Ask {
+            ns: &f.ns,
+            pod: pod_name,
+            pod_uid,
+            sa: SA,
+            sa_uid: &f.sa_uid,
+            node: &n,
+            node_uid: &nuid,
+            signer: &f.signer,
+            key: &key,
+            max_expiration: None,
+            annotations: BTreeMap::new(),
+        };
+        created.push(create_pcr(&kubelet, &ask).await.unwrap());
+    }
+    let mut delivered = BTreeMap::new();
+    for o in &created {
+        let name = o.metadata.name.clone().unwrap();
+        let (cond, _, status) = terminal(&k.admin, &f.ns, &name).await;
+        assert_eq!(cond, "Issued", "{status}");
+        let chain = pem_certs(status["certificateChain"].as_str().unwrap());
+        let (_, leaf) = x509_parser::parse_x509_certificate(&chain[0]).unwrap();
+        delivered.insert(
+            o.metadata.uid.clone().unwrap(),
+            leaf.raw_serial_as_string().replace(':', ""),
+        );
+    }
+    let claims = |app: &meshca::app::App| {
+        app.metrics
+            .pod_certificates
+            .claims
+            .get_or_create(&meshca::podcert::controller::ClaimLabels { result: "ours" })
+            .get()
+    };
+    let (won1, won2) = (claims(&f.app), claims(&app2));
+    let held1 = f
+        .app
+        .metrics
+        .pod_certificates
+        .claims
+        .get_or_create(&meshca::podcert::controller::ClaimLabels {
+            result: "held_elsewhere",
+        })
+        .get();
+    f.app.shutdown().await.unwrap();
+    app2.shutdown().await.unwrap();
+
+    // One issuance record per request across both logs, for the serial the
+    // kubelet received; each log verifies.
+    let mut issued: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for path in [&f.audit, &audit2] {
+        let lines = verify::read_lines(&[path]).unwrap();
+        verify::verify_lines(&lines, None).unwrap();
+        let (records, unreadable) = query::query(&lines, &query::Query::default());
+        assert!(unreadable.is_empty());
+        for r in records
+            .iter()
+            .filter(|r| r.authn_method.as_deref() == Some(meshca::podcert::AUTHN_METHOD))
+        {
+            assert_eq!(r.reason, "issued", "{r:?}");
+            issued
+                .entry(r.pod_certificate_request_uid.clone().unwrap())
+                .or_default()
+                .push(r.serial.clone().unwrap().to_ascii_lowercase());
+        }
+    }
+    let twice: Vec<_> = issued.iter().filter(|(_, s)| s.len() > 1).collect();
+    println!(
+        "two replicas, {N} PCRs: claims won {won1} + {won2}, replica 1 found {held1} held by the other; {} PCRs recorded as issued more than once",
+        twice.len()
+    );
+    assert!(twice.is_empty(), "signed by both replicas: {twice:?}");
+    assert_eq!(issued.len(), N, "one record per request");
+    for (uid, serial) in &delivered {
+        assert_eq!(
+            issued.get(uid).map(|s| s[0].trim_start_matches('0')),
+            Some(serial.to_ascii_lowercase().trim_start_matches('0')),
+            "the recorded serial is the delivered one"
+        );
+    }
+    assert_eq!(won1 + won2, N as u64, "one claim won per request");
+}
+
+/// A claim left by a replica that died lapses: the request is decided once
+/// the claim is 30 s old. A claim dated in the future holds nobody off.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_replicas_claim_lapses_and_a_future_one_is_ignored() {
+    let f = fixture(1).await;
+    let k = &f.k;
+    let (n, nuid) = f.nodes[0].clone();
+    let kubelet = node_client(k, &n).await;
+    let key = rcgen::KeyPair::generate().unwrap();
+    let now = OffsetDateTime::now_utc().unix_timestamp();
+    let mut started = Vec::new();
+    // (pod, claim annotation, earliest and latest decision after creation)
+    let cases = [
+        ("dead", format!("meshca-0-dead@{}", now - 25), 3.0, 20.0),
+        ("future", format!("squatter-0-0@{}", now + 3600), 0.0, 4.0),
+    ];
+    for (pod_name, claim, _, _) in &cases {
+        let pod_uid = pod(k, &f.ns, pod_name, SA, &n, &f.signer).await;
+        let index = f.app.pod_index.clone().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while index.read(|s| s.get(&f.ns, pod_name).is_none()) {
+            assert!(
+                Instant::now() < deadline,
+                "pod index never showed {pod_name}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let obj: DynamicObject = serde_json::from_value(json!({
+            "apiVersion": "certificates.k8s.io/v1", "kind": "PodCertificateRequest",
+            "metadata": {"name": unique(&format!("{pod_name}-pcr")), "namespace": f.ns,
+                "annotations": {"meshca.io/decider": claim}},
+            "spec": {
+                "signerName": f.signer, "podName": pod_name, "podUID": pod_uid,
+                "serviceAccountName": SA, "serviceAccountUID": f.sa_uid,
+                "nodeName": n, "nodeUID": nuid,
+                "stubPKCS10Request": base64::engine::general_purpose::STANDARD.encode(stub_csr(&key)),
+            }
+        }))
+        .unwrap();
+        let api: Api<DynamicObject> = Api::namespaced_with(kubelet.clone(), &f.ns, &pcr_resource());
+        let pp = PostParams::default();
+        let created = settle("create pcr", || api.create(&pp, &obj))
+            .await
+            .unwrap();
+        started.push((created.metadata.name.unwrap(), Instant::now()));
+    }
+    // Both polled together: each one's decision time is its own.
+    let api: Api<DynamicObject> = Api::namespaced_with(k.admin.clone(), &f.ns, &pcr_resource());
+    let mut decided: Vec<Option<(f64, DynamicObject)>> = vec![None, None];
+    let deadline = Instant::now() + Duration::from_secs(40);
+    while decided.iter().any(Option::is_none) {
+        for (i, (name, t0)) in started.iter().enumerate() {
+            if decided[i].is_none() {
+                let o = api.get(name).await.unwrap();
+                if o.data["status"]["conditions"][0]["type"].is_string() {
+                    decided[i] = Some((t0.elapsed().as_secs_f64(), o));
+                }
+            }
+        }
+        assert!(Instant::now() < deadline, "never decided: {decided:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for (d, (pod_name, _, earliest, latest)) in decided.into_iter().zip(&cases) {
+        let (took, o) = d.unwrap();
+        println!("claim {pod_name}: decided {took:.1} s after creation");
+        assert_eq!(
+            o.data["status"]["conditions"][0]["type"], "Issued",
+            "{pod_name}"
+        );
+        assert!(
+            (*earliest..*latest).contains(&took),
+            "{pod_name}: decided after {took:.1} s, expected between {earliest} and {latest}"
+        );
+        let claim = o.metadata.annotations.unwrap_or_default()["meshca.io/decider"].clone();
+        assert!(
+            !claim.starts_with("meshca-0-dead@") && !claim.starts_with("squatter-0-0@"),
+            "{pod_name}: the deciding replica wrote its own claim: {claim}"
+        );
+    }
 }
 
 /// `apiserver_request_total` by (resource, subresource, verb), from the API

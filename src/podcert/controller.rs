@@ -6,8 +6,10 @@
 //! index; an issued leaf comes from the same CA snapshot and leaf profile as
 //! CreateCertificate ([`crate::ca::CaBundle::sign_leaf`]); the audit record
 //! is acknowledged before the status carries the certificate, as on the
-//! gRPC path. A status write is one PUT with the object's resourceVersion,
-//! so two replicas never both decide one request.
+//! gRPC path. One replica decides each request: it claims the request first
+//! ([`super::claim`]), and both the claim and the status write are a PUT
+//! with the object's resourceVersion, so a replica that loses a race signs
+//! nothing and records nothing.
 
 use std::collections::{BTreeMap, HashSet};
 use std::sync::{Arc, Mutex};
@@ -22,8 +24,9 @@ use serde::Deserialize;
 use time::format_description::well_known::Rfc3339;
 use time::OffsetDateTime;
 
-pub use super::metrics::{ConditionLabels, PodCertMetrics, WriteLabels};
+pub use super::metrics::{ClaimLabels, ConditionLabels, PodCertMetrics, WriteLabels};
 
+use super::claim;
 use super::decide::{self, Decision, FailReason, IndexView, PcrFacts, PodFacts, Policy};
 use super::PodCertSettings;
 use crate::audit::{AuditGuard, AuditSink};
@@ -154,6 +157,8 @@ pub async fn run(client: Client, signer: Arc<Signer>) {
     let mut stream = watcher::watcher(api, config).default_backoff().boxed();
     let claimed: Arc<Mutex<HashSet<String>>> = Arc::default();
     let permits = Arc::new(tokio::sync::Semaphore::new(signer.settings.workers.max(1)));
+    let holder: Arc<str> = claim::holder().into();
+    tracing::info!(holder = %holder, "PodCertificateRequest claim holder");
     while let Some(event) = stream.next().await {
         let obj = match event {
             Ok(Event::Apply(o) | Event::InitApply(o)) => o,
@@ -180,18 +185,45 @@ pub async fn run(client: Client, signer: Arc<Signer>) {
         if !lock(&claimed).insert(uid.clone()) {
             continue; // in flight
         }
-        let (signer, client, ar, permits, claimed) = (
+        let (signer, client, ar, permits, claimed, holder) = (
             signer.clone(),
             client.clone(),
             ar.clone(),
             permits.clone(),
             claimed.clone(),
+            holder.clone(),
         );
         tokio::spawn(async move {
-            let done = handle(&signer, &client, &ar, obj, &permits).await;
-            if !done {
-                // Not decided: a later event (or relist) tries again.
-                lock(&claimed).remove(&uid);
+            let mut obj = obj;
+            loop {
+                match handle(&signer, &client, &ar, obj, &permits, &holder).await {
+                    Handled::Done => break,
+                    Handled::NotYet => {
+                        // Not decided: a later event (or relist) tries again.
+                        lock(&claimed).remove(&uid);
+                        break;
+                    }
+                    Handled::HeldElsewhere {
+                        namespace,
+                        name,
+                        wait,
+                    } => {
+                        // Another replica decides. Its status write ends
+                        // this (an event); if it died, its claim lapses and
+                        // this replica looks again.
+                        tokio::time::sleep(wait + Duration::from_millis(250)).await;
+                        let api: Api<DynamicObject> =
+                            Api::namespaced_with(client.clone(), &namespace, &ar);
+                        match api.get(&name).await {
+                            Ok(fresh) if !is_terminal(&fresh) => obj = fresh,
+                            Ok(_) => break,
+                            Err(_) => {
+                                lock(&claimed).remove(&uid);
+                                break;
+                            }
+                        }
+                    }
+                }
             }
         });
     }
@@ -268,15 +300,30 @@ enum Outcome {
     Failed(FailReason),
 }
 
-/// Decides one request and writes its status; `true` once it is decided
-/// (by us, or found decided by someone else).
+/// What became of one look at a request.
+enum Handled {
+    /// Decided, by us or found decided by someone else, or gone.
+    Done,
+    /// Not decided; a later event tries again.
+    NotYet,
+    /// Another replica holds the claim for `wait` more.
+    HeldElsewhere {
+        namespace: String,
+        name: String,
+        wait: Duration,
+    },
+}
+
+/// Decides one request and writes its status, if this replica wins the
+/// claim on it.
 async fn handle(
     signer: &Signer,
     client: &Client,
     ar: &ApiResource,
     mut obj: DynamicObject,
     permits: &tokio::sync::Semaphore,
-) -> bool {
+    holder: &str,
+) -> Handled {
     let seen = Instant::now();
     let policy = Policy {
         trust_domain: signer.trust_domain.clone(),
@@ -289,7 +336,7 @@ async fn handle(
             Ok(f) => f,
             Err(e) => {
                 tracing::warn!(error = %e, name = ?obj.metadata.name, "unreadable PodCertificateRequest");
-                return false;
+                return Handled::NotYet;
             }
         };
         let view = index_view(
@@ -309,8 +356,33 @@ async fn handle(
         }
     };
     let Ok(_permit) = permits.acquire().await else {
-        return false;
+        return Handled::NotYet;
     };
+    let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), &facts.namespace, ar);
+    let claimed = take_claim(&api, &mut obj, holder).await;
+    signer
+        .metrics
+        .claims
+        .get_or_create(&ClaimLabels {
+            result: claimed.label(),
+        })
+        .inc();
+    match claimed {
+        Claimed::Ours => {}
+        Claimed::Decided | Claimed::Gone => return Handled::Done,
+        Claimed::HeldElsewhere(wait) => {
+            return Handled::HeldElsewhere {
+                namespace: facts.namespace,
+                name: facts.name,
+                wait,
+            }
+        }
+        Claimed::Forbidden => {
+            tracing::error!(signer = %signer.settings.signer_name, "claiming a PodCertificateRequest forbidden: meshca needs `update` on podcertificaterequests");
+            return Handled::NotYet;
+        }
+        Claimed::Failed => return Handled::NotYet,
+    }
     let mut audit = AuditGuard::new(signer.audit.clone(), None, None);
     {
         let r = audit.record();
@@ -372,7 +444,7 @@ async fn handle(
             audit.deny(f.reason(), None, f.to_string());
             Outcome::Failed(f)
         }
-        Decision::Wait(_) => return false,
+        Decision::Wait(_) => return Handled::NotYet,
     };
     let (condition, reason) = match &outcome {
         Outcome::Issued { .. } => ("Issued", "issued"),
@@ -383,7 +455,7 @@ async fn handle(
     // No certificate is handed out without its acknowledged record.
     if let Err(e) = audit.finish_acked().await {
         tracing::error!(error = %e, pcr = %format!("{}/{}", facts.namespace, facts.name), "audit record not written: PodCertificateRequest left undecided");
-        return false;
+        return Handled::NotYet;
     }
     signer
         .metrics
@@ -394,7 +466,6 @@ async fn handle(
         })
         .inc();
     let status = status_json(&outcome, OffsetDateTime::now_utc());
-    let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), &facts.namespace, ar);
     let mut attempt = 0;
     let result = loop {
         attempt += 1;
@@ -406,6 +477,8 @@ async fn handle(
             Ok(_) => break "ok",
             Err(kube::Error::Api(e)) if e.code == 409 => match api.get(&facts.name).await {
                 Ok(fresh) if is_terminal(&fresh) => break "conflict_decided",
+                // Our claim lapsed and another replica took it: it decides.
+                Ok(fresh) if claim_view(&fresh, holder) != claim::View::Ours => break "claim_lost",
                 Ok(fresh) => obj = fresh,
                 Err(kube::Error::Api(e)) if e.code == 404 => break "gone",
                 Err(_) => {}
@@ -438,7 +511,89 @@ async fn handle(
         pcr = %format!("{}/{}", facts.namespace, facts.name),
         condition, reason, write = result, request_id, "PodCertificateRequest decided"
     );
-    matches!(result, "ok" | "conflict_decided" | "gone")
+    if matches!(result, "ok" | "conflict_decided" | "gone" | "claim_lost") {
+        Handled::Done
+    } else {
+        Handled::NotYet
+    }
+}
+
+/// The outcome of claiming a request.
+enum Claimed {
+    Ours,
+    Decided,
+    Gone,
+    HeldElsewhere(Duration),
+    Forbidden,
+    Failed,
+}
+
+impl Claimed {
+    fn label(&self) -> &'static str {
+        match self {
+            Self::Ours => "ours",
+            Self::Decided => "decided",
+            Self::Gone => "gone",
+            Self::HeldElsewhere(_) => "held_elsewhere",
+            Self::Forbidden => "forbidden",
+            Self::Failed => "error",
+        }
+    }
+}
+
+fn claim_view(obj: &DynamicObject, holder: &str) -> claim::View {
+    let value = obj
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(claim::ANNOTATION))
+        .map(String::as_str);
+    claim::view(
+        value,
+        holder,
+        OffsetDateTime::now_utc().unix_timestamp(),
+        claim::TTL,
+    )
+}
+
+/// Makes this replica the request's decider: writes the claim annotation
+/// with the object's resourceVersion; on a conflict, looks again. `obj` is
+/// left at the claimed version, which the status write then swaps from.
+async fn take_claim(api: &Api<DynamicObject>, obj: &mut DynamicObject, holder: &str) -> Claimed {
+    let Some(name) = obj.metadata.name.clone() else {
+        return Claimed::Failed;
+    };
+    for attempt in 1..=WRITE_ATTEMPTS {
+        if is_terminal(obj) {
+            return Claimed::Decided;
+        }
+        if let claim::View::Held { remaining } = claim_view(obj, holder) {
+            return Claimed::HeldElsewhere(remaining);
+        }
+        let now = OffsetDateTime::now_utc().unix_timestamp();
+        obj.metadata
+            .annotations
+            .get_or_insert_with(Default::default)
+            .insert(claim::ANNOTATION.into(), claim::value(holder, now));
+        match api.replace(&name, &PostParams::default(), obj).await {
+            Ok(o) => {
+                *obj = o;
+                return Claimed::Ours;
+            }
+            Err(kube::Error::Api(e)) if e.code == 409 => match api.get(&name).await {
+                Ok(fresh) => *obj = fresh,
+                Err(kube::Error::Api(e)) if e.code == 404 => return Claimed::Gone,
+                Err(_) => tokio::time::sleep(Duration::from_millis(100 << attempt)).await,
+            },
+            Err(kube::Error::Api(e)) if e.code == 404 => return Claimed::Gone,
+            Err(kube::Error::Api(e)) if e.code == 403 => return Claimed::Forbidden,
+            Err(e) => {
+                tracing::warn!(error = %e, attempt, "claiming a PodCertificateRequest failed; retrying");
+                tokio::time::sleep(Duration::from_millis(100 << attempt)).await;
+            }
+        }
+    }
+    Claimed::Failed
 }
 
 /// Signs the leaf with the CreateCertificate profile; the chain is the leaf

@@ -18,8 +18,16 @@ pub struct ConditionLabels {
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct WriteLabels {
-    /// `ok`, `conflict_decided` (another writer decided first), `gone`,
+    /// `ok`, `conflict_decided` (another writer decided first),
+    /// `claim_lost` (another replica took a lapsed claim), `gone`,
     /// `forbidden`, `error`.
+    pub result: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ClaimLabels {
+    /// `ours`, `held_elsewhere` (another replica decides), `decided`,
+    /// `gone`, `forbidden`, `error`.
     pub result: &'static str,
 }
 
@@ -28,6 +36,7 @@ pub struct WriteLabels {
 pub struct PodCertMetrics {
     pub decisions: Family<ConditionLabels, Counter>,
     pub status_writes: Family<WriteLabels, Counter>,
+    pub claims: Family<ClaimLabels, Counter>,
     /// From first sight of a request to its status written.
     pub decision_seconds: Histogram,
 }
@@ -42,6 +51,10 @@ impl PodCertMetrics {
             status_writes: registry.metric(
                 "meshca_pod_certificate_status_writes",
                 "PodCertificateRequest status writes by result",
+            ),
+            claims: registry.metric(
+                "meshca_pod_certificate_claims",
+                "Attempts to become the one replica that decides a PodCertificateRequest, by result",
             ),
             decision_seconds: registry.metric_with(
                 "meshca_pod_certificate_decision_seconds",

@@ -4,11 +4,13 @@
 //! X509-SVID CreateCertificate issues, from the same CA, checked against the
 //! same pod index and kill switch, in the same audit log.
 //!
-//! [`decide`] is the pure decision, [`key`] reads the requested key, and
+//! [`decide`] is the pure decision, [`key`] reads the requested key,
+//! [`claim`] makes one replica the decider of a request, and
 //! [`controller`] watches the requests and writes their status. The trust
 //! bundle is published by [`crate::ctb`].
 
 pub mod args;
+pub mod claim;
 pub mod controller;
 pub mod decide;
 pub mod key;
