@@ -26,6 +26,9 @@ pub struct ServeArgs {
     #[arg(long)]
     pub dev: bool,
     /// Data directory for --dev.
+    ///
+    /// Holds the CA and the dev client identity. Default: `$XDG_DATA_HOME/meshca`, else
+    /// `~/.local/share/meshca`.
     #[arg(long, env = "MESHCA_DATA_DIR")]
     pub data_dir: Option<PathBuf>,
     /// gRPC listen address [default: 0.0.0.0:15012, or 127.0.0.1:15012 with --dev].
@@ -33,32 +36,61 @@ pub struct ServeArgs {
     pub listen: Option<SocketAddr>,
     /// Directory holding `cacerts` (ca-cert.pem, ca-key.pem, cert-chain.pem,
     /// root-cert.pem) or a kubernetes.io/tls Secret (tls.crt, tls.key, ca.crt).
+    ///
+    /// A partial bundle is a startup error naming the missing files.
     #[arg(long, env = "ROOT_CA_DIR", default_value = "./etc/cacerts")]
+    #[arg(help_heading = "Certificates")]
     pub ca_dir: PathBuf,
     /// Mesh trust domain.
     #[arg(long, env = "TRUST_DOMAIN", default_value = "cluster.local")]
+    #[arg(help_heading = "Certificates")]
     pub trust_domain: String,
     /// Other trust domains accepted for client certificates and impersonation (comma-separated).
+    ///
+    /// An identity under an alias is the mesh identity everywhere identities are matched:
+    /// `identity` denylist entries, `meshca revoke --identity` and `meshca audit query --identity`
+    /// (both read the variable too).
     #[arg(long, env = "TRUST_DOMAIN_ALIASES", default_value = "")]
+    #[arg(help_heading = "Certificates")]
     pub trust_domain_aliases: String,
     /// Lifetime when the request asks for <= 0 seconds.
     #[arg(long, env = "DEFAULT_WORKLOAD_CERT_TTL", default_value = "24h")]
+    #[arg(help_heading = "Certificates")]
     pub default_ttl: String,
     /// Longest lifetime a request may ask for; longer requests are refused.
+    ///
+    /// Refused with `InvalidArgument`, as istiod does.
     #[arg(long, env = "MAX_WORKLOAD_CERT_TTL", default_value = "2160h")]
+    #[arg(help_heading = "Certificates")]
     pub max_ttl: String,
     /// Draw each leaf's lifetime from --lifetime-jitter-band of the granted
     /// TTL, so leaves issued together do not renew together. `false` writes
     /// exactly the granted TTL (istiod's validity for TTLs of 8 minutes or more).
+    ///
+    /// ztunnel renews at exactly the midpoint written in the certificate, so without jitter a burst
+    /// of issuance renews in one burst. With `false`, NotAfter - NotBefore = TTL + 2 min, istiod's
+    /// validity, for every TTL of 8 minutes or more.
     #[arg(long, env = "MESHCA_LIFETIME_JITTER", default_value_t = true, action = clap::ArgAction::Set)]
+    #[arg(help_heading = "Certificates")]
     pub lifetime_jitter: bool,
     /// Band of the granted TTL a leaf's lifetime is drawn from, `MIN-MAX` percent (50 <= MIN <= MAX <= 100).
+    ///
+    /// Uniform in whole seconds; written into each audit record (`lifetime`).
     #[arg(long, env = "MESHCA_LIFETIME_JITTER_BAND", default_value = "90-100")]
+    #[arg(help_heading = "Certificates")]
     pub lifetime_jitter_band: String,
     /// CSR content checks: `strict` (CSR SANs must be the caller's identity) or `istiod` (ignored).
+    ///
+    /// `istiod` ignores the CSR's SANs and extensions, as istiod does.
     #[arg(long, env = "MESHCA_CSR_POLICY", value_enum, default_value_t = CsrPolicy::Strict)]
+    #[arg(help_heading = "Certificates")]
     pub csr_policy: CsrPolicy,
     /// DNS names / IPs of the serving certificate (comma-separated).
+    ///
+    /// The names in the serving certificate meshca issues itself. `serve --dev` always adds
+    /// `istiod.istio-system.svc`: Istio's CA client (istio-agent) verifies that name, not
+    /// `localhost`, when its `CA_ADDR` contains `localhost`. Which names each client address needs:
+    /// docs/istio.md.
     #[arg(
         long,
         env = "MESHCA_SERVING_NAMES",
@@ -66,62 +98,105 @@ pub struct ServeArgs {
     )]
     pub serving_names: String,
     /// `ns/sa,...` of node proxies allowed to impersonate (empty disables impersonation).
+    ///
+    /// For example `istio-system/ztunnel`. A malformed entry stops startup.
     #[arg(long, env = "CA_TRUSTED_NODE_ACCOUNTS", default_value = "")]
+    #[arg(help_heading = "Callers and Kubernetes")]
     pub trusted_node_accounts: String,
     /// TokenReview audiences (comma-separated).
     #[arg(long, env = "TOKEN_AUDIENCES", default_value = "istio-ca")]
+    #[arg(help_heading = "Callers and Kubernetes")]
     pub token_audiences: String,
     /// This cluster's id, matched against the `clusterid` header.
+    ///
+    /// Must equal the caller's `clusterid` header for impersonation.
     #[arg(long, env = "CLUSTER_ID", default_value = "Kubernetes")]
+    #[arg(help_heading = "Callers and Kubernetes")]
     pub cluster_id: String,
     /// Accept a reloaded root bundle that adds or removes roots.
+    ///
+    /// Otherwise a root change is rejected and the old bundle keeps serving.
     #[arg(long, env = "ISTIO_MULTIROOT_MESH", default_value_t = false, action = clap::ArgAction::Set)]
+    #[arg(help_heading = "Certificates")]
     pub multiroot: bool,
     /// How often CA files are re-read even without a file event.
     #[arg(long, env = "MESHCA_RELOAD_POLL", default_value = "10s")]
+    #[arg(help_heading = "Certificates")]
     pub reload_poll: String,
     /// Health and metrics HTTP address [default: 0.0.0.0:15014, or 127.0.0.1:15014 with --dev].
+    ///
+    /// Plain HTTP `/healthz`, `/readyz`, `/metrics`, unauthenticated: it listens on all interfaces
+    /// so kubelet probes and Prometheus reach it; restrict other callers with a NetworkPolicy.
     #[arg(long, env = "MESHCA_ADMIN_LISTEN")]
     pub admin_listen: Option<SocketAddr>,
     /// Kubernetes integration (TokenReview callers, pod index): `auto` turns it
     /// on in a cluster or when a kubeconfig is given; with --dev only for
     /// --kubeconfig on the command line (an exported KUBECONFIG is ignored).
     #[arg(long, env = "MESHCA_KUBERNETES", value_enum, default_value_t = KubeMode::Auto)]
+    #[arg(help_heading = "Callers and Kubernetes")]
     pub kubernetes: KubeMode,
     /// Kubeconfig for the API server (default: in-cluster config).
+    ///
+    /// The API server for TokenReview and the pod index.
     #[arg(long, env = "KUBECONFIG")]
+    #[arg(help_heading = "Callers and Kubernetes")]
     pub kubeconfig: Option<PathBuf>,
     /// Longest a successful TokenReview is reused (bounded by the token's own expiry; 0s disables).
+    ///
+    /// Where the pod index runs, a cached success is dropped, and the token reviewed again, once
+    /// its bound pod or its ServiceAccount leaves the indexes, is replaced (another UID) or has
+    /// been deleting past the API server's one-minute leeway, and while either index is stale. The
+    /// ServiceAccount index runs beside the pod index (`list`/`watch` on serviceaccounts, metadata
+    /// only).
     #[arg(long, env = "MESHCA_TOKEN_CACHE_TTL", default_value = "60s")]
+    #[arg(help_heading = "Callers and Kubernetes")]
     pub token_cache_ttl: String,
     /// TokenReview deadline; a slow API server gives the client Unavailable.
+    ///
+    /// A timeout is never an allow.
     #[arg(long, env = "MESHCA_TOKENREVIEW_TIMEOUT", default_value = "5s")]
+    #[arg(help_heading = "Callers and Kubernetes")]
     pub tokenreview_timeout: String,
     /// Longest a request that needs the pod index (local token verification,
     /// impersonation) waits for its first full list after a start, instead
     /// of being refused retryably; 0s refuses at once. Well below
     /// MESHCA_ADMISSION_MAX_WAIT, so the review and signing still fit after it.
+    ///
+    /// This covers the mTLS renewal pod check too. The retryable refusals are
+    /// `token_local_index_not_synced`, `impersonation_index_not_ready` and
+    /// `renewal_index_not_ready`; with `local-then-review` the token goes to TokenReview instead. A
+    /// caller without `grpc-timeout` must still get its review and signature in after the wait. See
+    /// the cold-restart storm in docs/BENCHMARKS.md.
     #[arg(long, env = "MESHCA_POD_INDEX_SYNC_WAIT", default_value = "3s")]
+    #[arg(help_heading = "Callers and Kubernetes")]
     pub pod_index_sync_wait: String,
-    #[command(flatten)]
+    #[command(flatten, next_help_heading = "Callers and Kubernetes")]
     pub token_review: crate::authn::args::TokenReviewArgs,
     /// Let mTLS-authenticated node proxies impersonate; their node is found by
     /// matching the connection's source IP to a running pod of the
     /// certificate's service account. Off by default (istiod never allows it).
     #[arg(long, env = "MESHCA_MTLS_IMPERSONATION", default_value_t = false, action = clap::ArgAction::Set)]
+    #[arg(help_heading = "Callers and Kubernetes")]
     pub mtls_impersonation: bool,
-    #[command(flatten)]
+    #[command(flatten, next_help_heading = "Audit log")]
     pub audit: crate::audit::settings::AuditArgs,
     /// Publish the root bundle as a ConfigMap into namespaces (as istiod and
     /// istio-csr do) so workloads can verify meshca's serving certificate.
+    ///
+    /// ConfigMap `istio-ca-root-cert` (key `root-cert.pem`, name from PILOT_CA_CERT_CONFIGMAP), as
+    /// istiod does.
     #[arg(long, env = "MESHCA_PUBLISH_ROOT", default_value_t = false, action = clap::ArgAction::Set)]
+    #[arg(help_heading = "Root publishing")]
     pub publish_root: bool,
     /// Label selector over namespaces for --publish-root (empty: all).
+    ///
+    /// Empty selects every namespace but kube-public and kube-node-lease.
     #[arg(
         long,
         env = "MESHCA_PUBLISH_ROOT_NAMESPACE_SELECTOR",
         default_value = ""
     )]
+    #[arg(help_heading = "Root publishing")]
     pub publish_root_namespace_selector: String,
     /// Name of the published ConfigMap (data key `root-cert.pem`).
     #[arg(
@@ -129,32 +204,34 @@ pub struct ServeArgs {
         env = "PILOT_CA_CERT_CONFIGMAP",
         default_value = "istio-ca-root-cert"
     )]
+    #[arg(help_heading = "Root publishing")]
     pub root_configmap: String,
     /// Full re-check period of the root publisher.
     #[arg(long, env = "MESHCA_PUBLISH_ROOT_RESYNC", default_value = "10m")]
+    #[arg(help_heading = "Root publishing")]
     pub publish_root_resync: String,
-    #[command(flatten)]
+    #[command(flatten, next_help_heading = "Transport limits")]
     pub limits: crate::transport::args::LimitArgs,
     /// Admission in front of signing (`admission` module).
-    #[command(flatten)]
+    #[command(flatten, next_help_heading = "Admission and overload")]
     pub admission: crate::admission::AdmissionArgs,
-    #[command(flatten)]
+    #[command(flatten, next_help_heading = "Kill switch")]
     pub kill_switch: crate::guards::KillSwitchArgs,
-    #[command(flatten)]
+    #[command(flatten, next_help_heading = "Token verification")]
     pub token_verification: crate::authn::args::TokenVerificationArgs,
-    #[command(flatten)]
+    #[command(flatten, next_help_heading = "Multiple clusters")]
     pub multicluster: crate::cluster::args::MultiClusterArgs,
     /// Phased CA rotation (`rotation` module).
-    #[command(flatten)]
+    #[command(flatten, next_help_heading = "CA rotation")]
     pub rotation: crate::rotation::RotationArgs,
     /// Signing-key custody and two-tier issuing.
-    #[command(flatten)]
+    #[command(flatten, next_help_heading = "Signing-key custody")]
     pub custody: crate::ca::custody::CustodyArgs,
     /// The PodCertificateRequest signer (`podcert` module).
-    #[command(flatten)]
+    #[command(flatten, next_help_heading = "Pod certificates")]
     pub pod_certificates: crate::podcert::args::PodCertArgs,
     /// The standalone ClusterTrustBundle publisher (`ctb` module).
-    #[command(flatten)]
+    #[command(flatten, next_help_heading = "ClusterTrustBundle")]
     pub cluster_trust_bundle: crate::ctb::CtbArgs,
 }
 

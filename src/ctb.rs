@@ -300,6 +300,10 @@ pub async fn run(client: Client, settings: CtbSettings, mut roots: watch::Receiv
 pub struct CtbArgs {
     /// Publish the root bundle (every root, old and new during a rotation)
     /// as a signer-linked ClusterTrustBundle (certificates.k8s.io/v1).
+    ///
+    /// `certificates.k8s.io/v1`, else `v1beta1` where only that is served; next to the root
+    /// ConfigMap. Needs Kubernetes and `attest` on the signer. Re-checked every
+    /// MESHCA_PUBLISH_ROOT_RESYNC.
     #[arg(long, env = "MESHCA_PUBLISH_CLUSTER_TRUST_BUNDLE", default_value_t = false, action = clap::ArgAction::Set)]
     pub publish_cluster_trust_bundle: bool,
     /// Signer name the bundle is linked to (Istio's by default, so Istio's
@@ -312,6 +316,9 @@ pub struct CtbArgs {
     pub cluster_trust_bundle_signer: String,
     /// Bundle name; empty: `<signer with / as :>:root-cert`
     /// (`istio.io:istiod-ca:root-cert` for Istio's signer).
+    ///
+    /// It must start with the signer name (`/` as `:`) and `:`. If the pod-certificate signer's
+    /// bundle has the same name, only this publisher writes it.
     #[arg(long, env = "MESHCA_CLUSTER_TRUST_BUNDLE_NAME", default_value = "")]
     pub cluster_trust_bundle_name: String,
 }

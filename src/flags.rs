@@ -5,6 +5,8 @@
 
 use std::time::Duration;
 
+pub mod doc;
+
 /// A setting that could not be parsed: names the variable, value and reason.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("invalid {name}={value:?}: {reason}")]

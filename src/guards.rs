@@ -27,40 +27,85 @@ use crate::revocation::LiveRevocations;
 pub struct KillSwitchArgs {
     /// With Kubernetes on, run the pod index and let an mTLS caller renew its
     /// own identity only while a live pod runs as that service account.
+    ///
+    /// Refusals: `renewal_no_live_pod`; `renewal_index_not_ready` and `renewal_index_stale` are
+    /// `Unavailable`. Without an index the record says `renewal_check: index_off`.
     #[arg(long, env = "MESHCA_MTLS_RENEWAL_POD_CHECK", default_value_t = true, action = clap::ArgAction::Set)]
     pub mtls_renewal_pod_check: bool,
     /// Longest leaf issued to an mTLS caller (renewals); default: DEFAULT_WORKLOAD_CERT_TTL.
+    ///
+    /// Longer requests (up to MAX_WORKLOAD_CERT_TTL) are cut to it, recorded as `renewal_check:
+    /// ...,capped`.
     #[arg(long, env = "MESHCA_MTLS_RENEWAL_MAX_TTL")]
     pub mtls_renewal_max_ttl: Option<String>,
     /// Pod or ServiceAccount index without evidence of freshness (its watch
     /// failed or went silent) longer than this: mTLS renewals, impersonation
     /// and local token verification are refused (retryable), and the server
     /// is not ready.
+    ///
+    /// Then the indexes vouch for nothing, `/readyz` fails saying which index is stale, and
+    /// `meshca_index_freshness_age_seconds` shows the age. Evidence is a completed list, a watch
+    /// the API server accepted, an event or a bookmark: each watch is ended by the API server every
+    /// third of this bound (3-60 s) with a bookmark just before, and a watch silent 3 s past that
+    /// is started again. mTLS renewals (`renewal_index_stale`) and every impersonation
+    /// (`impersonation_index_stale`) are refused, retryably; local token verification refuses
+    /// retryably (`token_local_index_stale`) or, with `local-then-review`, asks TokenReview; a
+    /// cached TokenReview success is reviewed again. So callers are served through API server
+    /// outages shorter than this.
     #[arg(long, env = "MESHCA_POD_INDEX_MAX_STALENESS", default_value = "60s")]
     pub pod_index_max_staleness: String,
     /// Denylist file (one `<kind> <value>` per line), re-read every MESHCA_DENYLIST_POLL.
+    ///
+    /// Kinds: `identity`, `node`, `pod`, `pod-uid`, `serviceaccount`, `token-key`. A hit is refused
+    /// before signing with `denylist_<kind>` and counted in `meshca_denylist_hits_total`. A
+    /// `token-key` entry refuses every token its key signed, whatever the token's header says, and
+    /// while one exists a token whose signing key meshca cannot establish is refused
+    /// (`denylist_token_key_unknown_signer`). An invalid list keeps the previous one.
     #[arg(long, env = "MESHCA_DENYLIST_FILE")]
     pub denylist_file: Option<PathBuf>,
+    /// Denylist file re-read period.
     #[arg(long, env = "MESHCA_DENYLIST_POLL", default_value = "2s")]
     pub denylist_poll: String,
     /// Denylist ConfigMap `namespace/name` (key `denylist`), watched when Kubernetes is on.
+    ///
+    /// Same format as the file; the list in force is the union with the file.
     #[arg(long, env = "MESHCA_DENYLIST_CONFIGMAP")]
     pub denylist_configmap: Option<String>,
     /// Revoked serials (JSON lines, appended by `meshca revoke`); enables the
     /// CRL. Per process: for `serve --dev` and runs without a cluster.
+    ///
+    /// With both this and MESHCA_REVOCATION_CONFIGMAP set, the union is in force.
     #[arg(long, env = "MESHCA_REVOCATION_FILE")]
     pub revocation_file: Option<PathBuf>,
     /// Revocations shared by every replica: ConfigMap `namespace/name` (key
     /// `revocations`), read every MESHCA_REVOCATION_POLL; enables the CRL.
+    ///
+    /// JSON lines appended by `meshca revoke`, read by every replica; meshca needs only `get` on
+    /// it. The chart creates it empty at install (`killSwitch.revocation.createConfigMap`;
+    /// `<release namespace>/meshca-revocations`), so nobody can plant it first. Turns on the CRL
+    /// signed by the intermediate, served at `/ca-crl.pem` on the admin port, and refusal of
+    /// revoked client certificates (`mtls_cert_revoked`). Append-only: a deleted, unreadable,
+    /// truncated or shrunk store lifts nothing and is audited (`revocation_source_missing`,
+    /// `revocation_source_unreadable`, `revocation_removal_refused`); only `meshca revoke --undo`
+    /// lifts a revocation (`unrevoked`). Until it has been read once, mTLS callers get
+    /// `Unavailable` (`revocations_not_loaded`) and `/readyz` is not ready.
     #[arg(long, env = "MESHCA_REVOCATION_CONFIGMAP")]
     pub revocation_configmap: Option<String>,
+    /// Revocation store re-read period: a revocation is in force on every replica within it.
     #[arg(long, env = "MESHCA_REVOCATION_POLL", default_value = "2s")]
     pub revocation_poll: String,
     /// CRL validity (nextUpdate - thisUpdate); re-signed at half.
+    ///
+    /// At most 30 days; also re-signed at once when the revocations or the CA change.
     #[arg(long, env = "MESHCA_CRL_VALIDITY", default_value = "24h")]
     pub crl_validity: String,
     /// Publish the CRL as the `istio-ca-crl` ConfigMap (key `ca-crl.pem`) in
     /// the namespaces MESHCA_PUBLISH_ROOT_NAMESPACE_SELECTOR selects.
+    ///
+    /// ztunnel enforces it from Istio 1.29. Replicas share it: a published CRL is replaced only by
+    /// one with a higher CRL number that lists every serial it lists (unless the replica knows the
+    /// serial was un-revoked or expired), so its number only grows and no serial leaves it because
+    /// a replica lags; a replica adopts a published serial its store lost (`revocation_adopted`).
     #[arg(long, env = "MESHCA_PUBLISH_CRL", default_value_t = false, action = clap::ArgAction::Set)]
     pub publish_crl: bool,
 }

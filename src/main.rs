@@ -21,6 +21,8 @@ use meshca::identity::{SpiffeId, TrustDomain};
 )]
 struct Cli {
     /// Log format: plain or json.
+    ///
+    /// Logs go to stderr; `RUST_LOG` filters them.
     #[arg(long, env = "LOG_FORMAT", default_value = "plain", global = true)]
     log_format: String,
     #[command(subcommand)]
@@ -80,6 +82,10 @@ enum Command {
     /// every replica signs its CRL from, and optionally deny the identity or
     /// node from now on. `--undo` lifts revocations.
     Revoke(Box<RevokeArgs>),
+    /// Print the flag reference (docs/flags.md) generated from this command
+    /// line: `cargo run -- flags > docs/flags.md`.
+    #[command(hide = true)]
+    Flags,
 }
 
 #[derive(clap::Args)]
@@ -140,8 +146,11 @@ struct RevokeArgs {
 /// The cluster and the anchor set the audit commands read anchors from.
 #[derive(clap::Args)]
 struct AnchorSet {
+    /// Kubeconfig of the cluster holding the anchors (default: found as kubectl finds it,
+    /// KUBECONFIG, ~/.kube/config, then the in-cluster config).
     #[arg(long)]
     kubeconfig: Option<PathBuf>,
+    /// Namespace of the anchor ConfigMaps (MESHCA_AUDIT_ANCHOR_NAMESPACE of the server).
     #[arg(long, default_value = "istio-system")]
     anchor_namespace: String,
     /// The anchor set (MESHCA_AUDIT_ANCHOR_CONFIGMAP of the server).
@@ -209,8 +218,11 @@ enum AuditCommand {
         /// Caller identity or caller pod (ns/name).
         #[arg(long)]
         caller: Option<String>,
+        /// Only records with this decision.
         #[arg(long, value_parser = ["allow", "deny"])]
         decision: Option<String>,
+        /// Only records with this reason code (`issued`, `revoked`,
+        /// `impersonation_no_pod_on_node`, ...; docs/AUDIT.md lists them).
         #[arg(long)]
         reason: Option<String>,
         /// A certificate serial (hex, as `meshca revoke` and openssl print it;
@@ -227,6 +239,7 @@ enum AuditCommand {
         until: Option<String>,
         #[arg(short = 'o', long, default_value = "table", value_parser = ["table", "json"])]
         output: String,
+        /// Audit files to search, oldest first.
         #[arg(required = true)]
         files: Vec<PathBuf>,
         /// `--identity` matches the identity under the mesh trust domain and every alias.
@@ -248,6 +261,7 @@ enum AuditCommand {
     },
     /// Generate an ECDSA P-256 checkpoint signing key; prints its public key.
     Keygen {
+        /// Where to write the private key (PKCS#8 PEM); refused if it exists, unless --force.
         #[arg(long)]
         out: PathBuf,
         /// Replace an existing key (the old key's public half no longer
@@ -273,11 +287,13 @@ struct CertsArgs {
     /// Instead of a file: call CreateCertificate on this meshca (host:port).
     #[arg(long)]
     addr: Option<String>,
+    /// TLS name to verify the --addr server by.
     #[arg(long, default_value = "localhost")]
     server_name: String,
     /// Client certificate chain for --addr (mTLS).
     #[arg(long, requires = "key")]
     cert: Option<PathBuf>,
+    /// Private key of --cert.
     #[arg(long)]
     key: Option<PathBuf>,
     /// ServiceAccount token file for --addr.
@@ -314,6 +330,18 @@ fn main() -> std::process::ExitCode {
         if args.dev && from_env && args.kubernetes == meshca::config::KubeMode::Auto {
             args.kubeconfig = None;
         }
+    }
+    if let Command::Flags = cli.command {
+        use std::io::Write as _;
+        let text = meshca::flags::doc::markdown(&Cli::command());
+        // A closed pipe (`| head`) ends quietly, as for the other commands.
+        return match std::io::stdout().lock().write_all(text.as_bytes()) {
+            Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
+                eprintln!("error: {e}");
+                std::process::ExitCode::FAILURE
+            }
+            _ => std::process::ExitCode::SUCCESS,
+        };
     }
     match app::run_binary(&cli.log_format, run(cli.command)) {
         Ok(()) => std::process::ExitCode::SUCCESS,
@@ -363,6 +391,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
         Command::Request(args) => meshca::certs::request(&args).await,
         Command::Revoke(args) => revoke(*args).await,
         Command::Rotate(cmd) => rotate(cmd),
+        Command::Flags => Ok(()),
         Command::Init {
             out,
             key_type,

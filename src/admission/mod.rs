@@ -206,22 +206,49 @@ impl Default for AdmissionConfig {
 #[derive(Debug, Clone, clap::Args)]
 pub struct AdmissionArgs {
     /// CSR verifications and signatures at once (0: one per core).
+    ///
+    /// They run on this many dedicated signing threads, never on the async workers that read,
+    /// classify and shed requests; the rest wait in the admission queue.
     #[arg(long, env = "MESHCA_ADMISSION_MAX_RUNNING", default_value_t = 0)]
     pub admission_max_running: usize,
     /// Most requests waiting for a signing thread (0: as many as can be answered within the
     /// callers' typical deadline, at most 65,536); beyond, shed.
+    ///
+    /// 0 sizes the bound while running: as many as the signing threads answer within the callers'
+    /// typical deadline (time per request × mean `grpc-timeout`, at least 16). The time per request
+    /// is measured as the pool's time per completion while requests wait, so a CPU quota or busy
+    /// neighbours count (`meshca_admission_service_seconds`, per signing thread); before that is
+    /// measured, a job's own wall time. While the queue has shed work within the last second, the
+    /// connections with a request in progress share what is answered within
+    /// --admission-queue-target (otherwise within the deadline)
+    /// (`meshca_admission_streams_per_connection`, at least --admission-min-streams-per-connection,
+    /// at most --max-concurrent-streams). Turns go by start-time fair queueing over callers (node
+    /// proxy pod, else identity) with each caller's recent service remembered after it leaves the
+    /// queue (at most 65,536 callers); when full, the caller furthest ahead loses its oldest
+    /// waiting request (`admission_queue_displaced`), else the newcomer is shed
+    /// (`admission_queue_full`).
     #[arg(long, env = "MESHCA_ADMISSION_MAX_QUEUED", default_value_t = 0)]
     pub admission_max_queued: usize,
     /// Longest wait in the queue for callers sending no grpc-timeout.
     #[arg(long, env = "MESHCA_ADMISSION_MAX_WAIT", default_value = "5s")]
     pub admission_max_wait: String,
     /// Work never starts later than this before the caller's deadline.
+    ///
+    /// Refusal `admission_deadline_exceeded`; a cancelled caller leaves the queue at once.
     #[arg(long, env = "MESHCA_ADMISSION_DEADLINE_MARGIN", default_value = "10ms")]
     pub admission_deadline_margin: String,
     /// Base grpc-retry-pushback-ms / RetryInfo for shed callers (spread 50-150%).
+    ///
+    /// Sent as `grpc-retry-pushback-ms` and a `google.rpc.RetryInfo` detail with
+    /// `RESOURCE_EXHAUSTED`.
     #[arg(long, env = "MESHCA_ADMISSION_PUSHBACK", default_value = "1s")]
     pub admission_pushback: String,
     /// Requests per second per source IP from callers not yet known (0: no budget).
+    ///
+    /// Callers not yet known are those that would need a TokenReview; the budget is checked before
+    /// the review (`admission_source_budget`). While the queue is half full, callers not already
+    /// known (no cached review, no client certificate) are shed first
+    /// (`admission_new_caller_busy`).
     #[arg(
         long,
         env = "MESHCA_ADMISSION_NEW_CALLER_QPS_PER_IP",
@@ -236,23 +263,45 @@ pub struct AdmissionArgs {
     )]
     pub admission_new_caller_burst_per_ip: u32,
     /// Certificates per identity per window (0: no cap).
+    ///
+    /// Over it, shed as `admission_identity_cap` with a retry hint at the window's end.
     #[arg(long, env = "MESHCA_IDENTITY_CAP", default_value_t = 0)]
     pub identity_cap: u32,
     /// The per-identity cap's window.
     #[arg(long, env = "MESHCA_IDENTITY_CAP_WINDOW", default_value = "1h")]
     pub identity_cap_window: String,
     /// A caller's oldest queued request waiting this long: its turns serve its newest first.
+    ///
+    /// Its oldest are then the ones left to expire; one caller's backlog never delays another
+    /// caller's turn.
     #[arg(long, env = "MESHCA_ADMISSION_LIFO_AFTER", default_value = "10ms")]
     pub admission_lifo_after: String,
     /// While requests keep arriving, a queued request that waited longer is shed, not started
     /// (at least two fair rounds of the waiting callers; only under overload or from a queue
     /// that has stood for two targets; 0s: off).
+    ///
+    /// CoDel-style: the wait counts from the request's headers (the request gate and the queue
+    /// together); the refusal is `admission_queue_timeout`, `RESOURCE_EXHAUSTED` with pushback, so
+    /// the answers that go out are still useful and the queue's delay stays near the target. The
+    /// target is raised to at least four service times (a slow signer such as an HSM) and two fair
+    /// rounds of the callers waiting (a request waiting its fair turn is never stale); a caller
+    /// alone in the queue is never stale (a node proxy's burst after a restart). Overload means the
+    /// queue shed work, or streams waited at the request gate over their connection's share, within
+    /// the last second; a standing queue has requests found waiting at every signing turn for two
+    /// targets (CoDel's interval). One stall of the process at light load (CPU starvation, a VM
+    /// pause) is worked through, not shed. Once arrivals pause for this long, a burst's tail is
+    /// served however old.
     #[arg(long, env = "MESHCA_ADMISSION_QUEUE_TARGET", default_value = "50ms")]
     pub admission_queue_target: String,
     /// Niceness added to the signing threads (0-19; 0: same priority as request I/O).
+    ///
+    /// So that under a CPU limit reading, classifying and shedding requests come before signing.
     #[arg(long, env = "MESHCA_SIGNING_NICE", default_value_t = 10)]
     pub signing_nice: u32,
     /// Fewest streams in progress a connection is always allowed (the sized share's floor).
+    ///
+    /// The share applies only while requests wait for signing (or did within the last second): an
+    /// unloaded server takes every stream up to --max-concurrent-streams.
     #[arg(
         long,
         env = "MESHCA_ADMISSION_MIN_STREAMS_PER_CONNECTION",
@@ -263,10 +312,24 @@ pub struct AdmissionArgs {
     /// (0s: refused at once; at most the request's grpc-timeout). Most of a typical 1 s
     /// deadline: a refusal brings the client's next request at once, a waiting stream costs
     /// only its headers.
+    ///
+    /// The stream waits at the request gate holding only its headers, before its message is read,
+    /// for a place another stream of its connection frees. While the queue sheds work (overload), a
+    /// freed place goes to the newest waiting stream, only one younger than a quarter of the queue
+    /// target takes it (new work first), and an older one is refused at the end of this time
+    /// (`RESOURCE_EXHAUSTED` with pushback, transport refusal `connection_stream_limit`, folded
+    /// into aggregated audit records), never later than 20 ms before its own `grpc-timeout`;
+    /// without overload it waits its turn until then.
     #[arg(long, env = "MESHCA_ADMISSION_STREAM_PARK", default_value = "900ms")]
     pub admission_stream_park: String,
     /// Sign on the request's own worker while no request has waited for a signing thread within
     /// the last second (false: always hand off to a signing thread).
+    ///
+    /// No hand-off to a signing thread and back: about 12% more certificates per CPU-second below
+    /// overload. Inline also needs a 20 ms probe timer that never ran 10 ms late within the last
+    /// second: under overload the backlog builds in front of the workers, where the queue cannot
+    /// see it; the late timer is that signal, and from it on every request goes through the niced
+    /// signing threads for at least a second (a slow HSM call that holds a worker trips it too).
     #[arg(long, env = "MESHCA_ADMISSION_SIGN_INLINE", default_value_t = true, action = clap::ArgAction::Set)]
     pub admission_sign_inline: bool,
 }

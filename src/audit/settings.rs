@@ -77,6 +77,8 @@ pub struct AuditArgs {
     #[arg(long, hide = true)]
     pub audit_null_for_benchmarks: bool,
     /// Audit file for `--audit-sink file`.
+    ///
+    /// Rotated by size into `.1`, `.2`, ...; a restart continues the chain.
     #[arg(
         long,
         env = "MESHCA_AUDIT_FILE",
@@ -84,6 +86,9 @@ pub struct AuditArgs {
     )]
     pub audit_file: PathBuf,
     /// Rotate the audit file at this size.
+    ///
+    /// The oldest file beyond MESHCA_AUDIT_MAX_FILES is deleted only when it holds no issuance
+    /// record younger than --audit-retain-issued.
     #[arg(long, env = "MESHCA_AUDIT_MAX_BYTES", default_value_t = 100 * 1024 * 1024)]
     pub audit_max_bytes: u64,
     /// Audit files kept (current + rotated). Rotation deletes the oldest
@@ -96,6 +101,8 @@ pub struct AuditArgs {
     /// are deleted by count alone). Size the volume for the issuance records
     /// of this long; `meshca_audit_files_retained` shows files kept past the
     /// count.
+    ///
+    /// At most 10 years. docs/AUDIT.md, Retention.
     #[arg(long, env = "MESHCA_AUDIT_RETAIN_ISSUED", default_value = "24h")]
     pub audit_retain_issued: String,
     /// Longest audit line (bytes, 4096..=1048576). A record over it is
@@ -120,6 +127,8 @@ pub struct AuditArgs {
     #[arg(long, env = "MESHCA_AUDIT_FSYNC", value_enum, default_value_t = super::writer::FsyncPolicy::Batch)]
     pub audit_fsync: super::writer::FsyncPolicy,
     /// Longest a batch collects records before its fsync (`--audit-fsync batch`).
+    ///
+    /// At most 1s.
     #[arg(long, env = "MESHCA_AUDIT_FSYNC_BATCH_INTERVAL", default_value = "2ms")]
     pub audit_fsync_batch_interval: String,
     /// Records that may wait for the audit writer; beyond it requests are
@@ -131,6 +140,9 @@ pub struct AuditArgs {
     /// second (as many at once); past it they are folded into aggregate
     /// records per (reason, source address), counts exact. 0 folds every
     /// one. Bounds how fast an unauthenticated flood grows the log.
+    ///
+    /// 0 to 1000000. Folded records carry `aggregate.source` `unauthenticated`;
+    /// `meshca_audit_unauthenticated_folded_total` counts them.
     #[arg(
         long,
         env = "MESHCA_AUDIT_UNAUTHENTICATED_RATE",
@@ -139,10 +151,14 @@ pub struct AuditArgs {
     pub audit_unauthenticated_rate: u32,
     /// Rejected TLS handshakes are written as one aggregated `deny` record
     /// per (source IP, reason) this often (1s..=1h).
+    ///
+    /// Each record has a `count`; reason `tls_handshake_rejected:<code>`.
     #[arg(long, env = "MESHCA_AUDIT_HANDSHAKE_INTERVAL", default_value = "10s")]
     pub audit_handshake_interval: String,
     /// Most (source IP, reason) keys counted per interval; further sources
     /// are counted per reason under the peer `overflow`.
+    ///
+    /// 1 to 1048576.
     #[arg(
         long,
         env = "MESHCA_AUDIT_HANDSHAKE_MAX_SOURCES",
@@ -153,12 +169,17 @@ pub struct AuditArgs {
     /// or the transport refused before a request existed) are written as one
     /// aggregated `deny` record per (reason, caller identity or source
     /// address), with count and first/last time, this often (100ms..=1h).
+    ///
+    /// Those are the refusals of the transport's request gate or connection limits before a request
+    /// existed, and of a full audit queue. See docs/AUDIT.md.
     #[arg(long, env = "MESHCA_AUDIT_AGGREGATE_INTERVAL", default_value = "1s")]
     pub audit_aggregate_interval: String,
     /// Most (reason, caller) keys named between two aggregate writes; when
     /// it is reached, the callers with the most refusals keep their names
     /// and the others are counted per reason under the peer `overflow`
     /// (totals exact).
+    ///
+    /// 1 to 1048576.
     #[arg(
         long,
         env = "MESHCA_AUDIT_AGGREGATE_MAX_KEYS",
@@ -169,9 +190,13 @@ pub struct AuditArgs {
     /// becomes a new immutable ConfigMap (meshca can create them, never
     /// change or delete one), plus a Kubernetes Event; a stdout run
     /// continues the chain from its newest anchor. Needs Kubernetes.
+    ///
+    /// Each anchor is named `<set>.<pod>.<run>.<seq>`. The chart turns it on.
     #[arg(long, env = "MESHCA_AUDIT_ANCHOR", default_value_t = false, action = clap::ArgAction::Set)]
     pub audit_anchor: bool,
     /// Namespace of the anchor ConfigMaps (the chart sets meshca's own).
+    ///
+    /// The chart sets the release namespace.
     #[arg(
         long,
         env = "MESHCA_AUDIT_ANCHOR_NAMESPACE",
@@ -180,6 +205,9 @@ pub struct AuditArgs {
     pub audit_anchor_namespace: String,
     /// The anchor set (one per release): name prefix and label value of
     /// the anchor ConfigMaps.
+    ///
+    /// At most 120 characters; also the `audit.meshca.io/anchor-set` label. The chart sets
+    /// `<fullname>-audit-anchors`.
     #[arg(
         long,
         env = "MESHCA_AUDIT_ANCHOR_CONFIGMAP",
@@ -189,6 +217,9 @@ pub struct AuditArgs {
     /// At most one periodic checkpoint is anchored this often (1s to 24h);
     /// start, recovery and shutdown checkpoints always are. Bounds the
     /// anchor objects per replica and day.
+    ///
+    /// Start, recovery and shutdown anchors are retried. At 60s a busy replica writes at most 1440
+    /// anchors (~1.5 MB of etcd) a day.
     #[arg(long, env = "MESHCA_AUDIT_ANCHOR_INTERVAL", default_value = "60s")]
     pub audit_anchor_interval: String,
 }

@@ -31,20 +31,34 @@ pub struct CustodyArgs {
     /// ROOT_CA_DIR), or an RFC 7512 URI
     /// `pkcs11:token=...;object=...?module-path=...&pin-source=file:/path`
     /// (the PIN comes from pin-source or MESHCA_PKCS11_PIN, never from a flag).
+    ///
+    /// A PKCS#11 URI may name `token`, `object` and `id`; the CA directory must then hold no key
+    /// file. `pin-value` is refused. A wrong module, token, PIN or key stops startup naming which.
+    /// A CA directory's `ca-key.uri` (`pkcs11:object=..`, written by `meshca init --pkcs11`) names
+    /// its own key in the same token; a generation staged for rotation must have one. See
+    /// docs/KEY-CUSTODY.md.
     #[arg(long, env = "MESHCA_SIGNER", default_value = "file")]
     pub signer: String,
     /// Accept a CA key file that others, or a group this process is not in, can read.
+    ///
+    /// Refused otherwise: `signer_key_file_mode`.
     #[arg(long, env = "MESHCA_SIGNER_ALLOW_SHARED_KEY_FILE", default_value_t = false, action = clap::ArgAction::Set)]
     pub signer_allow_shared_key_file: bool,
     /// PKCS#11 sessions kept open for concurrent signatures.
+    ///
+    /// A lost session or module is reconnected and the signature retried once.
     #[arg(long, env = "MESHCA_PKCS11_SESSIONS", default_value_t = 4)]
     pub pkcs11_sessions: usize,
     /// Two-tier issuing: the custody key signs a short-lived issuing CA held
     /// only in memory, and that key signs leaves. `auto`: on with a pkcs11 signer.
+    ///
+    /// The issuing CA also signs the serving certificate. `auto` is off with a file signer.
     #[arg(long, env = "MESHCA_ISSUING_CA", value_enum, default_value_t = IssuingMode::Auto)]
     pub issuing_ca: IssuingMode,
     /// Lifetime of each issuing CA; the next one is made at half-life. Leaves
     /// never outlive the issuing CA that signed them.
+    ///
+    /// 4s to 720h. Each new issuing CA is audited (`issuing_ca_issued`) before use.
     #[arg(long, env = "MESHCA_ISSUING_CA_TTL", default_value = "24h")]
     pub issuing_ca_ttl: String,
 }

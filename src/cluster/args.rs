@@ -30,9 +30,19 @@ pub struct MultiClusterArgs {
     /// Watch Istio's remote secrets (label `istio/multiCluster: "true"`, one
     /// kubeconfig per data key named for the cluster id) and authenticate and
     /// authorize those clusters' callers as istiod does.
+    ///
+    /// The `clusterid` header picks the cluster's TokenReview and node authorizer (as istiod); with
+    /// local verification the token's issuer picks it and a disagreeing header is refused
+    /// (`token_cluster_mismatch`). Clusters are added, rotated and removed at runtime; a removed
+    /// cluster's callers are refused at once (`token_unknown_cluster`,
+    /// `impersonation_unknown_cluster`), an unsynced one's impersonations get Unavailable. Each
+    /// remote cluster must let the kubeconfig's user create tokenreviews, list/watch pods and
+    /// serviceaccounts and read issuer discovery. See docs/configuration.md, Multiple clusters.
     #[arg(long, env = "MESHCA_REMOTE_SECRETS", default_value_t = false, action = clap::ArgAction::Set)]
     pub remote_secrets: bool,
     /// Namespace of the remote secrets (meshca's own).
+    ///
+    /// The chart sets the release namespace; meshca needs `list` and `watch` on secrets there.
     #[arg(
         long,
         env = "MESHCA_REMOTE_SECRETS_NAMESPACE",
@@ -43,6 +53,9 @@ pub struct MultiClusterArgs {
     /// (comma-separated): `exec`, `clientKey`, `clientCertificate`,
     /// `tokenFile`, `certificateAuthority`, or an auth provider name. Each
     /// runs a command or reads a local file; none is allowed by default.
+    ///
+    /// `oidc` is always allowed. Anything else is refused with an error log line and
+    /// `meshca_remote_kubeconfig_refused_total{reason}`; the other clusters keep working.
     #[arg(
         long,
         env = "PILOT_INSECURE_MULTICLUSTER_KUBECONFIG_OPTIONS",
@@ -50,10 +63,14 @@ pub struct MultiClusterArgs {
     )]
     pub remote_kubeconfig_options: String,
     /// Most remote clusters registered at once (each runs a pod watch).
+    ///
+    /// More keys are ignored with a warning.
     #[arg(long, env = "MESHCA_REMOTE_CLUSTERS_MAX", default_value_t = 64)]
     pub remote_clusters_max: usize,
     /// A rotated remote cluster's old entry serves until the new one's pod
     /// index syncs, at most this long (1s..=10m).
+    ///
+    /// istiod's pending swap.
     #[arg(
         long,
         env = "MESHCA_REMOTE_CLUSTER_SYNC_TIMEOUT",

@@ -11,14 +11,20 @@ pub struct PodCertArgs {
     /// Sign PodCertificateRequests for this domain-prefixed signer name
     /// (e.g. `meshca.io/spiffe`); no default: the signer is off. Needs
     /// Kubernetes and the pod index.
+    ///
+    /// See docs/pod-certificates.md.
     #[arg(long, env = "MESHCA_POD_CERTIFICATE_SIGNER")]
     pub pod_certificate_signer: Option<String>,
     /// Lifetime of a pod certificate, cut to the request's
     /// maxExpirationSeconds and never under 1h.
+    ///
+    /// At most 91 days.
     #[arg(long, env = "MESHCA_POD_CERTIFICATE_LIFETIME", default_value = "24h")]
     pub pod_certificate_lifetime: String,
     /// Where beginRefreshAt falls, as MIN-MAX percent of the lifetime (drawn
     /// per certificate so pods started together renew apart).
+    ///
+    /// Kept 10 minutes inside the validity.
     #[arg(
         long,
         env = "MESHCA_POD_CERTIFICATE_REFRESH_BAND",
@@ -27,13 +33,20 @@ pub struct PodCertArgs {
     pub pod_certificate_refresh_band: String,
     /// How long a request for a pod the pod index does not show (or shows
     /// with another UID) is waited for before it is denied.
+    ///
+    /// Then the request is `Denied`. At most 1h.
     #[arg(long, env = "MESHCA_POD_CERTIFICATE_POD_WAIT", default_value = "30s")]
     pub pod_certificate_pod_wait: String,
     /// Requests signed and written concurrently.
+    ///
+    /// 1 to 1024. Each waits mostly on its status PUT, so a burst needs many (docs/BENCHMARKS.md,
+    /// PodCertificateRequest burst).
     #[arg(long, env = "MESHCA_POD_CERTIFICATE_WORKERS", default_value_t = 32)]
     pub pod_certificate_workers: usize,
     /// Publish the root bundle as the signer-linked ClusterTrustBundle
     /// `<signer with / as :>:root-cert`.
+    ///
+    /// Only with the signer on; re-checked every MESHCA_PUBLISH_ROOT_RESYNC.
     #[arg(long, env = "MESHCA_POD_CERTIFICATE_TRUST_BUNDLE", default_value_t = true, action = clap::ArgAction::Set)]
     pub pod_certificate_trust_bundle: bool,
 }

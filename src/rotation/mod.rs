@@ -37,10 +37,17 @@ pub struct RotationArgs {
     /// Directory of the next CA generation (cacerts or kubernetes.io/tls
     /// layout). Setting it turns the phased rotation on; staging material
     /// there starts one.
+    ///
+    /// The phases are trust, switch, retire (`meshca rotate status|plan|force`, runbook in
+    /// docs/istio.md), evaluated every MESHCA_RELOAD_POLL. Works with the PKCS#11 signer and
+    /// two-tier issuing.
     #[arg(long, env = "MESHCA_ROTATION_NEXT_DIR")]
     pub rotation_next_dir: Option<PathBuf>,
     /// Rotation state file (phase and write-ahead issuance mark). Keep it
     /// on a volume that outlives the pod.
+    ///
+    /// The issuance mark is the latest not_after of any issued leaf. A write failure withholds the
+    /// leaf (`sign_issuance_record_failed`).
     #[arg(
         long,
         env = "MESHCA_ROTATION_STATE",

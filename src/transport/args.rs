@@ -10,15 +10,23 @@ use crate::flags::{bounded, bounded_duration, err, ConfigError, MAX_PERIOD};
 #[derive(Debug, Clone, clap::Args)]
 pub struct LimitArgs {
     /// Open gRPC connections (handshaking or established), all peers together.
+    ///
+    /// Beyond, new connections are closed at once. Worst-case memory of every limit together:
+    /// docs/configuration.md, Transport limits and memory.
     #[arg(long, env = "MESHCA_MAX_CONNECTIONS", default_value_t = 1024)]
     pub max_connections: usize,
     /// Open gRPC connections from one source IP.
+    ///
+    /// A ztunnel needs one, a sidecar one per pod IP.
     #[arg(long, env = "MESHCA_MAX_CONNECTIONS_PER_IP", default_value_t = 64)]
     pub max_connections_per_ip: usize,
     /// TLS handshakes in progress; connections beyond are closed at once.
     #[arg(long, env = "MESHCA_MAX_PENDING_HANDSHAKES", default_value_t = 128)]
     pub max_pending_handshakes: usize,
     /// TLS handshakes in progress from one source IP.
+    ///
+    /// Refusal `handshake_limit_per_ip`, so a few slowloris sources cannot take every handshake
+    /// slot.
     #[arg(
         long,
         env = "MESHCA_MAX_PENDING_HANDSHAKES_PER_IP",
@@ -30,12 +38,19 @@ pub struct LimitArgs {
     #[arg(long, env = "MESHCA_HANDSHAKE_TIMEOUT", default_value = "5s")]
     pub handshake_timeout: String,
     /// HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS per connection.
+    ///
+    /// tonic's default is unlimited.
     #[arg(long, env = "MESHCA_MAX_CONCURRENT_STREAMS", default_value_t = 100)]
     pub max_concurrent_streams: u32,
     /// Requests handled at once; more wait in a queue.
+    ///
+    /// Handled means: message read, authenticating, signing.
     #[arg(long, env = "MESHCA_MAX_INFLIGHT_REQUESTS", default_value_t = 256)]
     pub max_inflight_requests: usize,
     /// Requests handled at once for one source IP; more wait in the queue.
+    ///
+    /// More wait in the shared queue (refused as `request_limit_per_ip` when it is full), so
+    /// streams that never send their message hold only their source's share.
     #[arg(
         long,
         env = "MESHCA_MAX_INFLIGHT_REQUESTS_PER_IP",
@@ -43,24 +58,36 @@ pub struct LimitArgs {
     )]
     pub max_inflight_requests_per_ip: usize,
     /// Requests waiting for a handler; beyond, RESOURCE_EXHAUSTED.
+    ///
+    /// The refusal is immediate, with a 1 s retry hint (`grpc-retry-pushback-ms`, RetryInfo).
     #[arg(long, env = "MESHCA_MAX_QUEUED_REQUESTS", default_value_t = 1024)]
     pub max_queued_requests: usize,
     /// Whole-request deadline (DEADLINE_EXCEEDED after it).
+    ///
+    /// Queueing included.
     #[arg(long, env = "MESHCA_REQUEST_TIMEOUT", default_value = "15s")]
     pub request_timeout: String,
     /// HTTP/2 SETTINGS_MAX_HEADER_LIST_SIZE.
     #[arg(long, env = "MESHCA_MAX_HEADER_LIST_BYTES", default_value_t = 32 * 1024)]
     pub max_header_list_bytes: u32,
     /// HTTP/2 initial stream flow-control window.
+    ///
+    /// With the connection window, what a connection can make meshca buffer unread.
     #[arg(long, env = "MESHCA_HTTP2_STREAM_WINDOW_BYTES", default_value_t = 64 * 1024)]
     pub http2_stream_window_bytes: u32,
     /// HTTP/2 initial connection flow-control window.
+    ///
+    /// With the stream window, what a connection can make meshca buffer unread.
     #[arg(long, env = "MESHCA_HTTP2_CONNECTION_WINDOW_BYTES", default_value_t = 64 * 1024)]
     pub http2_connection_window_bytes: u32,
     /// HTTP/2 PING period (0s disables keepalive).
+    ///
+    /// As istiod's keepalive default.
     #[arg(long, env = "MESHCA_KEEPALIVE_INTERVAL", default_value = "30s")]
     pub keepalive_interval: String,
     /// Time to wait for a PING ack before closing the connection.
+    ///
+    /// As istiod's keepalive default.
     #[arg(long, env = "MESHCA_KEEPALIVE_TIMEOUT", default_value = "10s")]
     pub keepalive_timeout: String,
     /// Connections get a GOAWAY at this age (0s: never), as istiod's
@@ -68,6 +95,8 @@ pub struct LimitArgs {
     #[arg(long, env = "MESHCA_MAX_CONNECTION_AGE", default_value = "30m")]
     pub max_connection_age: String,
     /// After the GOAWAY, in-flight requests get this long before the connection is closed.
+    ///
+    /// As istiod's keepaliveMaxServerConnectionAge grace.
     #[arg(long, env = "MESHCA_MAX_CONNECTION_AGE_GRACE", default_value = "10s")]
     pub max_connection_age_grace: String,
     /// Requests one connection may cancel per second before it is closed
@@ -79,15 +108,23 @@ pub struct LimitArgs {
     )]
     pub max_cancelled_streams_per_second: u32,
     /// Largest request message (a CSR is at most 64 KiB).
+    ///
+    /// istiod allows 4 MiB. A larger message gets `RESOURCE_EXHAUSTED` before decoding.
     #[arg(long, env = "MESHCA_MAX_REQUEST_BYTES", default_value_t = 128 * 1024)]
     pub max_request_bytes: usize,
     /// Largest bearer token.
+    ///
+    /// A larger one is `Unauthenticated` (`authn_token_too_large`) without a TokenReview.
     #[arg(long, env = "MESHCA_MAX_TOKEN_BYTES", default_value_t = 16 * 1024)]
     pub max_token_bytes: usize,
     /// Largest `clusterid` header.
+    ///
+    /// Reason `authn_clusterid_too_large`.
     #[arg(long, env = "MESHCA_MAX_CLUSTER_ID_BYTES", default_value_t = 256)]
     pub max_cluster_id_bytes: usize,
     /// Largest metadata key or value (ImpersonatedIdentity included).
+    ///
+    /// A SPIFFE ID is at most 2048 bytes; larger is `InvalidArgument`.
     #[arg(long, env = "MESHCA_MAX_METADATA_VALUE_BYTES", default_value_t = 2048)]
     pub max_metadata_value_bytes: usize,
     /// Most metadata keys in one request.
@@ -97,6 +134,8 @@ pub struct LimitArgs {
     #[arg(long, env = "MESHCA_ADMIN_MAX_CONNECTIONS", default_value_t = 64)]
     pub admin_max_connections: usize,
     /// Open admin-port connections from one source IP.
+    ///
+    /// Refusal `admin_connection_limit_per_ip`, so kubelet's probes get in while others trickle.
     #[arg(long, env = "MESHCA_ADMIN_MAX_CONNECTIONS_PER_IP", default_value_t = 8)]
     pub admin_max_connections_per_ip: usize,
     /// Time to receive an admin request's headers.
