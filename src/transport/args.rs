@@ -78,6 +78,15 @@ pub struct LimitArgs {
         default_value_t = 200
     )]
     pub max_cancelled_streams_per_second: u32,
+    /// Time a stream on a connection without a verified client certificate
+    /// has, from its headers, to send its whole message; then it is reset
+    /// (`unauthenticated_body_timeout`). 0s: only the request timeout.
+    #[arg(
+        long,
+        env = "MESHCA_UNAUTHENTICATED_BODY_TIMEOUT",
+        default_value = "2s"
+    )]
+    pub unauthenticated_body_timeout: String,
     /// Largest request message (a CSR is at most 64 KiB).
     #[arg(long, env = "MESHCA_MAX_REQUEST_BYTES", default_value_t = 128 * 1024)]
     pub max_request_bytes: usize,
@@ -215,6 +224,12 @@ impl LimitArgs {
                 self.max_cancelled_streams_per_second,
                 1,
                 1 << 20,
+            )?,
+            unauthenticated_body_timeout: d(
+                "MESHCA_UNAUTHENTICATED_BODY_TIMEOUT",
+                &self.unauthenticated_body_timeout,
+                true,
+                Duration::from_secs(3600),
             )?,
         };
         let i = InputLimits {
