@@ -1020,4 +1020,129 @@ mod tests {
         assert!(held.await.unwrap().is_ok());
         assert!(waiting.await.unwrap().is_ok());
     }
+
+    /// A body that sends `first` (if any) and then nothing, never ending.
+    struct Stalled(Option<bytes::Bytes>);
+
+    impl http_body::Body for Stalled {
+        type Data = bytes::Bytes;
+        type Error = tonic::Status;
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            _cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+            match self.0.take() {
+                Some(b) => Poll::Ready(Some(Ok(http_body::Frame::data(b)))),
+                None => Poll::Pending,
+            }
+        }
+    }
+
+    /// Routes that note how many connections held a place in the signing
+    /// share when they were reached, then answer OK.
+    #[derive(Clone)]
+    struct Noting {
+        concurrency: Arc<crate::admission::Concurrency>,
+        busy: Arc<std::sync::Mutex<Vec<usize>>>,
+    }
+
+    impl tower_service::Service<http::Request<B>> for Noting {
+        type Response = http::Response<tonic::body::Body>;
+        type Error = std::convert::Infallible;
+        type Future = std::future::Ready<Result<Self::Response, Self::Error>>;
+        fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+            Poll::Ready(Ok(()))
+        }
+        fn call(&mut self, _req: http::Request<B>) -> Self::Future {
+            self.busy
+                .lock()
+                .unwrap()
+                .push(self.concurrency.busy_connections());
+            std::future::ready(Ok(Status::ok("").into_http()))
+        }
+    }
+
+    /// A stream without a client certificate takes no place in its
+    /// connection's share of the signing capacity while its message is
+    /// missing, and is refused at the body timeout (RESOURCE_EXHAUSTED,
+    /// never reaching the routes); one whose message is in takes its place
+    /// and reaches them.
+    #[tokio::test]
+    async fn an_unauthenticated_stream_takes_no_signing_share_until_its_message_is_in() {
+        use crate::admission::{Admission, AdmissionConfig};
+        use tower_layer::Layer as _;
+        use tower_service::Service as _;
+        let a = Admission::new(AdmissionConfig::default(), None);
+        let limits = TransportLimits {
+            unauthenticated_body_timeout: Duration::from_millis(300),
+            ..TransportLimits::default()
+        };
+        let busy = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let mut svc = RequestGateLayer::new(&limits, &InputLimits::default(), None, None)
+            .with_concurrency(a.concurrency())
+            .layer(Noting {
+                concurrency: a.concurrency(),
+                busy: busy.clone(),
+            });
+        let conn = ConnInfo {
+            remote_addr: "10.0.0.1:4000".parse().unwrap(),
+            peer_chain: None,
+            peer_leaf: None,
+            control: crate::transport::ConnControl::new(200),
+        };
+        assert_eq!(conn.class(), AuthClass::Unauthenticated);
+        let request = |body: B| {
+            let mut r = http::Request::new(body);
+            r.extensions_mut().insert(conn.clone());
+            r
+        };
+        // A prefix declaring 100 bytes, then 10 of them, then nothing.
+        let mut partial = vec![0u8, 0, 0, 0, 100];
+        partial.extend_from_slice(&[0u8; 10]);
+        let t = std::time::Instant::now();
+        let stalled = tokio::spawn(svc.call(request(B::new(Stalled(Some(partial.into()))))));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(a.concurrency().busy_connections(), 0);
+        let resp = stalled.await.unwrap().unwrap();
+        assert!(
+            t.elapsed() >= Duration::from_millis(300),
+            "{:?}",
+            t.elapsed()
+        );
+        assert_eq!(
+            Status::from_header_map(resp.headers()).map(|s| s.code()),
+            Some(tonic::Code::ResourceExhausted)
+        );
+        assert!(busy.lock().unwrap().is_empty(), "the routes were reached");
+        // A whole message: read, a place taken, the routes reached.
+        let whole = bytes::Bytes::from_static(&[0, 0, 0, 0, 2, 8, 1]);
+        let resp = svc
+            .call(request(B::new(Buffered(Some(whole)))))
+            .await
+            .unwrap();
+        assert_eq!(
+            Status::from_header_map(resp.headers()).map(|s| s.code()),
+            Some(tonic::Code::Ok)
+        );
+        assert_eq!(*busy.lock().unwrap(), vec![1]);
+        assert_eq!(a.concurrency().busy_connections(), 0);
+        // A prefix declaring more than the largest message is refused at once.
+        let t = std::time::Instant::now();
+        let mut big = vec![0u8];
+        big.extend_from_slice(&(4u32 << 20).to_be_bytes());
+        let resp = svc
+            .call(request(B::new(Stalled(Some(big.into())))))
+            .await
+            .unwrap();
+        assert!(
+            t.elapsed() < Duration::from_millis(250),
+            "{:?}",
+            t.elapsed()
+        );
+        assert_eq!(
+            Status::from_header_map(resp.headers()).map(|s| s.code()),
+            Some(tonic::Code::ResourceExhausted)
+        );
+        assert_eq!(busy.lock().unwrap().len(), 1);
+    }
 }
