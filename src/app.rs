@@ -690,8 +690,12 @@ fn spawn_grpc(
     stop: oneshot::Receiver<()>,
 ) -> JoinHandle<Result<(), tonic::transport::Error>> {
     let t = &cfg.transport;
-    let mut gate =
-        grpc::RequestGateLayer::new(t, Some(metrics.transport.clone()), Some(aggregator.clone()));
+    let mut gate = grpc::RequestGateLayer::new(
+        t,
+        &cfg.input,
+        Some(metrics.transport.clone()),
+        Some(aggregator.clone()),
+    );
     if let Some(a) = &issuer.admission {
         // The gate enforces the per-connection share admission sizes.
         gate = gate.with_concurrency(a.concurrency());

@@ -21,7 +21,7 @@ use crate::proto::istio_certificate_service_server::{
 use crate::proto::{IstioCertificateRequest, IstioCertificateResponse};
 use crate::transport::gate::RequestGate;
 use crate::transport::metrics::TransportMetrics;
-pub use crate::transport::{ConnInfo, InputLimits, Refusal, TransportLimits};
+pub use crate::transport::{AuthClass, ConnInfo, InputLimits, Refusal, TransportLimits};
 
 /// Metadata key a node proxy uses to ask for another workload's identity.
 pub const IMPERSONATED_IDENTITY: &str = "ImpersonatedIdentity";
@@ -281,17 +281,21 @@ pub struct RequestGateLayer {
     gate: Arc<RequestGate>,
     /// The sized share of streams in progress per connection (admission).
     concurrency: Option<Arc<crate::admission::Concurrency>>,
+    /// Largest message: an unauthenticated stream's is read by the gate.
+    max_message_bytes: usize,
 }
 
 impl RequestGateLayer {
     pub fn new(
         limits: &TransportLimits,
+        input: &InputLimits,
         metrics: Option<Arc<TransportMetrics>>,
         aggregator: Option<Arc<crate::audit::aggregate::Aggregator>>,
     ) -> Self {
         Self {
             gate: Arc::new(RequestGate::new(limits, metrics, aggregator)),
             concurrency: None,
+            max_message_bytes: input.max_message_bytes,
         }
     }
 
@@ -329,6 +333,7 @@ impl<S> tower_layer::Layer<S> for RequestGateLayer {
             inner,
             gate: self.gate.clone(),
             concurrency: self.concurrency.clone(),
+            max_message_bytes: self.max_message_bytes,
         }
     }
 }
@@ -338,6 +343,7 @@ pub struct RequestGateService<S> {
     inner: S,
     gate: Arc<RequestGate>,
     concurrency: Option<Arc<crate::admission::Concurrency>>,
+    max_message_bytes: usize,
 }
 
 /// Counts the request as cancelled by the client if dropped before it
@@ -504,13 +510,14 @@ where
         req.extensions_mut()
             .insert(Arrival(std::time::Instant::now()));
         let gate = self.gate.clone();
-        let ip = req
-            .extensions()
-            .get::<ConnInfo>()
-            .map(|c| c.remote_addr.ip());
-        // The connection's share of streams in progress, taken before
-        // anything else: a stream over it costs its headers only.
-        let share = match (&self.concurrency, req.extensions().get::<ConnInfo>()) {
+        let conn = req.extensions().get::<ConnInfo>();
+        let ip = conn.map(|c| c.remote_addr.ip());
+        let class = conn.map_or(AuthClass::Unauthenticated, ConnInfo::class);
+        // The connection's share of streams in progress: taken before
+        // anything else on an authenticated connection (a stream over it
+        // costs its headers only), and only once the message is in on an
+        // unauthenticated one.
+        let share = match (&self.concurrency, conn) {
             (Some(c), Some(conn)) => {
                 let timeout = req
                     .headers()
@@ -521,61 +528,243 @@ where
             }
             _ => None,
         };
-        // The ready service handles this call; a fresh clone takes its place.
-        let clone = self.inner.clone();
-        let mut inner = std::mem::replace(&mut self.inner, clone);
         let cancel = CancelGuard {
-            control: req
-                .extensions()
-                .get::<ConnInfo>()
-                .map(|c| c.control.clone()),
+            control: conn.map(|c| c.control.clone()),
             gate: gate.clone(),
             ip,
             done: false,
         };
-        let body_failed = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let failed = body_failed.clone();
-        let req = req.map(|inner| B::new(WatchedBody { inner, failed }));
+        // The ready service handles this call; a fresh clone takes its place.
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        let max_message = self.max_message_bytes;
         Box::pin(async move {
             // Moved whole into the future: dropped with it on RST_STREAM.
             let mut cancel = cancel;
-            let _in_progress = match share {
-                Some((control, c, wait)) => match InProgress::enter(control, c, wait).await {
-                    Some(p) => Some(p),
-                    None => {
-                        cancel.done = true;
-                        return Ok(refuse(&gate, Refusal::ConnectionStreamLimit, ip));
-                    }
-                },
-                None => None,
-            };
-            let work = async {
-                let _slot = match gate.slot(ip).await {
-                    Ok(s) => s,
-                    Err(r) => return Ok(refuse(&gate, r, ip)),
-                };
-                let resp = inner.call(req).await?;
-                if body_failed.load(Ordering::Acquire) {
-                    // The client reset the stream (or the connection broke)
-                    // mid-message: tonic answered without our handler.
-                    cancel.cancelled();
+            let result = match class {
+                AuthClass::Authenticated => {
+                    authenticated(req, share, &gate, ip, inner, &mut cancel).await
                 }
-                // tonic refuses an over-limit message before our handler
-                // runs, with OUT_OF_RANGE; our handler never uses that code.
-                if Status::from_header_map(resp.headers()).map(|s| s.code())
-                    == Some(tonic::Code::OutOfRange)
-                {
-                    return Ok(refuse(&gate, Refusal::MessageTooLarge, ip));
+                AuthClass::Unauthenticated => {
+                    unauthenticated(req, share, &gate, ip, inner, &mut cancel, max_message).await
                 }
-                Ok(resp)
-            };
-            let result = match tokio::time::timeout(gate.timeout(), work).await {
-                Ok(r) => r,
-                Err(_) => Ok(refuse(&gate, Refusal::RequestTimeout, ip)),
             };
             cancel.done = true;
             result
         })
+    }
+}
+
+/// The connection's place among its streams in progress, if admission sizes
+/// one: `Err` is the refusal to send.
+async fn enter_share(
+    share: Option<Share>,
+    gate: &RequestGate,
+    ip: Option<std::net::IpAddr>,
+    cancel: &mut CancelGuard,
+) -> Result<Option<InProgress>, http::Response<tonic::body::Body>> {
+    let Some((control, c, wait)) = share else {
+        return Ok(None);
+    };
+    match InProgress::enter(control, c, wait).await {
+        Some(p) => Ok(Some(p)),
+        None => {
+            cancel.done = true;
+            Err(refuse(gate, Refusal::ConnectionStreamLimit, ip))
+        }
+    }
+}
+
+type Share = (
+    Arc<crate::transport::ConnControl>,
+    Arc<crate::admission::Concurrency>,
+    Duration,
+);
+
+/// Calls the routes with `req`; answers an over-limit message (tonic's
+/// OUT_OF_RANGE, which our handler never uses) as the gate's refusal, and
+/// counts a message the client broke off as a cancellation.
+async fn call_routes<S>(
+    mut inner: S,
+    req: http::Request<B>,
+    gate: &RequestGate,
+    ip: Option<std::net::IpAddr>,
+    cancel: &mut CancelGuard,
+) -> Result<http::Response<tonic::body::Body>, S::Error>
+where
+    S: tower_service::Service<http::Request<B>, Response = http::Response<tonic::body::Body>>,
+{
+    let body_failed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let failed = body_failed.clone();
+    let req = req.map(|inner| B::new(WatchedBody { inner, failed }));
+    let resp = inner.call(req).await?;
+    if body_failed.load(Ordering::Acquire) {
+        // The client reset the stream (or the connection broke)
+        // mid-message: tonic answered without our handler.
+        cancel.cancelled();
+    }
+    if Status::from_header_map(resp.headers()).map(|s| s.code()) == Some(tonic::Code::OutOfRange) {
+        return Ok(refuse(gate, Refusal::MessageTooLarge, ip));
+    }
+    Ok(resp)
+}
+
+/// A stream on a connection with a verified client certificate: its
+/// connection's share, a gate slot (its address's authenticated share),
+/// then the routes read its message, all within the request timeout.
+async fn authenticated<S>(
+    req: http::Request<B>,
+    share: Option<Share>,
+    gate: &RequestGate,
+    ip: Option<std::net::IpAddr>,
+    inner: S,
+    cancel: &mut CancelGuard,
+) -> Result<http::Response<tonic::body::Body>, S::Error>
+where
+    S: tower_service::Service<http::Request<B>, Response = http::Response<tonic::body::Body>>,
+{
+    let _in_progress = match enter_share(share, gate, ip, cancel).await {
+        Ok(p) => p,
+        Err(refused) => return Ok(refused),
+    };
+    let work = async {
+        let _slot = match gate.slot(ip, AuthClass::Authenticated).await {
+            Ok(s) => s,
+            Err(r) => return Ok(refuse(gate, r, ip)),
+        };
+        call_routes(inner, req, gate, ip, cancel).await
+    };
+    match tokio::time::timeout(gate.timeout(), work).await {
+        Ok(r) => r,
+        Err(_) => Ok(refuse(gate, Refusal::RequestTimeout, ip)),
+    }
+}
+
+/// A stream on a connection without a verified client certificate (token
+/// callers included: their token is verified only after the message). It
+/// takes a gate slot from its class's part and its address's
+/// unauthenticated share, and must have sent its whole message within the
+/// body timeout of its headers (else it is reset,
+/// `unauthenticated_body_timeout`); only then does it take a place in its
+/// connection's share of the signing capacity and reach the routes. A
+/// stream that declares a message and never sends it thus holds neither
+/// the authenticated callers' slots nor the signing share, and nothing for
+/// longer than the body timeout.
+async fn unauthenticated<S>(
+    req: http::Request<B>,
+    share: Option<Share>,
+    gate: &RequestGate,
+    ip: Option<std::net::IpAddr>,
+    inner: S,
+    cancel: &mut CancelGuard,
+    max_message: usize,
+) -> Result<http::Response<tonic::body::Body>, S::Error>
+where
+    S: tower_service::Service<http::Request<B>, Response = http::Response<tonic::body::Body>>,
+{
+    let body_by =
+        (!gate.body_timeout().is_zero()).then(|| tokio::time::Instant::now() + gate.body_timeout());
+    let work = async {
+        let (parts, body) = req.into_parts();
+        let read = async {
+            let slot = gate.slot(ip, AuthClass::Unauthenticated).await?;
+            Ok::<_, Refusal>((slot, read_message(body, max_message).await))
+        };
+        let read = match body_by {
+            Some(at) => tokio::time::timeout_at(at, read)
+                .await
+                .unwrap_or(Err(Refusal::UnauthenticatedBodyTimeout)),
+            None => read.await,
+        };
+        let (_slot, message) = match read {
+            Ok(r) => r,
+            Err(r) => return Ok(refuse(gate, r, ip)),
+        };
+        let message = match message {
+            Ok(m) => m,
+            Err(BodyRead::TooLarge) => return Ok(refuse(gate, Refusal::MessageTooLarge, ip)),
+            Err(BodyRead::Failed) => {
+                cancel.cancelled();
+                return Ok(Status::cancelled("the request body broke off").into_http());
+            }
+        };
+        let _in_progress = match enter_share(share, gate, ip, cancel).await {
+            Ok(p) => p,
+            Err(refused) => return Ok(refused),
+        };
+        let req = http::Request::from_parts(parts, B::new(Buffered(Some(message))));
+        call_routes(inner, req, gate, ip, cancel).await
+    };
+    match tokio::time::timeout(gate.timeout(), work).await {
+        Ok(r) => r,
+        Err(_) => Ok(refuse(gate, Refusal::RequestTimeout, ip)),
+    }
+}
+
+/// Why an unauthenticated stream's message could not be taken in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum BodyRead {
+    /// Declared or sent beyond the largest message.
+    TooLarge,
+    /// The client reset the stream or the connection broke.
+    Failed,
+}
+
+/// Reads a request body to its end, at most one gRPC frame of
+/// `max_message` bytes (its 5-byte prefix declaring more is refused as soon
+/// as the prefix is in, as tonic's decoder does).
+async fn read_message(mut body: B, max_message: usize) -> Result<bytes::Bytes, BodyRead> {
+    use http_body::Body as _;
+    const PREFIX: usize = 5;
+    let cap = max_message.saturating_add(PREFIX);
+    let mut buf = bytes::BytesMut::new();
+    loop {
+        let frame = std::future::poll_fn(|cx| Pin::new(&mut body).poll_frame(cx)).await;
+        let Some(frame) = frame else {
+            return Ok(buf.freeze());
+        };
+        let Ok(data) = frame.map_err(|_| BodyRead::Failed)?.into_data() else {
+            // Trailers: a gRPC request carries none that matter.
+            continue;
+        };
+        if buf.len().saturating_add(data.len()) > cap {
+            return Err(BodyRead::TooLarge);
+        }
+        buf.extend_from_slice(&data);
+        if let Some(len) = declared_len(&buf) {
+            if len > max_message {
+                return Err(BodyRead::TooLarge);
+            }
+        }
+    }
+}
+
+/// The message length a gRPC frame's prefix declares, once it is in.
+fn declared_len(buf: &[u8]) -> Option<usize> {
+    let len: [u8; 4] = buf.get(1..5)?.try_into().ok()?;
+    usize::try_from(u32::from_be_bytes(len)).ok()
+}
+
+/// A request body the gate has already read whole.
+struct Buffered(Option<bytes::Bytes>);
+
+impl http_body::Body for Buffered {
+    type Data = bytes::Bytes;
+    type Error = tonic::Status;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        Poll::Ready(self.0.take().map(|b| Ok(http_body::Frame::data(b))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.0.is_none()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        http_body::SizeHint::with_exact(self.0.as_ref().map_or(0, |b| b.len() as u64))
     }
 }
 
@@ -830,5 +1019,130 @@ mod tests {
         drop(release);
         assert!(held.await.unwrap().is_ok());
         assert!(waiting.await.unwrap().is_ok());
+    }
+
+    /// A body that sends `first` (if any) and then nothing, never ending.
+    struct Stalled(Option<bytes::Bytes>);
+
+    impl http_body::Body for Stalled {
+        type Data = bytes::Bytes;
+        type Error = tonic::Status;
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            _cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+            match self.0.take() {
+                Some(b) => Poll::Ready(Some(Ok(http_body::Frame::data(b)))),
+                None => Poll::Pending,
+            }
+        }
+    }
+
+    /// Routes that note how many connections held a place in the signing
+    /// share when they were reached, then answer OK.
+    #[derive(Clone)]
+    struct Noting {
+        concurrency: Arc<crate::admission::Concurrency>,
+        busy: Arc<std::sync::Mutex<Vec<usize>>>,
+    }
+
+    impl tower_service::Service<http::Request<B>> for Noting {
+        type Response = http::Response<tonic::body::Body>;
+        type Error = std::convert::Infallible;
+        type Future = std::future::Ready<Result<Self::Response, Self::Error>>;
+        fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+            Poll::Ready(Ok(()))
+        }
+        fn call(&mut self, _req: http::Request<B>) -> Self::Future {
+            self.busy
+                .lock()
+                .unwrap()
+                .push(self.concurrency.busy_connections());
+            std::future::ready(Ok(Status::ok("").into_http()))
+        }
+    }
+
+    /// A stream without a client certificate takes no place in its
+    /// connection's share of the signing capacity while its message is
+    /// missing, and is refused at the body timeout (RESOURCE_EXHAUSTED,
+    /// never reaching the routes); one whose message is in takes its place
+    /// and reaches them.
+    #[tokio::test]
+    async fn an_unauthenticated_stream_takes_no_signing_share_until_its_message_is_in() {
+        use crate::admission::{Admission, AdmissionConfig};
+        use tower_layer::Layer as _;
+        use tower_service::Service as _;
+        let a = Admission::new(AdmissionConfig::default(), None);
+        let limits = TransportLimits {
+            unauthenticated_body_timeout: Duration::from_millis(300),
+            ..TransportLimits::default()
+        };
+        let busy = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let mut svc = RequestGateLayer::new(&limits, &InputLimits::default(), None, None)
+            .with_concurrency(a.concurrency())
+            .layer(Noting {
+                concurrency: a.concurrency(),
+                busy: busy.clone(),
+            });
+        let conn = ConnInfo {
+            remote_addr: "10.0.0.1:4000".parse().unwrap(),
+            peer_chain: None,
+            peer_leaf: None,
+            control: crate::transport::ConnControl::new(200),
+        };
+        assert_eq!(conn.class(), AuthClass::Unauthenticated);
+        let request = |body: B| {
+            let mut r = http::Request::new(body);
+            r.extensions_mut().insert(conn.clone());
+            r
+        };
+        // A prefix declaring 100 bytes, then 10 of them, then nothing.
+        let mut partial = vec![0u8, 0, 0, 0, 100];
+        partial.extend_from_slice(&[0u8; 10]);
+        let t = std::time::Instant::now();
+        let stalled = tokio::spawn(svc.call(request(B::new(Stalled(Some(partial.into()))))));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(a.concurrency().busy_connections(), 0);
+        let resp = stalled.await.unwrap().unwrap();
+        assert!(
+            t.elapsed() >= Duration::from_millis(300),
+            "{:?}",
+            t.elapsed()
+        );
+        assert_eq!(
+            Status::from_header_map(resp.headers()).map(|s| s.code()),
+            Some(tonic::Code::ResourceExhausted)
+        );
+        assert!(busy.lock().unwrap().is_empty(), "the routes were reached");
+        // A whole message: read, a place taken, the routes reached.
+        let whole = bytes::Bytes::from_static(&[0, 0, 0, 0, 2, 8, 1]);
+        let resp = svc
+            .call(request(B::new(Buffered(Some(whole)))))
+            .await
+            .unwrap();
+        assert_eq!(
+            Status::from_header_map(resp.headers()).map(|s| s.code()),
+            Some(tonic::Code::Ok)
+        );
+        assert_eq!(*busy.lock().unwrap(), vec![1]);
+        assert_eq!(a.concurrency().busy_connections(), 0);
+        // A prefix declaring more than the largest message is refused at once.
+        let t = std::time::Instant::now();
+        let mut big = vec![0u8];
+        big.extend_from_slice(&(4u32 << 20).to_be_bytes());
+        let resp = svc
+            .call(request(B::new(Stalled(Some(big.into())))))
+            .await
+            .unwrap();
+        assert!(
+            t.elapsed() < Duration::from_millis(250),
+            "{:?}",
+            t.elapsed()
+        );
+        assert_eq!(
+            Status::from_header_map(resp.headers()).map(|s| s.code()),
+            Some(tonic::Code::ResourceExhausted)
+        );
+        assert_eq!(busy.lock().unwrap().len(), 1);
     }
 }

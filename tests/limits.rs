@@ -79,6 +79,42 @@ impl Server {
         tokio_rustls::TlsConnector::from(Arc::new(cfg))
     }
 
+    /// An HTTP/2 connection with the client certificate of `CLIENT_ID`.
+    async fn mtls_h2(
+        &self,
+    ) -> (
+        h2::client::SendRequest<bytes::Bytes>,
+        tokio::task::JoinHandle<Result<(), h2::Error>>,
+    ) {
+        let (cert, key) =
+            client_identity(&self.app.ca.snapshot(), CLIENT_ID, &validity_hours(-1, 1));
+        let mut roots = rustls::RootCertStore::empty();
+        for c in rustls_pki_types::CertificateDer::pem_slice_iter(self.pki.ca.root_cert.as_bytes())
+        {
+            roots.add(c.unwrap()).unwrap();
+        }
+        let chain = rustls_pki_types::CertificateDer::pem_slice_iter(cert.as_bytes())
+            .map(|c| c.unwrap())
+            .collect();
+        let key = rustls_pki_types::PrivateKeyDer::from_pem_slice(key.as_bytes()).unwrap();
+        let mut cfg = rustls::ClientConfig::builder_with_provider(Arc::new(
+            rustls::crypto::aws_lc_rs::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_client_auth_cert(chain, key)
+        .unwrap();
+        cfg.alpn_protocols = vec![b"h2".to_vec()];
+        let tcp = TcpStream::connect(self.app.addr).await.unwrap();
+        let tls = tokio_rustls::TlsConnector::from(Arc::new(cfg))
+            .connect("localhost".try_into().unwrap(), tcp)
+            .await
+            .unwrap();
+        let (send, conn) = h2::client::handshake(tls).await.unwrap();
+        (send, tokio::spawn(conn))
+    }
+
     /// An HTTP/2 connection without a client certificate.
     async fn h2(
         &self,
@@ -242,12 +278,67 @@ async fn connections_beyond_the_caps_are_closed_at_once() {
     let csr = csr_for(&rcgen::KeyPair::generate().unwrap(), CLIENT_ID);
     c.create_certificate(request(csr, 0, &[])).await.unwrap();
 
-    // Per-IP cap.
+    // Per-IP cap, for each class apart once the handshake tells it: a
+    // second connection without a client certificate from the address is
+    // closed, while an authenticated one from the same address gets in.
     let s = start(|c| c.transport.max_connections_per_ip = 1).await;
-    let _held = TcpStream::connect(s.app.addr).await.unwrap();
-    let mut second = TcpStream::connect(s.app.addr).await.unwrap();
-    assert!(closed_within(&mut second, Duration::from_secs(2)).await);
+    let (_held, _held_conn) = s.h2().await;
+    let tcp = TcpStream::connect(s.app.addr).await.unwrap();
+    let mut second = s
+        .tls()
+        .connect("localhost".try_into().unwrap(), tcp)
+        .await
+        .unwrap();
+    let mut buf = [0u8; 64];
+    let closed = tokio::time::timeout(Duration::from_secs(2), second.read(&mut buf)).await;
+    assert!(
+        matches!(closed, Ok(Ok(0)) | Ok(Err(_))),
+        "second unauthenticated connection still open: {closed:?}"
+    );
     assert_eq!(s.refusals("connection_limit_per_ip").await, 1);
+    let mut c = s.mtls_client().await;
+    let csr = csr_for(&rcgen::KeyPair::generate().unwrap(), CLIENT_ID);
+    c.create_certificate(request(csr, 0, &[])).await.unwrap();
+    assert_eq!(s.refusals("connection_limit_per_ip").await, 1);
+}
+
+/// A stream without a client certificate that declares a message and never
+/// sends it is reset after the unauthenticated body timeout, counted and
+/// folded as `unauthenticated_body_timeout`; the same stream on an mTLS
+/// connection is bounded by the request timeout only.
+#[tokio::test]
+async fn an_unauthenticated_stream_waiting_for_its_message_is_reset_after_the_body_timeout() {
+    let s = start(|c| {
+        c.transport.unauthenticated_body_timeout = Duration::from_millis(500);
+        c.transport.request_timeout = Duration::from_secs(10);
+    })
+    .await;
+    let (send, _conn) = s.h2().await;
+    let mut send = send.ready().await.unwrap();
+    let t = Instant::now();
+    let (unauthenticated, _b1) = stuck_request(&mut send);
+    let (msend, _mconn) = s.mtls_h2().await;
+    let mut msend = msend.ready().await.unwrap();
+    let (authenticated, _b2) = stuck_request(&mut msend);
+    // 8 = RESOURCE_EXHAUSTED (with a retry hint), after the body timeout.
+    assert_eq!(grpc_status(unauthenticated).await.as_deref(), Some("8"));
+    let took = t.elapsed();
+    assert!(
+        took >= Duration::from_millis(450) && took < Duration::from_secs(2),
+        "{took:?}"
+    );
+    assert_eq!(s.refusals("unauthenticated_body_timeout").await, 1);
+    // The authenticated stream is still waiting a second later.
+    let waited = tokio::time::timeout(Duration::from_secs(1), grpc_status(authenticated)).await;
+    assert!(waited.is_err(), "the mTLS stream was answered: {waited:?}");
+    assert_eq!(s.refusals("unauthenticated_body_timeout").await, 1);
+    // A caller without a certificate that sends its message in time is
+    // read and answered (refused: it has no credentials).
+    let mut c = client(s.app.addr, &s.pki.ca.root_cert, None).await.unwrap();
+    let csr = csr_for(&rcgen::KeyPair::generate().unwrap(), CLIENT_ID);
+    let r = c.create_certificate(request(csr, 0, &[])).await;
+    assert_eq!(r.unwrap_err().code(), Code::Unauthenticated);
+    assert_eq!(s.refusals("unauthenticated_body_timeout").await, 1);
 }
 
 #[tokio::test]
@@ -313,6 +404,8 @@ async fn requests_are_queued_bounded_and_timed_out() {
         c.transport.max_inflight_requests = 1;
         c.transport.max_queued_requests = 1;
         c.transport.request_timeout = Duration::from_secs(1);
+        // The stuck streams below are bounded by the request timeout.
+        c.transport.unauthenticated_body_timeout = Duration::ZERO;
     })
     .await;
     let (send, _conn) = s.h2().await;
@@ -352,6 +445,7 @@ async fn a_connection_past_its_age_and_grace_is_closed_even_with_a_stuck_stream(
         c.transport.max_connection_age = Duration::from_secs(1);
         c.transport.max_connection_age_grace = Duration::from_secs(1);
         c.transport.request_timeout = Duration::from_secs(60);
+        c.transport.unauthenticated_body_timeout = Duration::ZERO;
     })
     .await;
     let t = Instant::now();
@@ -488,6 +582,7 @@ async fn one_source_cannot_take_every_slot() {
         c.transport.max_inflight_requests_per_ip = 1;
         c.transport.max_queued_requests = 1;
         c.transport.request_timeout = Duration::from_secs(2);
+        c.transport.unauthenticated_body_timeout = Duration::ZERO;
         c.admin.max_connections_per_ip = 1;
     })
     .await;

@@ -15,9 +15,12 @@ pub struct LimitArgs {
     /// docs/configuration.md, Transport limits and memory.
     #[arg(long, env = "MESHCA_MAX_CONNECTIONS", default_value_t = 1024)]
     pub max_connections: usize,
-    /// Open gRPC connections from one source IP.
+    /// Open gRPC connections from one source IP, per class.
     ///
-    /// A ztunnel needs one, a sidecar one per pod IP.
+    /// A ztunnel needs one, a sidecar one per pod IP. Connections with a verified client
+    /// certificate and connections without one are counted apart, once the handshake tells which
+    /// (`connection_limit_per_ip`), so unauthenticated connections from an address (a NAT, a
+    /// node's shared address) cannot take the places of the authenticated callers behind it.
     #[arg(long, env = "MESHCA_MAX_CONNECTIONS_PER_IP", default_value_t = 64)]
     pub max_connections_per_ip: usize,
     /// TLS handshakes in progress; connections beyond are closed at once.
@@ -50,7 +53,11 @@ pub struct LimitArgs {
     /// Requests handled at once for one source IP; more wait in the queue.
     ///
     /// More wait in the shared queue (refused as `request_limit_per_ip` when it is full), so
-    /// streams that never send their message hold only their source's share.
+    /// streams that never send their message hold only their source's share. Counted for each
+    /// class apart: connections with a verified client certificate, and without (token callers
+    /// are in the second until their token is verified, after their message). Unauthenticated
+    /// requests together hold at most three quarters of `--max-inflight-requests` and half of
+    /// `--max-queued-requests`; the rest is always left to authenticated callers.
     #[arg(
         long,
         env = "MESHCA_MAX_INFLIGHT_REQUESTS_PER_IP",
@@ -107,6 +114,19 @@ pub struct LimitArgs {
         default_value_t = 200
     )]
     pub max_cancelled_streams_per_second: u32,
+    /// Time a stream without a verified client certificate has to send its whole message.
+    ///
+    /// Counted from its headers, its wait for a request-gate slot included (token callers are
+    /// unauthenticated until their token is verified); then it is answered `RESOURCE_EXHAUSTED`
+    /// with pushback and reset (`unauthenticated_body_timeout`, folded into aggregate audit
+    /// records). Such a stream's message is read by the gate before it takes a place in its
+    /// connection's share of the signing capacity. `0s`: only `--request-timeout` bounds it.
+    #[arg(
+        long,
+        env = "MESHCA_UNAUTHENTICATED_BODY_TIMEOUT",
+        default_value = "2s"
+    )]
+    pub unauthenticated_body_timeout: String,
     /// Largest request message (a CSR is at most 64 KiB).
     ///
     /// istiod allows 4 MiB. A larger message gets `RESOURCE_EXHAUSTED` before decoding.
@@ -254,6 +274,12 @@ impl LimitArgs {
                 self.max_cancelled_streams_per_second,
                 1,
                 1 << 20,
+            )?,
+            unauthenticated_body_timeout: d(
+                "MESHCA_UNAUTHENTICATED_BODY_TIMEOUT",
+                &self.unauthenticated_body_timeout,
+                true,
+                Duration::from_secs(3600),
             )?,
         };
         let i = InputLimits {

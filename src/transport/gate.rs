@@ -12,6 +12,17 @@
 //! source IP may hold at most `max_inflight_requests_per_ip` slots; its
 //! other requests wait in the shared, bounded queue. A few hostile IPs then
 //! hold only their share and the remaining slots serve everyone else.
+//!
+//! Per-class fairness: one address can carry both kinds of caller (a NAT,
+//! a node's shared address). A source is an address within an
+//! [`AuthClass`], each with its own per-IP share, and unauthenticated
+//! requests together hold at most their class's part of the slots and of
+//! the queue ([`RequestCaps::unauthenticated`]), so authenticated callers
+//! behind the same address keep slots no unauthenticated stream can take.
+//! An unauthenticated stream also has `unauthenticated_body_timeout` from
+//! its headers to send its whole message (`grpc::RequestGateLayer` resets
+//! it after that): a stream that declares a message and never sends it
+//! holds its place for that long, not for the request timeout.
 
 use std::collections::HashMap;
 use std::net::IpAddr;
@@ -21,20 +32,34 @@ use std::time::Duration;
 
 use tokio::sync::Semaphore;
 
-use super::limits::{admit_request, canonical_ip, RequestAdmission, RequestCaps};
+use super::limits::{admit_request, canonical_ip, AuthClass, RequestAdmission, RequestCaps};
 use super::metrics::TransportMetrics;
 use super::{ConnControl, Refusal, TransportLimits};
 use crate::audit::aggregate::Aggregator;
+
+/// A source's share of the slots: its address within its [`AuthClass`].
+type SourceKey = (AuthClass, IpAddr);
+
+/// The unauthenticated class's own part of the pools
+/// ([`RequestCaps::unauthenticated`]), taken before the global slot.
+#[derive(Debug)]
+struct ClassPart {
+    slots: Arc<Semaphore>,
+    caps: RequestCaps,
+    queued: AtomicUsize,
+}
 
 #[derive(Debug)]
 pub struct RequestGate {
     slots: Arc<Semaphore>,
     caps: RequestCaps,
-    /// One semaphore per source IP with requests running or waiting; an
-    /// entry leaves the map with its last user.
-    per_ip: Mutex<HashMap<IpAddr, Arc<Semaphore>>>,
+    unauthenticated: ClassPart,
+    /// One semaphore per source (address and class) with requests running
+    /// or waiting; an entry leaves the map with its last user.
+    per_ip: Mutex<HashMap<SourceKey, Arc<Semaphore>>>,
     queued: AtomicUsize,
     timeout: Duration,
+    body_timeout: Duration,
     metrics: Option<Arc<TransportMetrics>>,
     /// Refusals are folded here per source address for the audit log.
     aggregator: Option<Arc<Aggregator>>,
@@ -46,16 +71,19 @@ impl RequestGate {
         metrics: Option<Arc<TransportMetrics>>,
         aggregator: Option<Arc<Aggregator>>,
     ) -> Self {
+        let u = RequestCaps::unauthenticated(limits);
         Self {
             slots: Arc::new(Semaphore::new(limits.max_inflight_requests)),
-            caps: RequestCaps {
-                inflight: limits.max_inflight_requests,
-                inflight_per_ip: limits.max_inflight_requests_per_ip,
-                queued: limits.max_queued_requests,
+            caps: RequestCaps::all(limits),
+            unauthenticated: ClassPart {
+                slots: Arc::new(Semaphore::new(u.inflight)),
+                caps: u,
+                queued: AtomicUsize::new(0),
             },
             per_ip: Default::default(),
             queued: AtomicUsize::new(0),
             timeout: limits.request_timeout,
+            body_timeout: limits.unauthenticated_body_timeout,
             metrics,
             aggregator,
         }
@@ -64,6 +92,12 @@ impl RequestGate {
     /// Each request's total time, from its headers to its answer.
     pub fn timeout(&self) -> Duration {
         self.timeout
+    }
+
+    /// How long after its headers an unauthenticated stream may still wait
+    /// for its message (zero: no bound of its own).
+    pub fn body_timeout(&self) -> Duration {
+        self.body_timeout
     }
 
     /// A stream the client cancelled: counts it on its connection, and
@@ -89,9 +123,9 @@ impl RequestGate {
     }
 
     /// The source's semaphore, created on first use.
-    fn source(&self, ip: IpAddr) -> Arc<Semaphore> {
+    fn source(&self, key: SourceKey) -> Arc<Semaphore> {
         let mut map = self.per_ip.lock().unwrap_or_else(|p| p.into_inner());
-        map.entry(canonical_ip(ip))
+        map.entry((key.0, canonical_ip(key.1)))
             .or_insert_with(|| Arc::new(Semaphore::new(self.caps.inflight_per_ip)))
             .clone()
     }
@@ -99,50 +133,90 @@ impl RequestGate {
     /// Drops the source's entry once nobody holds or waits on it. Callers
     /// clone the semaphore under the same lock, so a count of one (the map's
     /// own) means it is unused.
-    fn release_source(&self, ip: IpAddr) {
-        let ip = canonical_ip(ip);
+    fn release_source(&self, key: SourceKey) {
+        let key = (key.0, canonical_ip(key.1));
         let mut map = self.per_ip.lock().unwrap_or_else(|p| p.into_inner());
-        if map.get(&ip).is_some_and(|s| Arc::strong_count(s) == 1) {
-            map.remove(&ip);
+        if map.get(&key).is_some_and(|s| Arc::strong_count(s) == 1) {
+            map.remove(&key);
         }
     }
 
-    pub async fn slot(&self, ip: Option<IpAddr>) -> Result<Slot<'_>, Refusal> {
-        let source = ip.map(|ip| (ip, self.source(ip)));
+    /// Slots in use of a semaphore sized `cap`.
+    fn used(s: &Semaphore, cap: usize) -> usize {
+        cap - s.available_permits().min(cap)
+    }
+
+    /// A handler slot for a request from `ip` on a connection of `class`:
+    /// its source's share (address and class), for an unauthenticated
+    /// request its class's part, then a global slot; or a place in the
+    /// queue until they are free.
+    pub async fn slot(&self, ip: Option<IpAddr>, class: AuthClass) -> Result<Slot<'_>, Refusal> {
+        let source = ip.map(|ip| ((class, ip), self.source((class, ip))));
         let mut slot = Slot {
             gate: self,
-            ip: source.as_ref().map(|(ip, _)| *ip),
+            key: source.as_ref().map(|(k, _)| *k),
             source: None,
+            class: None,
             global: None,
         };
-        let inflight = self.caps.inflight - self.slots.available_permits().min(self.caps.inflight);
-        let ip_inflight = source.as_ref().map_or(0, |(_, s)| {
-            self.caps.inflight_per_ip - s.available_permits().min(self.caps.inflight_per_ip)
-        });
-        let queued = self.queued.load(Ordering::Acquire);
-        if let RequestAdmission::Refuse(r) =
-            admit_request(inflight, ip_inflight, queued, &self.caps)
-        {
+        let ip_inflight = source
+            .as_ref()
+            .map_or(0, |(_, s)| Self::used(s, self.caps.inflight_per_ip));
+        let part = (class == AuthClass::Unauthenticated).then_some(&self.unauthenticated);
+        // The class's own numbers for an unauthenticated request (its part
+        // of the pools), all requests' for an authenticated one.
+        let (inflight, queued, caps) = match part {
+            Some(p) => (
+                Self::used(&p.slots, p.caps.inflight),
+                p.queued.load(Ordering::Acquire),
+                p.caps,
+            ),
+            None => (
+                Self::used(&self.slots, self.caps.inflight),
+                self.queued.load(Ordering::Acquire),
+                self.caps,
+            ),
+        };
+        if let RequestAdmission::Refuse(r) = admit_request(inflight, ip_inflight, queued, &caps) {
             drop(source);
             return Err(r);
         }
         let source = source.map(|(_, s)| s);
-        // Fast path: both permits free, no queueing.
+        // Fast path: every permit free, no queueing.
         if let Some(s) = &source {
             slot.source = s.clone().try_acquire_owned().ok();
         }
         if slot.source.is_some() || source.is_none() {
-            slot.global = self.slots.clone().try_acquire_owned().ok();
+            slot.class = match part {
+                Some(p) => p.slots.clone().try_acquire_owned().ok(),
+                None => None,
+            };
+            if part.is_none() || slot.class.is_some() {
+                slot.global = self.slots.clone().try_acquire_owned().ok();
+            }
         }
         if slot.global.is_some() {
             return Ok(slot);
         }
         self.queued.fetch_add(1, Ordering::AcqRel);
         let _queued = Queued(&self.queued);
+        let _class_queued = part.map(|p| {
+            p.queued.fetch_add(1, Ordering::AcqRel);
+            Queued(&p.queued)
+        });
         // The semaphores are never closed.
         if let (Some(s), None) = (source, &slot.source) {
             slot.source = Some(
                 s.acquire_owned()
+                    .await
+                    .map_err(|_| Refusal::RequestQueueFull)?,
+            );
+        }
+        if let (Some(p), None) = (part, &slot.class) {
+            slot.class = Some(
+                p.slots
+                    .clone()
+                    .acquire_owned()
                     .await
                     .map_err(|_| Refusal::RequestQueueFull)?,
             );
@@ -161,17 +235,19 @@ impl RequestGate {
 /// A request's handler slot and its source's share; released on drop.
 pub struct Slot<'a> {
     gate: &'a RequestGate,
-    ip: Option<IpAddr>,
+    key: Option<SourceKey>,
     source: Option<tokio::sync::OwnedSemaphorePermit>,
+    class: Option<tokio::sync::OwnedSemaphorePermit>,
     global: Option<tokio::sync::OwnedSemaphorePermit>,
 }
 
 impl Drop for Slot<'_> {
     fn drop(&mut self) {
         self.global = None;
+        self.class = None;
         self.source = None;
-        if let Some(ip) = self.ip {
-            self.gate.release_source(ip);
+        if let Some(key) = self.key {
+            self.gate.release_source(key);
         }
     }
 }
@@ -205,13 +281,13 @@ mod tests {
     async fn per_source_entries_leave_with_their_last_request() {
         let g = gate(4, 1, 4);
         let (a, b) = ("10.0.0.1".parse().unwrap(), "10.0.0.2".parse().unwrap());
-        let first = g.slot(Some(a)).await.unwrap();
+        let first = g.slot(Some(a), AuthClass::Authenticated).await.unwrap();
         // A second request from the same source waits although slots are free.
-        let mut waiting = Box::pin(g.slot(Some(a)));
+        let mut waiting = Box::pin(g.slot(Some(a), AuthClass::Authenticated));
         assert!(futures::poll!(waiting.as_mut()).is_pending());
         assert_eq!(g.queued.load(Ordering::Acquire), 1);
         // Another source runs at once.
-        let other = g.slot(Some(b)).await.unwrap();
+        let other = g.slot(Some(b), AuthClass::Authenticated).await.unwrap();
         drop(other);
         // Cancel the waiting request, then finish the first.
         drop(waiting);
@@ -221,11 +297,50 @@ mod tests {
         assert_eq!(g.slots.available_permits(), 4);
         // With the queue full, a source at its cap is refused with its own reason.
         let g = gate(4, 1, 0);
-        let _first = g.slot(Some(a)).await.unwrap();
+        let _first = g.slot(Some(a), AuthClass::Authenticated).await.unwrap();
         assert_eq!(
-            g.slot(Some(a)).await.err(),
+            g.slot(Some(a), AuthClass::Authenticated).await.err(),
             Some(Refusal::RequestPerIpLimit)
         );
         assert_eq!(g.per_ip.lock().unwrap().len(), 1);
+    }
+
+    /// One address, two classes: unauthenticated requests at their per-IP
+    /// share and their class's part leave the authenticated callers behind
+    /// the same address their own share and the rest of the slots.
+    #[tokio::test]
+    async fn unauthenticated_requests_leave_authenticated_ones_their_share() {
+        use AuthClass::{Authenticated as A, Unauthenticated as U};
+        // 8 slots: the unauthenticated part is 6, per source 2; queue 4 (2 for U).
+        let g = gate(8, 2, 4);
+        let ip: IpAddr = "10.0.0.1".parse().unwrap();
+        let other: IpAddr = "10.0.0.2".parse().unwrap();
+        let third: IpAddr = "10.0.0.3".parse().unwrap();
+        let mut held = Vec::new();
+        for src in [ip, ip, other, other, third, third] {
+            held.push(g.slot(Some(src), U).await.unwrap());
+        }
+        // The unauthenticated part is full: another source of that class
+        // waits, and with its part of the queue full it is refused.
+        let fourth: IpAddr = "10.0.0.4".parse().unwrap();
+        let mut w1 = Box::pin(g.slot(Some(fourth), U));
+        assert!(futures::poll!(w1.as_mut()).is_pending());
+        let mut w2 = Box::pin(g.slot(Some(fourth), U));
+        assert!(futures::poll!(w2.as_mut()).is_pending());
+        let fifth: IpAddr = "10.0.0.5".parse().unwrap();
+        assert_eq!(
+            g.slot(Some(fifth), U).await.err(),
+            Some(Refusal::RequestQueueFull)
+        );
+        // The authenticated caller on the same address runs at once, twice.
+        let a1 = g.slot(Some(ip), A).await.unwrap();
+        let a2 = g.slot(Some(ip), A).await.unwrap();
+        assert_eq!(g.slots.available_permits(), 0);
+        drop((a1, a2, w1, w2));
+        drop(held);
+        assert!(g.per_ip.lock().unwrap().is_empty());
+        assert_eq!(g.unauthenticated.slots.available_permits(), 6);
+        assert_eq!(g.unauthenticated.queued.load(Ordering::Acquire), 0);
+        assert_eq!(g.queued.load(Ordering::Acquire), 0);
     }
 }

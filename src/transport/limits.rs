@@ -19,6 +19,9 @@
 //! bounds do. Nor do the per-source-IP caps (handshakes, requests, admin
 //! connections): they only share the global pools out fairly, and a request
 //! waiting for its source's share counts against the same global queue.
+//! Nor does the split by [`AuthClass`]: each class has its own per-IP caps,
+//! but both draw on the same global pools, and unauthenticated callers may
+//! hold only part of them ([`RequestCaps::unauthenticated`]).
 
 use std::collections::HashMap;
 use std::net::IpAddr;
@@ -29,7 +32,8 @@ use std::time::Duration;
 pub struct TransportLimits {
     /// Open connections (handshaking or established) across all peers.
     pub max_connections: usize,
-    /// Open connections from one source IP.
+    /// Open connections from one source IP, for each [`AuthClass`] apart
+    /// (counted once the handshake tells the class).
     pub max_connections_per_ip: usize,
     /// TLS handshakes in progress; more are refused until one finishes.
     pub max_pending_handshakes: usize,
@@ -61,6 +65,10 @@ pub struct TransportLimits {
     /// Requests a connection may cancel (RST_STREAM while in progress) per
     /// second before it is closed: stops open-and-reset floods.
     pub max_cancelled_streams_per_sec: u32,
+    /// A stream on a connection without a verified client certificate that
+    /// has not sent its whole message this long after its headers is reset
+    /// (`unauthenticated_body_timeout`); zero: only `request_timeout` bounds it.
+    pub unauthenticated_body_timeout: Duration,
 }
 
 impl Default for TransportLimits {
@@ -84,6 +92,7 @@ impl Default for TransportLimits {
             max_connection_age: Duration::from_secs(30 * 60),
             max_connection_age_grace: Duration::from_secs(10),
             max_cancelled_streams_per_sec: 200,
+            unauthenticated_body_timeout: Duration::from_secs(2),
         }
     }
 }
@@ -172,6 +181,8 @@ pub enum Refusal {
     StreamResetFlood,
     #[error("the connection has its share of requests in progress")]
     ConnectionStreamLimit,
+    #[error("an unauthenticated stream did not send its message in time")]
+    UnauthenticatedBodyTimeout,
 }
 
 impl Refusal {
@@ -192,11 +203,12 @@ impl Refusal {
             Self::AdminTimeout => "admin_timeout",
             Self::StreamResetFlood => "stream_reset_flood",
             Self::ConnectionStreamLimit => "connection_stream_limit",
+            Self::UnauthenticatedBodyTimeout => "unauthenticated_body_timeout",
         }
     }
 
     /// Every refusal, for tests and metric pre-registration.
-    pub const ALL: [Refusal; 15] = [
+    pub const ALL: [Refusal; 16] = [
         Self::ConnectionLimit,
         Self::PerIpLimit,
         Self::HandshakeLimit,
@@ -212,7 +224,28 @@ impl Refusal {
         Self::AdminTimeout,
         Self::StreamResetFlood,
         Self::ConnectionStreamLimit,
+        Self::UnauthenticatedBodyTimeout,
     ];
+}
+
+/// Which side of the transport's accounting a connection is on. Callers
+/// behind one address (a NAT, a node's shared address, loopback) are
+/// accounted apart by class, so unauthenticated connections from an
+/// address cannot take the connection, request or signing shares of the
+/// authenticated callers behind it.
+///
+/// A connection is `Authenticated` when its TLS handshake verified a client
+/// certificate (the serving config's SPIFFE verifier, against the trust
+/// bundle) and its leaf parses. Everything else is `Unauthenticated`,
+/// token callers included: a bearer token is only read with the headers and
+/// only verified after the message, so until then it proves nothing (anyone
+/// can send the header). Token callers therefore share the unauthenticated
+/// class's pools and its body timeout; a real agent sends its CSR with its
+/// headers, in well under the timeout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AuthClass {
+    Authenticated,
+    Unauthenticated,
 }
 
 /// What a [`ConnCounts`] counts: each pool has its own caps and reasons.
@@ -340,6 +373,31 @@ pub struct RequestCaps {
     pub inflight: usize,
     pub inflight_per_ip: usize,
     pub queued: usize,
+}
+
+impl RequestCaps {
+    /// The caps of all requests together.
+    pub fn all(limits: &TransportLimits) -> Self {
+        Self {
+            inflight: limits.max_inflight_requests,
+            inflight_per_ip: limits.max_inflight_requests_per_ip,
+            queued: limits.max_queued_requests,
+        }
+    }
+
+    /// The part unauthenticated requests may hold: three quarters of the
+    /// handler slots (at least one) and half of the queue (rounded up), so
+    /// authenticated callers always find a quarter of the slots and half of
+    /// the queue that no unauthenticated stream holds. Per source IP each class has
+    /// its own `inflight_per_ip`.
+    pub fn unauthenticated(limits: &TransportLimits) -> Self {
+        let all = Self::all(limits);
+        Self {
+            inflight: (all.inflight - all.inflight / 4).max(1),
+            inflight_per_ip: all.inflight_per_ip,
+            queued: all.queued.div_ceil(2),
+        }
+    }
 }
 
 /// Cancelled streams of one connection, counted in one-second windows.
@@ -483,6 +541,12 @@ mod tests {
         assert!(4 * t.max_pending_handshakes_per_ip < t.max_pending_handshakes);
         assert!(4 * t.max_inflight_requests_per_ip < t.max_inflight_requests);
         assert!(4 * a.max_connections_per_ip < a.max_connections);
+        // Nor the unauthenticated class's part, which leaves authenticated
+        // callers a quarter of the slots and half of the queue.
+        let u = RequestCaps::unauthenticated(&t);
+        assert!(4 * u.inflight_per_ip < u.inflight);
+        assert!(u.inflight < t.max_inflight_requests && u.queued < t.max_queued_requests);
+        assert!(t.max_inflight_requests - u.inflight >= t.max_inflight_requests_per_ip);
     }
 
     #[test_case(CancelWindow { start_ms: 0, count: 0 }, 10, 2, (CancelWindow { start_ms: 0, count: 1 }, false) ; "first")]

@@ -22,7 +22,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tonic::transport::server::Connected;
 
-pub use limits::{AdminLimits, ConnCounts, InputLimits, Pool, Refusal, TransportLimits};
+pub use limits::{AdminLimits, AuthClass, ConnCounts, InputLimits, Pool, Refusal, TransportLimits};
 
 use self::metrics::TransportMetrics;
 use crate::tls::ServingTls;
@@ -36,6 +36,23 @@ pub struct ConnInfo {
     pub peer_leaf: Option<Arc<Result<crate::authn::mtls::Leaf, crate::authn::mtls::MtlsError>>>,
     /// Lets request handling close the connection it arrived on.
     pub control: Arc<ConnControl>,
+}
+
+impl ConnInfo {
+    /// Authenticated when the handshake verified a client certificate and
+    /// its leaf parses ([`AuthClass`]).
+    pub fn class(&self) -> AuthClass {
+        class_of(self.peer_leaf.as_deref())
+    }
+}
+
+fn class_of(
+    leaf: Option<&Result<crate::authn::mtls::Leaf, crate::authn::mtls::MtlsError>>,
+) -> AuthClass {
+    match leaf {
+        Some(Ok(_)) => AuthClass::Authenticated,
+        _ => AuthClass::Unauthenticated,
+    }
 }
 
 /// Per-connection state shared between the connection and its requests.
@@ -263,6 +280,31 @@ impl Drop for ConnPermit {
     }
 }
 
+/// Open connections per source IP, each [`AuthClass`] under its own
+/// `max_connections_per_ip`.
+#[derive(Debug)]
+struct ClassTrackers {
+    authenticated: Arc<ConnTracker>,
+    unauthenticated: Arc<ConnTracker>,
+}
+
+impl ClassTrackers {
+    fn new(limits: &TransportLimits) -> Self {
+        let one = || ConnTracker::new(limits.max_connections, limits.max_connections_per_ip, None);
+        Self {
+            authenticated: one(),
+            unauthenticated: one(),
+        }
+    }
+
+    fn open(&self, class: AuthClass, ip: IpAddr) -> Result<ConnPermit, Refusal> {
+        match class {
+            AuthClass::Authenticated => self.authenticated.open(ip),
+            AuthClass::Unauthenticated => self.unauthenticated.open(ip),
+        }
+    }
+}
+
 fn refuse(metrics: Option<&TransportMetrics>, r: Refusal, peer: SocketAddr) {
     tracing::debug!(%peer, reason = r.reason(), "connection refused");
     if let Some(m) = metrics {
@@ -288,6 +330,8 @@ pub struct TlsConn {
     /// A flush was held back: `out` goes at the next read, write or flush.
     held: bool,
     _permit: ConnPermit,
+    /// Its count within its class's per-IP cap.
+    _class_permit: ConnPermit,
 }
 
 impl TlsConn {
@@ -491,11 +535,17 @@ pub fn tls_incoming(
     aggregator: Option<Arc<crate::audit::aggregate::Aggregator>>,
 ) -> tokio_stream::wrappers::ReceiverStream<Result<TlsConn, std::io::Error>> {
     let (tx, rx) = tokio::sync::mpsc::channel(128);
+    // The global cap is taken at accept; the per-IP cap once the handshake
+    // tells the connection's class, each class counted apart, so that
+    // unauthenticated connections from an address (a NAT, a node's shared
+    // address) cannot take the places of the authenticated ones behind it.
+    // Until then a source holds at most its pending-handshake share.
     let tracker = ConnTracker::new(
         limits.max_connections,
-        limits.max_connections_per_ip,
+        limits.max_connections,
         metrics.clone(),
     );
+    let classes = Arc::new(ClassTrackers::new(limits));
     // Per-source fairness: one IP can hold at most its share of the
     // handshake slots, so a few slowloris sources cannot refuse everyone.
     let handshakes = ConnTracker::for_pool(
@@ -547,6 +597,7 @@ pub fn tls_incoming(
             let _ = tcp.set_nodelay(true);
             let acceptor = tokio_rustls::TlsAcceptor::from(tls.current());
             let (tx, metrics, rejects) = (tx.clone(), metrics.clone(), rejects.clone());
+            let (classes, aggregator) = (classes.clone(), aggregator.clone());
             tokio::spawn(async move {
                 let result = tokio::time::timeout(handshake_timeout, acceptor.accept(tcp)).await;
                 drop(slot);
@@ -591,6 +642,17 @@ pub fn tls_incoming(
                     Err(_) => Duration::ZERO,
                 });
                 let deadline = limits::earliest(deadline, cert_left);
+                let class_permit =
+                    match classes.open(class_of(peer_leaf.as_deref()), remote_addr.ip()) {
+                        Ok(p) => p,
+                        Err(r) => {
+                            refuse(metrics.as_deref(), r, remote_addr);
+                            if let Some(a) = &aggregator {
+                                a.fold_transport(remote_addr.ip(), r.reason());
+                            }
+                            return;
+                        }
+                    };
                 let conn = TlsConn {
                     inner: stream,
                     info: ConnInfo {
@@ -606,6 +668,7 @@ pub fn tls_incoming(
                     frames: Default::default(),
                     held: false,
                     _permit: permit,
+                    _class_permit: class_permit,
                 };
                 let _ = tx.send(Ok(conn)).await;
             });

@@ -3,6 +3,7 @@
 #![allow(dead_code, clippy::unwrap_used)]
 
 pub mod attack;
+pub mod flood;
 
 use std::path::PathBuf;
 use std::time::Duration;
