@@ -300,6 +300,8 @@ pub fn start(
                 Some(r) => r as Arc<dyn crate::cluster::ClusterDirectory>,
                 None => Arc::new(crate::cluster::LocalCluster(from.cluster_id.clone())),
             }),
+            // Set by the wiring, which holds the custody store too.
+            own: None,
         },
         tasks,
     })
