@@ -414,6 +414,7 @@ fn bench_guards(c: &mut Criterion) {
         ))),
         clusters: Some(Arc::new(meshca::cluster::LocalCluster("Kubernetes".into()))),
         signers: None,
+        own: None,
     };
     let mut g = c.benchmark_group("issue_mtls_guards");
     for (name, guards) in [("off", IssueGuards::default()), ("on", on)] {

@@ -146,7 +146,8 @@ impl App {
             );
             background.push(start_rotation(rotation, cfg.reload_poll).await?);
         }
-        let guards = start_kill_switch(cfg, &ca, &kube, &audit, &metrics, &mut background)?;
+        let mut guards = start_kill_switch(cfg, &ca, &kube, &audit, &metrics, &mut background)?;
+        guards.own = Some(own_issuers(cfg, &custody, &ca, &mut background));
         Self::serve(
             cfg,
             deps,
@@ -634,6 +635,38 @@ async fn start_rotation(
         .context("bringing the CA to the rotation phase on disk")?;
     tracing::info!(phase = report.phase.as_str(), "CA rotation on");
     Ok(tokio::spawn(rotation.run(poll)))
+}
+
+/// This deployment's signing certificates ([`crate::ca::own`]): the custody
+/// store's and the serving store's, followed through every swap, and under
+/// a phased rotation the signing certificates of both directories on disk
+/// (a restart mid-rotation still knows the other generation's leaves).
+fn own_issuers(
+    cfg: &Config,
+    custody: &Arc<CaStore>,
+    ca: &Arc<CaStore>,
+    background: &mut Vec<JoinHandle<()>>,
+) -> Arc<crate::ca::own::OwnIssuers> {
+    use rustls::pki_types::pem::PemObject;
+    let own = Arc::new(crate::ca::own::OwnIssuers::new(vec![
+        custody.clone(),
+        ca.clone(),
+    ]));
+    if let Some(r) = &cfg.rotation {
+        for dir in [&cfg.ca_dir, &r.next_dir] {
+            let Ok(files) = crate::ca::bundle::BundleFiles::read_dir_without_key(dir) else {
+                continue;
+            };
+            let first =
+                rustls::pki_types::CertificateDer::pem_slice_iter(files.signing_cert.as_bytes())
+                    .next();
+            if let Some(Ok(cert)) = first {
+                own.add(cert);
+            }
+        }
+    }
+    background.push(tokio::spawn(own.clone().follow()));
+    own
 }
 
 /// The kill switch step: the issuer's guards, and the PodCertificateRequest

@@ -206,6 +206,13 @@ pub enum DenyHit {
     /// the token (its `kid` is missing, unknown, or names another key).
     #[error("token signing keys are on the denylist and this token's signer is unknown: {0}")]
     TokenKeyUnknownSigner(String),
+    /// An mTLS caller's certificate descends from a leaf issued for a pod
+    /// on a denylisted node (the origin-node tag of its serial,
+    /// [`crate::ca::serial`]).
+    #[error(
+        "client certificate descends from a leaf issued on node {0}, which is on the denylist"
+    )]
+    OriginNode(String),
 }
 
 impl DenyHit {
@@ -217,6 +224,7 @@ impl DenyHit {
             Self::ServiceAccount(_) => "denylist_service_account",
             Self::TokenKey(_) => "denylist_token_key",
             Self::TokenKeyUnknownSigner(_) => "denylist_token_key_unknown_signer",
+            Self::OriginNode(_) => "denylist_origin_node",
         }
     }
 }

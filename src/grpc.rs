@@ -65,9 +65,10 @@ impl From<IssueError> for Status {
             IssueError::AuditShed(_) => Status::unavailable("CSR signing error (audit log busy)"),
             IssueError::Shed(shed) => shed_status(&shed),
             IssueError::Renewal(e) if e.is_unavailable() => Status::unavailable(AUTHN_FAILURE),
-            IssueError::Renewal(_) | IssueError::Denied(_) | IssueError::Revoked(_) => {
-                Status::unauthenticated(AUTHN_FAILURE)
-            }
+            IssueError::Renewal(_)
+            | IssueError::Denied(_)
+            | IssueError::Revoked(_)
+            | IssueError::LineageRevoked { .. } => Status::unauthenticated(AUTHN_FAILURE),
         }
     }
 }

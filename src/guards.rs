@@ -58,7 +58,8 @@ pub struct KillSwitchArgs {
     ///
     /// Kinds: `identity`, `node`, `pod`, `pod-uid`, `serviceaccount`, `token-key`. A hit is refused
     /// before signing with `denylist_<kind>` and counted in `meshca_denylist_hits_total`. A
-    /// `token-key` entry refuses every token its key signed, whatever the token's header says, and
+    /// `node` entry also refuses mTLS callers whose certificate's lineage began on that node
+    /// (`denylist_origin_node`). A `token-key` entry refuses every token its key signed, whatever the token's header says, and
     /// while one exists a token whose signing key meshca cannot establish is refused
     /// (`denylist_token_key_unknown_signer`). An invalid list keeps the previous one.
     #[arg(long, env = "MESHCA_DENYLIST_FILE")]
@@ -84,7 +85,9 @@ pub struct KillSwitchArgs {
     /// it. The chart creates it empty at install (`killSwitch.revocation.createConfigMap`;
     /// `<release namespace>/meshca-revocations`), so nobody can plant it first. Turns on the CRL
     /// signed by the intermediate, served at `/ca-crl.pem` on the admin port, and refusal of
-    /// revoked client certificates (`mtls_cert_revoked`). Append-only: a deleted, unreadable,
+    /// revoked client certificates (`mtls_cert_revoked`) and of every certificate of their
+    /// lineage, renewals issued after the revocation included (`mtls_lineage_revoked`).
+    /// Append-only: a deleted, unreadable,
     /// truncated or shrunk store lifts nothing and is audited (`revocation_source_missing`,
     /// `revocation_source_unreadable`, `revocation_removal_refused`); only `meshca revoke --undo`
     /// lifts a revocation (`unrevoked`). Until it has been read once, mTLS callers get
@@ -345,6 +348,8 @@ pub fn start(
                 Some(r) => r as Arc<dyn crate::cluster::ClusterDirectory>,
                 None => Arc::new(crate::cluster::LocalCluster(from.cluster_id.clone())),
             }),
+            // Set by the wiring, which holds the custody store too.
+            own: None,
         },
         tasks,
     })

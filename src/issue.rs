@@ -16,6 +16,11 @@ use crate::metrics::ErrorClass;
 use crate::outcome::OutcomeObserver;
 use crate::revocation::metrics::KillSwitchMetrics;
 
+mod guards;
+mod lineage;
+
+pub use guards::IssueGuards;
+
 /// A decoded request.
 #[derive(Debug, Clone, Default)]
 pub struct IssueRequest {
@@ -86,6 +91,11 @@ pub enum IssueError {
     /// The client certificate's serial is revoked.
     #[error("client certificate serial {0} is revoked")]
     Revoked(String),
+    /// The client certificate belongs to a revoked lineage: it descends
+    /// from a revoked serial, or a revoked serial descends from the same
+    /// leaf issued on a token ([`crate::revocation::lineage`]).
+    #[error("client certificate serial {serial} belongs to revoked lineage {lineage}")]
+    LineageRevoked { serial: String, lineage: String },
 }
 
 impl IssueError {
@@ -103,6 +113,7 @@ impl IssueError {
             Self::Renewal(e) => e.reason(),
             Self::Denied(e) => e.reason(),
             Self::Revoked(_) => "mtls_cert_revoked",
+            Self::LineageRevoked { .. } => "mtls_lineage_revoked",
         }
     }
 
@@ -112,7 +123,9 @@ impl IssueError {
         Some(match self {
             Self::Shed(_) | Self::AuditShed(_) => return None,
             Self::Unauthenticated(_) | Self::Impersonation(_) => ErrorClass::Authentication,
-            Self::Renewal(_) | Self::Denied(_) | Self::Revoked(_) => ErrorClass::Authentication,
+            Self::Renewal(_) | Self::Denied(_) | Self::Revoked(_) | Self::LineageRevoked { .. } => {
+                ErrorClass::Authentication
+            }
             Self::Request(_) => ErrorClass::Csr { parsing: false },
             Self::Csr(e) => ErrorClass::Csr {
                 parsing: matches!(
@@ -153,133 +166,6 @@ pub struct CertificateIssuer {
     /// Bounded renewal, denylist and revocation checks: the kill switch
     /// for a stolen node or leaked key.
     pub guards: IssueGuards,
-}
-
-/// The checks that stop an identity outliving its pod; all off by default.
-#[derive(Debug, Clone, Default)]
-pub struct IssueGuards {
-    pub renewal: Option<Arc<crate::renewal::RenewalGuard>>,
-    pub denylist: Option<Arc<crate::denylist::LiveDenylist>>,
-    pub revocations: Option<Arc<crate::revocation::LiveRevocations>>,
-    /// The clusters served: binds an mTLS caller to the cluster its
-    /// certificate was issued for, and marks leaves of remote clusters.
-    pub clusters: Option<Arc<dyn crate::cluster::ClusterDirectory>>,
-    /// Which issuer key signed a token, for `token-key` denylist entries.
-    /// Without it, while such an entry exists, no token caller's signer
-    /// can be established and every token caller is refused.
-    pub signers: Option<Arc<dyn authn::TokenSigners>>,
-}
-
-impl IssueGuards {
-    /// mTLS callers: puts the presented certificate's serial and the cluster
-    /// it was issued for on the record (whatever the outcome), and returns
-    /// the binding ([`crate::cluster::mtls_cluster`]) to enforce once the
-    /// caller is authenticated. `None` for other callers.
-    fn mtls_binding(
-        &self,
-        creds: &Credentials,
-        record: &mut crate::audit::AuditRecord,
-    ) -> Option<Result<String, AuthnError>> {
-        let leaf = creds.leaf()?;
-        if let Ok(l) = &leaf {
-            record.presented_serial = Some(l.serial_hex.clone());
-        }
-        let binding = crate::cluster::mtls_cluster(self.clusters.as_deref()?, creds)?;
-        record.cluster_id = match &binding {
-            Ok(c) | Err(AuthnError::MtlsClusterMismatch { verified: c, .. }) => Some(c.clone()),
-            Err(AuthnError::MtlsClusterUnknown(tag)) => Some(format!("tag:{tag}")),
-            Err(_) => None,
-        };
-        Some(binding)
-    }
-
-    /// The mark for a leaf issued to a caller of `cluster`: remote clusters
-    /// only (an unmarked serial is the local cluster's).
-    fn leaf_mark(&self, cluster: Option<&str>) -> Option<crate::ca::serial::ClusterTag> {
-        let local = self.clusters.as_deref()?.local_id();
-        cluster
-            .filter(|c| *c != local && !c.is_empty())
-            .map(crate::ca::serial::ClusterTag::of)
-    }
-
-    /// Which key signed the request's token ([`crate::denylist::token_signer`]):
-    /// looked for after authentication whichever path it took, a cached
-    /// TokenReview success included.
-    async fn token_signer(
-        &self,
-        creds: &Credentials,
-        caller: &authn::Caller,
-    ) -> Option<crate::denylist::TokenSigner> {
-        let list = self.denylist.as_ref()?.current();
-        let token = creds.bearer.as_deref()?;
-        let cluster = caller.kube.as_ref().and_then(|k| k.cluster_id.as_deref());
-        let by_token = caller.method != authn::AuthnMethod::Mtls;
-        crate::denylist::token_signer(&list, self.signers.as_deref(), token, by_token, cluster)
-            .await
-    }
-
-    fn deny_check(
-        &self,
-        creds: &Credentials,
-        caller: &authn::Caller,
-        signer: Option<&crate::denylist::TokenSigner>,
-        requested: Option<&crate::identity::SpiffeId>,
-        node: Option<&str>,
-    ) -> Result<(), IssueError> {
-        let Some(list) = &self.denylist else {
-            return Ok(());
-        };
-        // Whichever path verified it (review, local, review after local),
-        // and even beside a client certificate: a request carrying a token
-        // signed by a denylisted key is refused.
-        let kid = creds
-            .bearer
-            .as_deref()
-            .and_then(crate::denylist::token_key_id);
-        let pod = caller
-            .kube
-            .as_ref()
-            .map(|k| format!("{}/{}", k.pod_namespace, k.pod_name));
-        let sa = caller
-            .kube
-            .as_ref()
-            .map(|k| format!("{}/{}", k.pod_namespace, k.service_account));
-        let subject = crate::denylist::Subject {
-            caller_identity: Some(&caller.identity),
-            requested_identity: requested,
-            nodes: [
-                caller.kube.as_ref().and_then(|k| k.node_name.as_deref()),
-                node,
-            ],
-            caller_pod: pod.as_deref(),
-            caller_pod_uid: caller.kube.as_ref().map(|k| k.pod_uid.as_str()),
-            caller_service_account: sa.as_deref(),
-            token_key: kid.as_deref(),
-            token_signer: signer,
-        };
-        Ok(list.check(&subject)?)
-    }
-
-    fn revocation_check(&self, creds: &Credentials) -> Result<(), IssueError> {
-        let Some(r) = &self.revocations else {
-            return Ok(());
-        };
-        if !r.is_loaded() {
-            return Err(AuthnError::RevocationsNotLoaded.into());
-        }
-        if !r.any() {
-            return Ok(());
-        }
-        let Some(leaf) = creds.leaf() else {
-            return Ok(());
-        };
-        let leaf = leaf.map_err(AuthnError::from)?;
-        let serial = &leaf.serial_hex;
-        if r.is_revoked(serial) {
-            return Err(IssueError::Revoked(serial.clone()));
-        }
-        Ok(())
-    }
 }
 
 /// When a request arrived and how long its caller waits (`grpc-timeout`).
@@ -425,6 +311,16 @@ impl CertificateIssuer {
         result?;
         if caller.method == authn::AuthnMethod::Mtls {
             self.guards.revocation_check(creds)?;
+            let origin = self.guards.origin_node_check(creds);
+            if let (Err(IssueError::Denied(hit)), Some(m)) = (&origin, &self.metrics) {
+                m.kill_switch
+                    .denylist_hits
+                    .get_or_create(&crate::metrics::ReasonLabels {
+                        reason: hit.reason().into(),
+                    })
+                    .inc();
+            }
+            origin?;
         }
         let req = req?;
         let identity = match &req.impersonate {
@@ -513,8 +409,16 @@ impl CertificateIssuer {
         let issued_for = mtls_cluster
             .as_deref()
             .or(caller.kube.as_ref().and_then(|k| k.cluster_id.as_deref()));
+        // Over mTLS the new leaf continues its caller's lineage.
+        let parent = match (caller.method, creds.leaf()) {
+            (authn::AuthnMethod::Mtls, Some(Ok(l))) => Some(l.serial_hex.clone()),
+            _ => None,
+        };
+        let node = audit.record().node.clone();
         let job = SignJob {
-            cluster: self.guards.leaf_mark(issued_for),
+            mark: self
+                .guards
+                .leaf_mark(issued_for, parent.as_deref(), node.as_deref())?,
             csr_pem: req.csr,
             validity_secs,
             identity,
@@ -605,8 +509,8 @@ struct SignJob {
     ttl: TtlPolicy,
     bundle: Arc<crate::ca::CaBundle>,
     gate: SignGate,
-    /// The serial's cluster mark (a remote cluster's leaf).
-    cluster: Option<crate::ca::serial::ClusterTag>,
+    /// The serial's cluster and lineage mark.
+    mark: crate::ca::serial::LeafMark,
 }
 
 /// What the signing step learned for the audit record, and its result.
@@ -671,7 +575,7 @@ impl SignJob {
             &self.identity,
             csr.has_common_name,
             &validity,
-            self.cluster,
+            Some(self.mark),
         )?;
         Ok(Signed {
             choice,
@@ -1127,7 +1031,7 @@ mod tests {
                 ttl: TtlPolicy::default(),
                 bundle: ca.snapshot(),
                 gate: SignGate { deadline },
-                cluster: None,
+                mark: crate::ca::serial::LeafMark::Cluster(crate::ca::serial::ClusterTag::of("c")),
             }
             .run();
             // The CSR was verified in every case (the check comes after).

@@ -259,6 +259,18 @@ enum AuditCommand {
         #[command(flatten)]
         set: AnchorSet,
     },
+    /// Print every file of a file-sink audit log, oldest first: the
+    /// rotated files (LOG.N .. LOG.1, however many rotation kept) and LOG.
+    /// What `meshca revoke`, `audit verify` and `audit query` read, e.g.
+    /// `kubectl exec POD -- meshca audit cat /var/log/meshca/audit.log`.
+    Cat {
+        /// Print the file names instead, one a line.
+        #[arg(long)]
+        list: bool,
+        /// The live log file of each log (`--audit-file`), in that order.
+        #[arg(required = true)]
+        logs: Vec<PathBuf>,
+    },
     /// Generate an ECDSA P-256 checkpoint signing key; prints its public key.
     Keygen {
         /// Where to write the private key (PKCS#8 PEM); refused if it exists, unless --force.
@@ -832,6 +844,27 @@ fn audit(cmd: AuditCommand) -> anyhow::Result<()> {
                 report.checkpoints,
                 if dry_run { "would be removed" } else { "removed" }
             );
+            Ok(())
+        }
+        AuditCommand::Cat { list, logs } => {
+            use std::io::Write as _;
+            let mut stdout = std::io::stdout().lock();
+            for log in &logs {
+                let files = meshca::audit::chain::log_files(log)
+                    .with_context(|| format!("listing {}", log.display()))?;
+                anyhow::ensure!(!files.is_empty(), "{}: no audit log there", log.display());
+                for f in files {
+                    if list {
+                        writeln!(stdout, "{}", f.display())?;
+                        continue;
+                    }
+                    let mut file = std::fs::File::open(&f)
+                        .with_context(|| format!("opening {}", f.display()))?;
+                    std::io::copy(&mut file, &mut stdout)
+                        .with_context(|| format!("reading {}", f.display()))?;
+                }
+            }
+            stdout.flush()?;
             Ok(())
         }
         AuditCommand::Keygen { out, force } => {

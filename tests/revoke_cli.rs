@@ -334,3 +334,90 @@ async fn trust_domain_aliases_do_not_get_around_the_denylist_or_revoke() {
     assert!(denied.contains(&alias.to_string()), "{denied:?}");
     assert!(denied.contains(&mesh.to_string()), "{denied:?}");
 }
+
+/// The runbook collects every file of the log: `meshca audit cat LOG`
+/// prints each rotated file rotation kept (more than the newest two, and
+/// more than `--audit-max-files` while they hold recent issuance records),
+/// oldest first. The chain of what it prints verifies, and `revoke` finds
+/// every serial in it; the newest two files miss some.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn audit_cat_collects_every_rotated_file_for_revoke() {
+    let pki = TestPki::new(KeyType::EcdsaP256);
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = file_config(&pki, dir.path());
+    cfg.audit.max_bytes = 4096;
+    cfg.audit.max_files = 2;
+    let app = meshca::app::App::start(&cfg, Default::default())
+        .await
+        .unwrap();
+    let bundle = CaBundle::load_dir(pki.path(), OffsetDateTime::now_utc()).unwrap();
+    let a = "spiffe://cluster.local/ns/shop/sa/cart";
+    let mut serials = Vec::new();
+    for _ in 0..12 {
+        let chain = request_as(&app, &pki, &bundle, a)
+            .await
+            .unwrap()
+            .into_inner()
+            .cert_chain;
+        serials.push(testing::leaf_serial(&chain[0]));
+    }
+    serials.sort();
+    app.shutdown().await.unwrap();
+
+    let log = dir.path().join("audit.log");
+    let log_s = log.to_str().unwrap();
+    let out = meshca(&["audit", "cat", "--list", log_s]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let listed: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(str::to_string)
+        .collect();
+    eprintln!("audit files: {}", listed.len());
+    assert!(listed.len() > 2, "rotation kept {listed:?}");
+    assert_eq!(listed.last().map(String::as_str), Some(log_s));
+    let out = meshca(&["audit", "cat", log_s]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let all = dir.path().join("collected.log");
+    std::fs::write(&all, &out.stdout).unwrap();
+    let all_s = all.to_str().unwrap();
+    let verify = meshca(&["audit", "verify", all_s]);
+    assert!(
+        verify.status.success(),
+        "{}",
+        String::from_utf8_lossy(&verify.stderr)
+    );
+    let store = dir.path().join("store.jsonl");
+    let store_s = store.to_str().unwrap();
+    let revoke = |files: &[&str]| {
+        let mut args = vec![
+            "revoke",
+            "--identity",
+            a,
+            "--reason",
+            "key-compromise",
+            "--dry-run",
+            "--revocation-file",
+            store_s,
+        ];
+        args.extend_from_slice(files);
+        printed_serials(&meshca(&args))
+    };
+    assert_eq!(revoke(&[all_s]), serials, "every serial of the identity");
+    let newest_two = [format!("{log_s}.1"), log_s.to_string()];
+    let two = revoke(&[&newest_two[0], &newest_two[1]]);
+    eprintln!(
+        "serials found: {} of {} in every file, {} in the newest two",
+        serials.len(),
+        serials.len(),
+        two.len()
+    );
+    assert!(two.len() < serials.len());
+}

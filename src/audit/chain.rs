@@ -22,6 +22,8 @@ use tail::{recover, Damage};
 mod retain;
 mod tail;
 
+pub use retain::log_files;
+
 /// Default cap on one audit line (`MESHCA_AUDIT_MAX_LINE_BYTES`).
 pub const DEFAULT_MAX_LINE_BYTES: u64 = 16 * 1024;
 /// Smallest line cap: a reduced record must always fit.

@@ -151,6 +151,11 @@ pub enum AuthnError {
     /// certificate was issued for.
     #[error("clusterid header names cluster {header:?}, the client certificate was issued for cluster {verified:?}")]
     MtlsClusterMismatch { header: String, verified: String },
+    /// The client certificate was not signed by one of this deployment's
+    /// signing certificates ([`crate::ca::own`]) and its serial names no
+    /// registered remote cluster: its serial is no proof of any cluster.
+    #[error("client certificate was signed by another CA under the mesh roots ({0})")]
+    MtlsForeignIssuer(String),
     /// The revocation store has not been read yet: a client certificate
     /// cannot be checked against it.
     #[error("revocations not loaded yet")]
@@ -171,6 +176,7 @@ impl AuthnError {
             Self::Local(e) => e.reason(),
             Self::MtlsClusterUnknown(_) => "mtls_cluster_unknown",
             Self::MtlsClusterMismatch { .. } => "mtls_cluster_mismatch",
+            Self::MtlsForeignIssuer(_) => "mtls_foreign_issuer",
             Self::RevocationsNotLoaded => "revocations_not_loaded",
         }
     }

@@ -564,20 +564,21 @@ impl CaBundle {
         self.sign_leaf_for(spki_der, identity, common_name, validity, None)
     }
 
-    /// [`Self::sign_leaf`] with a serial marked for the cluster the leaf is
-    /// issued for ([`super::serial`]); `None` draws an unmarked serial.
+    /// [`Self::sign_leaf`] with a serial marked for the cluster and lineage
+    /// the leaf is issued for ([`super::serial`]); `None` draws an unmarked
+    /// serial.
     pub fn sign_leaf_for(
         &self,
         spki_der: &[u8],
         identity: &SpiffeId,
         common_name: bool,
         validity: &Validity,
-        cluster: Option<super::serial::ClusterTag>,
+        mark: Option<super::serial::LeafMark>,
     ) -> Result<IssuedLeaf, SignError> {
         self.check_name_constraints(identity)?;
         let spki = SubjectPublicKeyInfo::from_der(spki_der)
             .map_err(|e| SignError::PublicKey(e.to_string()))?;
-        self.sign_leaf_spki(&spki, Some(identity), common_name, validity, cluster)
+        self.sign_leaf_spki(&spki, Some(identity), common_name, validity, mark)
     }
 
     /// Refuses an identity that a CA on the signing path does not permit.
@@ -598,14 +599,14 @@ impl CaBundle {
         identity: Option<&SpiffeId>,
         common_name: bool,
         validity: &Validity,
-        cluster: Option<super::serial::ClusterTag>,
+        mark: Option<super::serial::LeafMark>,
     ) -> Result<IssuedLeaf, SignError> {
         let gen = |e: rcgen::Error| match super::signer::signer_error(&e) {
             Some(s) => SignError::Signer(s),
             None => SignError::Generation(e.to_string()),
         };
         let id = identity.map(|i| i.to_string()).unwrap_or_default();
-        let serial = super::serial::draw(cluster)?;
+        let serial = super::serial::draw(mark)?;
         let mut params = CertificateParams::default();
         params.serial_number = Some(SerialNumber::from_slice(&serial));
         params.distinguished_name = DistinguishedName::new();

@@ -8,6 +8,7 @@ pub mod custody;
 pub mod generate;
 pub mod issuing;
 pub mod metrics;
+pub mod own;
 pub mod serial;
 pub mod signer;
 pub mod store;

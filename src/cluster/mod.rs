@@ -43,7 +43,7 @@ pub trait ClusterDirectory: Send + Sync + std::fmt::Debug {
     /// `CLUSTER_ID`.
     fn local_id(&self) -> &str;
     /// The registered cluster ids whose tag is `tag`.
-    fn with_tag(&self, tag: crate::ca::serial::ClusterTag) -> Vec<String>;
+    fn with_tag(&self, tag: crate::ca::serial::ClusterMatch) -> Vec<String>;
 }
 
 /// Only the local cluster (Kubernetes off).
@@ -55,8 +55,8 @@ impl ClusterDirectory for LocalCluster {
         &self.0
     }
 
-    fn with_tag(&self, tag: crate::ca::serial::ClusterTag) -> Vec<String> {
-        (crate::ca::serial::ClusterTag::of(&self.0) == tag)
+    fn with_tag(&self, tag: crate::ca::serial::ClusterMatch) -> Vec<String> {
+        tag.matches(&self.0)
             .then(|| self.0.clone())
             .into_iter()
             .collect()
@@ -68,19 +68,38 @@ impl ClusterDirectory for LocalCluster {
 /// marks, or by istiod) is the local cluster's. A `clusterid` header naming
 /// another cluster is refused, as is a mark no registered cluster has (or
 /// two have). `None` for a caller without a client certificate.
+///
+/// `own` says whether the leaf was signed by one of this deployment's
+/// signing certificates ([`crate::ca::own`]). A leaf of another CA under
+/// the mesh roots (a sibling cluster's in multi-primary) is bound only when
+/// its serial is marked for a registered *remote* cluster, and then held
+/// to that cluster's pods; unmarked, or marked for the local cluster, it
+/// proves nothing about this cluster and is refused (`mtls_foreign_issuer`).
 pub fn mtls_cluster(
     dir: &dyn ClusterDirectory,
     creds: &Credentials,
+    own: bool,
 ) -> Option<Result<String, AuthnError>> {
-    use crate::ca::serial::{mark_of_hex, SerialMark};
+    use crate::ca::serial::mark_of_hex;
     let leaf = match creds.leaf()? {
         Ok(l) => l,
         Err(e) => return Some(Err(e.into())),
     };
-    let verified = match mark_of_hex(&leaf.serial_hex) {
-        SerialMark::Unmarked => dir.local_id().to_string(),
-        SerialMark::Cluster(tag) => match dir.with_tag(tag).as_slice() {
-            [one] => one.clone(),
+    let mark = mark_of_hex(&leaf.serial_hex).cluster();
+    let verified = match mark {
+        None if own => dir.local_id().to_string(),
+        None => {
+            return Some(Err(AuthnError::MtlsForeignIssuer(
+                "unmarked serial".to_string(),
+            )))
+        }
+        Some(tag) => match dir.with_tag(tag).as_slice() {
+            [one] if own || one != dir.local_id() => one.clone(),
+            [_] => {
+                return Some(Err(AuthnError::MtlsForeignIssuer(format!(
+                    "serial marked for the local cluster (tag {tag})"
+                ))))
+            }
             _ => return Some(Err(AuthnError::MtlsClusterUnknown(tag.to_string()))),
         },
     };
@@ -593,7 +612,8 @@ impl NodeAuthorizer for ClusterRegistry {
 
     fn unsynced_index(&self, creds: &Credentials) -> Option<(Arc<PodIndex>, std::time::Duration)> {
         let id = match creds.leaf() {
-            Some(_) => mtls_cluster(self, creds)?.ok()?,
+            // The issuer refused a foreign leaf's binding before this.
+            Some(_) => mtls_cluster(self, creds, true)?.ok()?,
             None => creds.cluster_id.clone().unwrap_or_default(),
         };
         self.get(&id)?.authorizer.as_ref()?.unsynced_index(creds)
@@ -609,7 +629,8 @@ impl ClusterRegistry {
         creds: &Credentials,
     ) -> Result<String, ImpersonationError> {
         if caller.method == crate::authn::AuthnMethod::Mtls {
-            if let Some(bound) = mtls_cluster(self, creds) {
+            // The issuer refused a foreign leaf's binding before this.
+            if let Some(bound) = mtls_cluster(self, creds, true) {
                 return bound
                     .map_err(|e| ImpersonationError::MtlsCluster(e.reason(), e.to_string()));
             }
@@ -623,10 +644,10 @@ impl ClusterDirectory for ClusterRegistry {
         &self.local
     }
 
-    fn with_tag(&self, tag: crate::ca::serial::ClusterTag) -> Vec<String> {
+    fn with_tag(&self, tag: crate::ca::serial::ClusterMatch) -> Vec<String> {
         self.read()
             .keys()
-            .filter(|id| crate::ca::serial::ClusterTag::of(id) == tag)
+            .filter(|id| tag.matches(id))
             .cloned()
             .collect()
     }
@@ -945,6 +966,62 @@ mod tests {
         assert_eq!(got.map_err(|e| e.reason()), want);
     }
 
+    /// A leaf of another CA under the mesh roots (`own` false) is bound only
+    /// by a mark naming a registered remote cluster; lineage marks (version
+    /// 2, the local cluster's leaves too) bind as version 1 marks do.
+    #[test_case(None, false, true, Ok("Kubernetes") ; "own unmarked")]
+    #[test_case(None, false, false, Err("mtls_foreign_issuer") ; "foreign unmarked")]
+    #[test_case(Some("Kubernetes"), false, false, Err("mtls_foreign_issuer") ; "foreign marked local")]
+    #[test_case(Some("east"), false, false, Ok("east") ; "foreign marked remote")]
+    #[test_case(Some("west"), false, false, Err("mtls_cluster_unknown") ; "foreign marked unregistered")]
+    #[test_case(Some("Kubernetes"), true, true, Ok("Kubernetes") ; "own lineage local")]
+    #[test_case(Some("east"), true, true, Ok("east") ; "own lineage remote")]
+    #[test_case(Some("west"), true, true, Err("mtls_cluster_unknown") ; "own lineage unregistered")]
+    #[test_case(Some("Kubernetes"), true, false, Err("mtls_foreign_issuer") ; "foreign lineage local")]
+    #[test_case(Some("east"), true, false, Ok("east") ; "foreign lineage remote")]
+    fn a_serial_binds_to_this_cluster_only_when_this_deployment_signed_it(
+        mark: Option<&str>,
+        lineage: bool,
+        own: bool,
+        want: Result<&str, &str>,
+    ) {
+        use crate::ca::serial::{ClusterTag, LeafMark, Lineage, LineageTag, NodeTag};
+        use rustls_pki_types::pem::PemObject;
+        let r = registry();
+        let pki = crate::testing::TestPki::new(crate::ca::generate::KeyType::EcdsaP256);
+        let bundle =
+            crate::ca::CaBundle::load_dir(pki.path(), time::OffsetDateTime::now_utc()).unwrap();
+        let key = rcgen::KeyPair::generate().unwrap();
+        let id: SpiffeId = "spiffe://cluster.local/ns/a/sa/b".parse().unwrap();
+        let mark = mark.map(|c| match lineage {
+            false => LeafMark::Cluster(ClusterTag::of(c)),
+            true => LeafMark::Lineage(Lineage {
+                cluster: ClusterTag::of(c).short(),
+                lineage: LineageTag([1, 2, 3, 4]),
+                node: NodeTag::of("n1"),
+            }),
+        });
+        let leaf = bundle
+            .sign_leaf_for(
+                &rcgen::PublicKeyData::subject_public_key_info(&key),
+                &id,
+                false,
+                &crate::testing::validity_hours(-1, 1),
+                mark,
+            )
+            .unwrap();
+        let chain: Vec<rustls_pki_types::CertificateDer<'static>> =
+            rustls_pki_types::CertificateDer::pem_slice_iter(leaf.pem.as_bytes())
+                .collect::<Result<_, _>>()
+                .unwrap();
+        let creds = Credentials {
+            peer_chain: Some(chain.into()),
+            ..Default::default()
+        };
+        let got = mtls_cluster(&r, &creds, own).unwrap();
+        assert_eq!(got.as_deref().map_err(|e| e.reason()), want);
+    }
+
     /// An mTLS caller's cluster is its certificate's (a serial marked for
     /// a registered cluster; unmarked is local), whatever the header says.
     #[test_case(None, None, Ok("Kubernetes") ; "unmarked no header")]
@@ -974,7 +1051,9 @@ mod tests {
                 &id,
                 false,
                 &crate::testing::validity_hours(-1, 1),
-                mark.map(crate::ca::serial::ClusterTag::of),
+                mark.map(|c| {
+                    crate::ca::serial::LeafMark::Cluster(crate::ca::serial::ClusterTag::of(c))
+                }),
             )
             .unwrap();
         let chain: Vec<rustls_pki_types::CertificateDer<'static>> =
@@ -986,10 +1065,10 @@ mod tests {
             cluster_id: header.map(str::to_string),
             ..Default::default()
         };
-        let got = mtls_cluster(&r, &creds).unwrap();
+        let got = mtls_cluster(&r, &creds, true).unwrap();
         assert_eq!(got.as_deref().map_err(|e| e.reason()), want);
         // Without a client certificate there is nothing to bind.
-        assert!(mtls_cluster(&r, &Credentials::default()).is_none());
+        assert!(mtls_cluster(&r, &Credentials::default(), true).is_none());
         // The node authorizer picks the same cluster, or refuses the same way.
         let caller = Caller {
             method: crate::authn::AuthnMethod::Mtls,

@@ -35,6 +35,7 @@ impl KillSwitchMetrics {
                     "denylist_service_account",
                     "denylist_token_key",
                     "denylist_token_key_unknown_signer",
+                    "denylist_origin_node",
                 ],
             ),
             denylist_reloads: registry.metric(

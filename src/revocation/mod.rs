@@ -32,13 +32,14 @@
 //! grows and no serial leaves it because a replica lags.
 
 pub mod ledger;
+pub mod lineage;
 pub mod metrics;
 pub mod publish;
 pub mod store;
 
 pub use store::{append_store, read_store};
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -380,7 +381,8 @@ pub fn select_in(
 /// What the request path and the publishers read.
 #[derive(Debug, Default)]
 pub struct LiveRevocations {
-    serials: ArcSwap<HashSet<String>>,
+    /// The serials in force and their lineages ([`lineage`]).
+    serials: ArcSwap<lineage::RevokedSet>,
     crl: ArcSwap<String>,
     /// Every source has been read once.
     loaded: std::sync::atomic::AtomicBool,

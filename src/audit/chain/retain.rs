@@ -114,6 +114,23 @@ pub(super) fn rotated_numbers(path: &Path) -> std::io::Result<Vec<u32>> {
     Ok(v)
 }
 
+/// Every file of the log whose live file is `path`, oldest first: each
+/// rotated file on disk (`path.<n>` down to `path.1`), then `path` if it
+/// exists. What `meshca audit cat` prints and `audit verify` reads: rotation
+/// may keep more files than `--audit-max-files` (issuance records younger
+/// than `--audit-retain-issued`), so no fixed list of names is all of them.
+pub fn log_files(path: &Path) -> std::io::Result<Vec<PathBuf>> {
+    let mut files: Vec<PathBuf> = rotated_numbers(path)?
+        .into_iter()
+        .rev()
+        .map(|n| numbered(path, n))
+        .collect();
+    if path.exists() {
+        files.push(path.to_path_buf());
+    }
+    Ok(files)
+}
+
 /// `path.<n>` → `path.<n+1>` for every file from the oldest, `path` →
 /// `path.1`, after removing the oldest files that would be beyond
 /// `max_files`, from the oldest on, while each holds no issuance record
