@@ -376,6 +376,23 @@ impl Config {
             None
         };
         let audit = a.audit.parse()?;
+        if let Some((ns, name)) = &audit.checkpoint_key_secret {
+            let v = format!("{ns}/{name}");
+            if kube.is_none() {
+                return Err(err(
+                    "MESHCA_AUDIT_CHECKPOINT_KEY_SECRET",
+                    &v,
+                    "a checkpoint key Secret needs Kubernetes (a kubeconfig or in-cluster config)",
+                ));
+            }
+            if audit.checkpoint_key.is_some() {
+                return Err(err(
+                    "MESHCA_AUDIT_CHECKPOINT_KEY_SECRET",
+                    &v,
+                    "set either the key file (MESHCA_AUDIT_CHECKPOINT_KEY) or the Secret, not both",
+                ));
+            }
+        }
         if audit.anchor.is_some() && kube.is_none() {
             return Err(err(
                 "MESHCA_AUDIT_ANCHOR",
