@@ -1589,7 +1589,7 @@ fn anchor_prune_is_a_cronjob_with_only_what_prune_needs() {
         [
             "audit",
             "prune-anchors",
-            "--older-than=720h",
+            "--older-than=168h",
             "--anchor-namespace=istio-system",
             "--anchor-configmap=meshca-audit-anchors"
         ]
