@@ -234,3 +234,93 @@ fn checkpoint_key_ids(log: &Path) -> Vec<String> {
         .map(|v| v["key_id"].as_str().unwrap_or("unsigned").to_string())
         .collect()
 }
+
+/// RBAC's create on Secrets cannot be limited by name; the chart's admission
+/// policy (tests/fixtures/vap-audit-checkpoint-key.yaml) keeps it to the key
+/// Secret: not a ServiceAccount token Secret (which the token controller
+/// would fill with another ServiceAccount's token), not one labelled as an
+/// Istio remote secret, not another name. meshca's own create still works.
+#[tokio::test]
+async fn meshca_may_create_only_its_key_secret() {
+    use k8s_openapi::api::admissionregistration::v1::{
+        ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
+    };
+    let k = common::kte().await;
+    let pod = common::client(&k.meshca_kubeconfig()).await;
+    let ns = ns_with_role(&k).await;
+    let text = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/vap-audit-checkpoint-key.yaml"),
+    )
+    .unwrap()
+    .replace("system:serviceaccount:istio-system:meshca", "meshca")
+    .replace("istio-system", &ns);
+    let mut docs = text.split("\n---\n");
+    let policy: ValidatingAdmissionPolicy = serde_yaml_ng::from_str(docs.next().unwrap()).unwrap();
+    let binding: ValidatingAdmissionPolicyBinding =
+        serde_yaml_ng::from_str(docs.next().unwrap()).unwrap();
+    let name = policy.metadata.name.clone().unwrap();
+    Api::<ValidatingAdmissionPolicy>::all(k.admin.clone())
+        .create(&PostParams::default(), &policy)
+        .await
+        .unwrap();
+    Api::<ValidatingAdmissionPolicyBinding>::all(k.admin.clone())
+        .create(&PostParams::default(), &binding)
+        .await
+        .unwrap();
+    let api = Api::<Secret>::namespaced(pod.clone(), &ns);
+    let create = |name: &str, type_: &str, labels: serde_json::Value| {
+        let mut s = json!({
+            "metadata": {"name": name, "labels": labels},
+            "type": type_,
+            "data": {"x": "eQ=="}
+        });
+        if type_ == "kubernetes.io/service-account-token" {
+            s["metadata"]["annotations"] = json!({"kubernetes.io/service-account.name": "default"});
+        }
+        let s: Secret = serde_json::from_value(s).unwrap();
+        let api = api.clone();
+        async move {
+            match api.create(&PostParams::default(), &s).await {
+                Ok(_) => Ok(()),
+                Err(kube::Error::Api(e)) => Err(format!("{} {}", e.code, e.message)),
+                Err(e) => panic!("{e}"),
+            }
+        }
+    };
+    // The policy takes effect asynchronously: until a stray create is refused.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let mut n = 0;
+    let refusal = loop {
+        n += 1;
+        if let Err(e) = create(&format!("stray-{n}"), "Opaque", json!({})).await {
+            break e;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the policy never took effect"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert!(
+        refusal.contains("may create only its audit checkpoint key"),
+        "{refusal}"
+    );
+    // At the key's own name: not a token Secret, not an Istio remote secret.
+    let token = create(NAME, "kubernetes.io/service-account-token", json!({})).await;
+    let token = token.unwrap_err();
+    assert!(token.contains("may create only"), "{token}");
+    let remote = create(NAME, "Opaque", json!({"istio/multiCluster": "true"})).await;
+    let remote = remote.unwrap_err();
+    assert!(remote.contains("may create only"), "{remote}");
+    // meshca's own Secret passes.
+    let (_, origin) = keysecret::ensure(&pod, &ns, NAME).await.unwrap();
+    assert_eq!(origin, KeyOrigin::Created);
+    Api::<ValidatingAdmissionPolicyBinding>::all(k.admin.clone())
+        .delete(&name, &Default::default())
+        .await
+        .unwrap();
+    Api::<ValidatingAdmissionPolicy>::all(k.admin.clone())
+        .delete(&name, &Default::default())
+        .await
+        .unwrap();
+}
