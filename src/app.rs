@@ -37,22 +37,16 @@ pub struct Deps {
     pub node_authz: Option<Arc<dyn NodeAuthorizer>>,
 }
 
-/// Builds the configured chained audit sink (its start checkpoint written).
+/// Builds the configured chained audit sink (its start checkpoint written),
+/// its checkpoints signed with `key_pem` when given.
 /// A stdout run continues from `head` (the anchored head of this replica).
 pub fn audit_sink(
     a: &AuditSettings,
+    key_pem: Option<&[u8]>,
     run: RunInfo,
     head: Option<(u64, String)>,
 ) -> anyhow::Result<ChainedSink> {
-    let key = match &a.checkpoint_key {
-        Some(p) => Some(CheckpointKey::from_pem(
-            &std::fs::read(p).with_context(|| format!("reading {}", p.display()))?,
-        )?),
-        None => {
-            tracing::warn!("no MESHCA_AUDIT_CHECKPOINT_KEY: audit checkpoints are unsigned (the hash chain still detects edits)");
-            None
-        }
-    };
+    let key = key_pem.map(CheckpointKey::from_pem).transpose()?;
     let to = match a.sink {
         AuditSinkKind::Stdout => Destination::Stdout,
         AuditSinkKind::Null => anyhow::bail!("the null audit sink has no chain"),
@@ -68,6 +62,26 @@ pub fn audit_sink(
         head,
     })?;
     Ok(sink)
+}
+
+/// The checkpoint key PEM: the key file, or the key Secret (created with a
+/// new key on the first start), or none (unsigned checkpoints).
+async fn checkpoint_key_pem(cfg: &Config) -> anyhow::Result<Option<Vec<u8>>> {
+    if let Some(p) = &cfg.audit.checkpoint_key {
+        return Ok(Some(
+            std::fs::read(p).with_context(|| format!("reading {}", p.display()))?,
+        ));
+    }
+    if let (Some((ns, name)), Some(kube)) = (&cfg.audit.checkpoint_key_secret, &cfg.kube) {
+        let client = kube_client(kube.kubeconfig.as_deref()).await?;
+        let (pem, origin) = crate::audit::keysecret::ensure(&client, ns, name)
+            .await
+            .map_err(|e| anyhow::anyhow!("{e} (reason {})", e.reason()))?;
+        tracing::info!(secret = %format!("{ns}/{name}"), ?origin, "audit checkpoint key loaded");
+        return Ok(Some(pem));
+    }
+    tracing::warn!("no MESHCA_AUDIT_CHECKPOINT_KEY: audit checkpoints are unsigned (the hash chain still detects edits)");
+    Ok(None)
 }
 
 /// How long the shutdown checkpoint may take after the drain (a stalled
@@ -416,6 +430,7 @@ impl AuditStep {
             }
             None => {
                 let run = RunInfo::from_env();
+                let key_pem = checkpoint_key_pem(cfg).await?;
                 let (mut head, mut anchor_to, mut rejected) = (None, None, Vec::new());
                 if let (Some(target), Some(kube)) = (&cfg.audit.anchor, &cfg.kube) {
                     let client = kube_client(kube.kubeconfig.as_deref()).await?;
@@ -428,16 +443,10 @@ impl AuditStep {
                     // A file continues from its own tail; stdout from the
                     // newest anchor signed with this replica's key.
                     if cfg.audit.sink == AuditSinkKind::Stdout {
-                        let key = match &cfg.audit.checkpoint_key {
-                            Some(p) => Some(
-                                CheckpointKey::from_pem(
-                                    &std::fs::read(p)
-                                        .with_context(|| format!("reading {}", p.display()))?,
-                                )?
-                                .verify_key(),
-                            ),
-                            None => None,
-                        };
+                        let key = key_pem
+                            .as_deref()
+                            .map(|p| CheckpointKey::from_pem(p).map(|k| k.verify_key()))
+                            .transpose()?;
                         let found =
                             crate::audit::anchor::read_head(&client, &settings, key.as_ref())
                                 .await
@@ -446,7 +455,7 @@ impl AuditStep {
                     }
                     anchor_to = Some((client, settings));
                 }
-                let sink = audit_sink(&cfg.audit, run, head)?
+                let sink = audit_sink(&cfg.audit, key_pem.as_deref(), run, head)?
                     .report_retained_in(metrics.audit.audit_files_retained.clone());
                 let mut observer = None;
                 if let Some((client, settings)) = anchor_to {

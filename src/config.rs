@@ -453,6 +453,23 @@ impl Config {
             None
         };
         let audit = a.audit.parse()?;
+        if let Some((ns, name)) = &audit.checkpoint_key_secret {
+            let v = format!("{ns}/{name}");
+            if kube.is_none() {
+                return Err(err(
+                    "MESHCA_AUDIT_CHECKPOINT_KEY_SECRET",
+                    &v,
+                    "a checkpoint key Secret needs Kubernetes (a kubeconfig or in-cluster config)",
+                ));
+            }
+            if audit.checkpoint_key.is_some() {
+                return Err(err(
+                    "MESHCA_AUDIT_CHECKPOINT_KEY_SECRET",
+                    &v,
+                    "set either the key file (MESHCA_AUDIT_CHECKPOINT_KEY) or the Secret, not both",
+                ));
+            }
+        }
         if audit.anchor.is_some() && kube.is_none() {
             return Err(err(
                 "MESHCA_AUDIT_ANCHOR",
@@ -748,6 +765,9 @@ mod tests {
     #[test_case(&["--kubernetes", "on", "--audit-anchor", "true", "--audit-anchor-interval", "500ms"], "MESHCA_AUDIT_ANCHOR_INTERVAL" ; "anchor interval under a second")]
     #[test_case(&["--kubernetes", "on", "--audit-anchor", "true", "--audit-anchor-interval", "25h"], "MESHCA_AUDIT_ANCHOR_INTERVAL" ; "anchor interval over a day")]
     #[test_case(&["--kubernetes", "on", "--audit-anchor", "true", "--audit-anchor-configmap", "Anchors"], "MESHCA_AUDIT_ANCHOR_CONFIGMAP" ; "anchor set not a dns name")]
+    #[test_case(&["--audit-checkpoint-key-secret", "ns/key"], "MESHCA_AUDIT_CHECKPOINT_KEY_SECRET" ; "key secret without kubernetes")]
+    #[test_case(&["--kubernetes", "on", "--audit-checkpoint-key-secret", "key"], "MESHCA_AUDIT_CHECKPOINT_KEY_SECRET" ; "key secret without a namespace")]
+    #[test_case(&["--kubernetes", "on", "--audit-checkpoint-key-secret", "ns/key", "--audit-checkpoint-key", "/k.pem"], "MESHCA_AUDIT_CHECKPOINT_KEY_SECRET" ; "key secret and key file")]
     #[test_case(&["--token-verification", "local"], "MESHCA_TOKEN_VERIFICATION" ; "local verification without kubernetes")]
     #[test_case(&["--kubernetes", "on", "--jwks-min-refresh-interval", "0s"], "MESHCA_JWKS_MIN_REFRESH_INTERVAL" ; "zero jwks min interval")]
     #[test_case(&["--kubernetes", "on", "--jwks-refresh-interval", "1m", "--jwks-min-refresh-interval", "2m"], "MESHCA_JWKS_MIN_REFRESH_INTERVAL" ; "min above periodic")]

@@ -282,6 +282,7 @@ pub fn test_config(ca_dir: PathBuf) -> crate::config::Config {
             retain_issued: std::time::Duration::from_secs(24 * 3600),
             max_line_bytes: crate::audit::chain::DEFAULT_MAX_LINE_BYTES,
             checkpoint_key: None,
+            checkpoint_key_secret: None,
             checkpoint_every: 1000,
             checkpoint_interval: std::time::Duration::from_secs(60),
             writer: crate::audit::writer::WriterSettings {

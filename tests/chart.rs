@@ -109,6 +109,13 @@ fn fixture_rules(rel: &str) -> Vec<Rule> {
     rules(&docs(&std::fs::read_to_string(repo().join(rel)).unwrap()))
 }
 
+fn fixture_rules_of(rel: &str, kind: &str) -> Vec<Rule> {
+    rules_of(
+        &docs(&std::fs::read_to_string(repo().join(rel)).unwrap()),
+        kind,
+    )
+}
+
 fn chart_rules(flags: &[&str]) -> Vec<Rule> {
     let r = rules(&render(
         "templates/clusterrole.yaml",
@@ -445,6 +452,29 @@ fn revocations_role_is_exactly_the_fixture_read_only_and_namespaced() {
             })
             .collect();
         let all = render_all(&flags);
+        // The prune CronJob's Role may delete ConfigMaps; its admission
+        // policy keeps that to the anchors (checked in
+        // anchor_prune_is_a_cronjob_with_only_what_prune_needs and, in the
+        // API server, tests/kube_audit_prune.rs).
+        let has_prune = role_names(&all).iter().any(|n| n.ends_with("-audit-prune"));
+        assert_eq!(
+            has_prune,
+            of_kind(&all, "ValidatingAdmissionPolicy")
+                .iter()
+                .any(|d| d["metadata"]["name"]
+                    .as_str()
+                    .is_some_and(|n| n.contains("-audit-prune."))),
+            "{what}: the prune Role comes with its policy"
+        );
+        let all: Vec<Value> = all
+            .into_iter()
+            .filter(|d| {
+                !(d["kind"].as_str() == Some("Role")
+                    && d["metadata"]["name"]
+                        .as_str()
+                        .is_some_and(|n| n.ends_with("-audit-prune")))
+            })
+            .collect();
         let mut rules = rules_of(&all, "Role");
         rules.extend(rules_of(&all, "ClusterRole"));
         assert!(
@@ -698,23 +728,84 @@ fn the_revocation_store_is_created_empty_at_install() {
 
 const AUDIT_ANCHOR_RBAC: &str = "tests/fixtures/rbac-audit-anchor.yaml";
 
-/// Signed checkpoints and anchors are on by default: the chart generates a
-/// checkpoint key meshca can load, mounts it, and grants the anchor Role of
-/// the fixture tests/audit_anchor.rs runs meshca with (create and read
-/// ConfigMaps, create Events) in the release namespace.
+const AUDIT_KEY_RBAC: &str = "tests/fixtures/rbac-audit-checkpoint-key.yaml";
+
+/// Signed checkpoints and anchors are on by default. The checkpoint key is
+/// made in the cluster by meshca itself (MESHCA_AUDIT_CHECKPOINT_KEY_SECRET),
+/// never in the render: no Secret is rendered, and meshca gets exactly the
+/// Role tests/kube_audit_key.rs runs it with (get on that Secret, create on
+/// Secrets). The anchor Role is the fixture tests/audit_anchor.rs runs meshca
+/// with (create and read ConfigMaps, create Events) in the release namespace.
 #[test]
 fn audit_checkpoints_are_signed_and_anchored_by_default() {
-    use base64::Engine;
-    let secret = render("templates/audit-checkpoint-key.yaml", "r", "ns1", &[]);
-    let pem_b64 = secret[0]["data"]["key.pem"].as_str().unwrap();
-    let pem = base64::engine::general_purpose::STANDARD
-        .decode(pem_b64)
-        .unwrap();
-    meshca::audit::keys::CheckpointKey::from_pem(&pem).expect("the generated key loads");
-    assert_eq!(
-        secret[0]["metadata"]["name"],
-        "r-meshca-audit-checkpoint-key"
+    let all = render_all(&[]);
+    assert!(
+        of_kind(&all, "Secret").is_empty(),
+        "the chart renders no Secret (no key made by a render)"
     );
+    let key_role = render(
+        "templates/audit-checkpoint-key.yaml",
+        "meshca",
+        "istio-system",
+        &[],
+    );
+    assert_eq!(
+        rules_of(&key_role, "Role"),
+        fixture_rules_of(AUDIT_KEY_RBAC, "Role"),
+        "exactly the rules tests/kube_audit_key.rs runs meshca with"
+    );
+    assert_eq!(
+        key_role[1]["subjects"][0]["name"].as_str(),
+        Some("meshca"),
+        "bound to meshca's ServiceAccount"
+    );
+    // The admission policy that keeps meshca's create to that Secret is
+    // exactly the one tests/kube_audit_key.rs checks in the API server.
+    let policy: Vec<Value> = key_role
+        .iter()
+        .filter(|d| {
+            d["kind"]
+                .as_str()
+                .is_some_and(|k| k.starts_with("ValidatingAdmissionPolicy"))
+        })
+        .map(|d| {
+            let mut d = d.clone();
+            d["metadata"].as_mapping_mut().unwrap().remove("labels");
+            d
+        })
+        .collect();
+    assert_eq!(
+        policy,
+        docs(
+            &std::fs::read_to_string(repo().join("tests/fixtures/vap-audit-checkpoint-key.yaml"))
+                .unwrap()
+        )
+    );
+    let env = env_of(&of_kind(&all, "Deployment")[0].clone());
+    assert!(env.contains(&(
+        "MESHCA_AUDIT_CHECKPOINT_KEY_SECRET".into(),
+        "istio-system/meshca-audit-checkpoint-key".into()
+    )));
+    // The Secret's name follows the release; get stays limited to it.
+    let other = render("templates/audit-checkpoint-key.yaml", "r", "ns1", &[]);
+    assert_eq!(
+        other[0]["rules"][0]["resourceNames"][0].as_str(),
+        Some("r-meshca-audit-checkpoint-key")
+    );
+    // A given Secret is mounted instead, and meshca gets no Secret rights.
+    let given = ["--set", "audit.checkpoint.secretName=mine"];
+    assert!(render_all(&given).iter().all(|d| !d["metadata"]["name"]
+        .as_str()
+        .unwrap_or("")
+        .ends_with("-audit-checkpoint-key")));
+    let env = env_of(&render("templates/deployment.yaml", "r", "ns1", &given)[0]);
+    assert!(env.contains(&(
+        "MESHCA_AUDIT_CHECKPOINT_KEY".into(),
+        "/etc/meshca/audit-checkpoint-key/key.pem".into()
+    )));
+    assert!(!env
+        .iter()
+        .any(|(k, _)| k == "MESHCA_AUDIT_CHECKPOINT_KEY_SECRET"));
 
     let anchor = render("templates/audit-anchor.yaml", "r", "ns1", &[]);
     let kinds: Vec<&str> = anchor.iter().filter_map(|d| d["kind"].as_str()).collect();
@@ -734,9 +825,10 @@ fn audit_checkpoints_are_signed_and_anchored_by_default() {
     let env = env_of(&dep[0]);
     let get = |k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
     assert_eq!(
-        get("MESHCA_AUDIT_CHECKPOINT_KEY").as_deref(),
-        Some("/etc/meshca/audit-checkpoint-key/key.pem")
+        get("MESHCA_AUDIT_CHECKPOINT_KEY_SECRET").as_deref(),
+        Some("ns1/r-meshca-audit-checkpoint-key")
     );
+    assert_eq!(get("MESHCA_AUDIT_CHECKPOINT_KEY"), None);
     assert_eq!(get("MESHCA_AUDIT_ANCHOR").as_deref(), Some("true"));
     assert_eq!(get("MESHCA_AUDIT_ANCHOR_NAMESPACE").as_deref(), Some("ns1"));
     assert_eq!(
@@ -765,6 +857,32 @@ fn audit_checkpoints_are_signed_and_anchored_by_default() {
     assert!(!roles.contains("r-meshca-audit-anchor"), "{roles:?}");
     assert!(roles.contains("r-meshca-denylist"), "{roles:?}");
     assert!(!text.contains("audit-checkpoint-key"));
+    assert!(!text.contains("audit-prune"), "no prune without anchors");
+}
+
+/// (kind, name) of every Role and ClusterRole bound to ServiceAccount `sa`.
+fn bound_to(docs: &[Value], sa: &str) -> BTreeSet<(String, String)> {
+    docs.iter()
+        .filter(|d| {
+            matches!(
+                d["kind"].as_str(),
+                Some("RoleBinding" | "ClusterRoleBinding")
+            )
+        })
+        .filter(|d| {
+            d["subjects"].as_sequence().is_some_and(|s| {
+                s.iter().any(|x| {
+                    x["kind"].as_str() == Some("ServiceAccount") && x["name"].as_str() == Some(sa)
+                })
+            })
+        })
+        .map(|d| {
+            (
+                d["roleRef"]["kind"].as_str().unwrap().to_string(),
+                d["roleRef"]["name"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect()
 }
 
 /// Whoever holds the pod must not be able to rewrite or remove an anchor it
@@ -796,8 +914,28 @@ fn no_rbac_in_the_chart_lets_meshca_change_or_remove_an_anchor() {
         .find(|(n, _)| n == "MESHCA_AUDIT_ANCHOR_CONFIGMAP")
         .map(|(_, v)| v)
         .unwrap();
-        let mut rules = rules_of(&docs, "Role");
-        rules.extend(rules_of(&docs, "ClusterRole"));
+        // The rules bound to meshca's own ServiceAccount (the prune
+        // CronJob's Role, which may delete, is bound to its own one).
+        let dep = of_kind(&docs, "Deployment")[0];
+        let sa = dep["spec"]["template"]["spec"]["serviceAccountName"]
+            .as_str()
+            .unwrap();
+        let mine = bound_to(&docs, sa);
+        assert!(
+            !mine.iter().any(|(_, n)| n.ends_with("-audit-prune")),
+            "{what}: the prune Role is bound to meshca: {mine:?}"
+        );
+        let own: Vec<Value> = docs
+            .iter()
+            .filter(|d| {
+                let kind = d["kind"].as_str().unwrap_or("");
+                let name = d["metadata"]["name"].as_str().unwrap_or("");
+                mine.contains(&(kind.to_string(), name.to_string()))
+            })
+            .cloned()
+            .collect();
+        let mut rules = rules_of(&own, "Role");
+        rules.extend(rules_of(&own, "ClusterRole"));
         assert!(rules.len() > 3, "{what}: {rules:?}");
         for r in &rules {
             let any = |s: &BTreeSet<String>, v: &str| s.contains(v) || s.contains("*");
@@ -1198,4 +1336,353 @@ fn anchor_lag_alert_is_counted_in_anchor_intervals() {
             "anchorLagIntervals={bad} was accepted: {stderr}"
         );
     }
+}
+
+/// GitOps renders the chart with `helm template` on every sync (Argo CD,
+/// Flux): two renders must be byte-identical, or each sync would replace
+/// something. On the chart before meshca made its own checkpoint key, the
+/// `genPrivateKey` Secret differed on every render.
+#[test]
+fn helm_template_renders_the_same_twice() {
+    let ci = repo()
+        .join("charts/meshca/ci-values.yaml")
+        .display()
+        .to_string();
+    for flags in [vec![], vec!["-f", ci.as_str()]] {
+        let text = || {
+            let out = Command::new(helm())
+                .args(["template", "meshca"])
+                .arg(repo().join("charts/meshca"))
+                .args(["--namespace", "istio-system"])
+                .args(&flags)
+                .output()
+                .unwrap();
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            String::from_utf8(out.stdout).unwrap()
+        };
+        let (a, b) = (text(), text());
+        assert!(a.len() > 1000);
+        assert!(a == b, "two renders of {flags:?} differ");
+        assert!(
+            !a.contains("PRIVATE KEY") && !a.contains("LS0tLS1CRUdJTi"),
+            "a key in the render"
+        );
+    }
+}
+
+fn pod_spec(docs: &[Value]) -> Value {
+    of_kind(docs, "Deployment")[0]["spec"]["template"]["spec"].clone()
+}
+
+/// The defaults of the override points: node and zone spread (both
+/// ScheduleAnyway, labelled with the pods' selector), the recommended
+/// PriorityClass, a startup probe on /healthz, the image from appVersion.
+#[test]
+fn override_points_have_documented_defaults() {
+    let all = render_all(&[]);
+    let pod = pod_spec(&all);
+    assert_eq!(
+        pod["priorityClassName"].as_str(),
+        Some("system-cluster-critical")
+    );
+    let spread = pod["topologySpreadConstraints"].as_sequence().unwrap();
+    let keys: Vec<&str> = spread
+        .iter()
+        .map(|c| c["topologyKey"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        keys,
+        ["kubernetes.io/hostname", "topology.kubernetes.io/zone"]
+    );
+    for c in spread {
+        assert_eq!(c["whenUnsatisfiable"].as_str(), Some("ScheduleAnyway"));
+        assert_eq!(
+            c["labelSelector"]["matchLabels"]["app.kubernetes.io/instance"].as_str(),
+            Some("meshca")
+        );
+    }
+    let c = &pod["containers"][0];
+    assert_eq!(c["image"].as_str(), Some("meshca:0.1.0"));
+    assert_eq!(
+        c["startupProbe"]["httpGet"]["path"].as_str(),
+        Some("/healthz")
+    );
+    assert_eq!(pod["securityContext"]["runAsUser"].as_u64(), Some(65532));
+    assert_eq!(pod["securityContext"]["fsGroup"].as_u64(), Some(65532));
+    // Off: no spread, no probe, no priority.
+    let pod = pod_spec(&render_all(&[
+        "--set",
+        "topologySpreadConstraints=null",
+        "--set",
+        "startupProbe=null",
+        "--set",
+        "priorityClassName=",
+    ]));
+    assert!(pod.get("topologySpreadConstraints").is_none());
+    assert!(pod["containers"][0].get("startupProbe").is_none());
+    assert!(pod.get("priorityClassName").is_none());
+}
+
+/// Every new value set at once, and each one found where it belongs.
+#[test]
+fn every_override_point_is_rendered() {
+    let digest = format!("sha256:{}", "ab".repeat(32));
+    let digest_flag = format!("image.digest={digest}");
+    let all = render_all(&[
+        "--set",
+        "image.registry=registry.example.com/mesh/",
+        "--set",
+        "image.repository=ca/meshca",
+        "--set",
+        "image.tag=v9",
+        "--set",
+        "image.pullPolicy=Always",
+        "--set",
+        "extraEnv[0].name=SOFTHSM2_CONF",
+        "--set",
+        "extraEnv[0].value=/etc/softhsm/softhsm2.conf",
+        "--set",
+        "extraVolumes[0].name=module",
+        "--set",
+        "extraVolumes[0].hostPath.path=/usr/lib/softhsm",
+        "--set",
+        "extraVolumeMounts[0].name=module",
+        "--set",
+        "extraVolumeMounts[0].mountPath=/usr/lib/softhsm",
+        "--set",
+        "extraVolumeMounts[0].readOnly=true",
+        "--set",
+        "topologySpreadConstraints[0].maxSkew=2",
+        "--set",
+        "topologySpreadConstraints[0].topologyKey=topology.kubernetes.io/zone",
+        "--set",
+        "topologySpreadConstraints[0].whenUnsatisfiable=DoNotSchedule",
+        "--set",
+        "podSecurityContext.runAsUser=null",
+        "--set",
+        "podSecurityContext.runAsGroup=null",
+        "--set",
+        "podSecurityContext.fsGroup=null",
+        "--set",
+        "securityContext.readOnlyRootFilesystem=true",
+        "--set",
+        "securityContext.runAsUser=null",
+        "--set",
+        "startupProbe.failureThreshold=7",
+        "--set",
+        "priorityClassName=mesh-critical",
+        "--set",
+        "audit.anchor.prune.olderThan=48h",
+        "--set",
+        "audit.anchor.prune.schedule=*/5 * * * *",
+        "--set",
+        "audit.anchor.prune.timeZone=Etc/UTC",
+        "--set",
+        "audit.anchor.prune.dryRun=true",
+        "--set",
+        "audit.anchor.prune.activeDeadlineSeconds=120",
+        "--set",
+        "audit.anchor.prune.resources.limits.memory=99Mi",
+    ]);
+    let pod = pod_spec(&all);
+    let c = &pod["containers"][0];
+    assert_eq!(
+        c["image"].as_str(),
+        Some("registry.example.com/mesh/ca/meshca:v9")
+    );
+    assert_eq!(c["imagePullPolicy"].as_str(), Some("Always"));
+    let env = env_of(&of_kind(&all, "Deployment")[0].clone());
+    assert_eq!(
+        env.last(),
+        Some(&("SOFTHSM2_CONF".into(), "/etc/softhsm/softhsm2.conf".into())),
+        "extraEnv comes after the chart's"
+    );
+    let vol = pod["volumes"]
+        .as_sequence()
+        .unwrap()
+        .last()
+        .unwrap()
+        .clone();
+    assert_eq!(vol["name"].as_str(), Some("module"));
+    assert_eq!(vol["hostPath"]["path"].as_str(), Some("/usr/lib/softhsm"));
+    let mount = c["volumeMounts"]
+        .as_sequence()
+        .unwrap()
+        .last()
+        .unwrap()
+        .clone();
+    assert_eq!(mount["mountPath"].as_str(), Some("/usr/lib/softhsm"));
+    assert_eq!(mount["readOnly"].as_bool(), Some(true));
+    let spread = pod["topologySpreadConstraints"].as_sequence().unwrap();
+    assert_eq!(spread.len(), 1, "the list replaces the default");
+    assert_eq!(spread[0]["maxSkew"].as_u64(), Some(2));
+    assert_eq!(
+        spread[0]["whenUnsatisfiable"].as_str(),
+        Some("DoNotSchedule")
+    );
+    assert_eq!(
+        spread[0]["labelSelector"]["matchLabels"]["app.kubernetes.io/name"].as_str(),
+        Some("meshca")
+    );
+    // OpenShift: no fixed user, group or fsGroup; the rest stays.
+    let psc = &pod["securityContext"];
+    for k in ["runAsUser", "runAsGroup", "fsGroup"] {
+        assert!(psc.get(k).is_none(), "{k}: {psc:?}");
+    }
+    assert_eq!(psc["runAsNonRoot"].as_bool(), Some(true));
+    assert!(c["securityContext"].get("runAsUser").is_none());
+    assert_eq!(
+        c["securityContext"]["capabilities"]["drop"][0].as_str(),
+        Some("ALL")
+    );
+    assert_eq!(c["startupProbe"]["failureThreshold"].as_u64(), Some(7));
+    assert_eq!(pod["priorityClassName"].as_str(), Some("mesh-critical"));
+
+    let job = &of_kind(&all, "CronJob")[0]["spec"];
+    assert_eq!(job["schedule"].as_str(), Some("*/5 * * * *"));
+    assert_eq!(job["timeZone"].as_str(), Some("Etc/UTC"));
+    let jspec = &job["jobTemplate"]["spec"];
+    assert_eq!(jspec["activeDeadlineSeconds"].as_u64(), Some(120));
+    let pc = &jspec["template"]["spec"]["containers"][0];
+    assert_eq!(pc["image"], c["image"], "the prune runs the meshca image");
+    let args: Vec<&str> = pc["args"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap())
+        .collect();
+    assert!(
+        args.contains(&"--older-than=48h") && args.contains(&"--dry-run"),
+        "{args:?}"
+    );
+    assert_eq!(pc["resources"]["limits"]["memory"].as_str(), Some("99Mi"));
+
+    // A digest wins over the tag.
+    let pod = pod_spec(&render_all(&[
+        "--set",
+        &digest_flag,
+        "--set",
+        "image.tag=v9",
+    ]));
+    assert_eq!(
+        pod["containers"][0]["image"].as_str(),
+        Some(format!("meshca@{digest}").as_str())
+    );
+    // extraEnv may not repeat a variable the chart sets from a value.
+    let out = Command::new(helm())
+        .args(["template", "meshca"])
+        .arg(repo().join("charts/meshca"))
+        .args([
+            "--set",
+            "extraEnv[0].name=TRUST_DOMAIN",
+            "--set",
+            "extraEnv[0].value=x",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("extraEnv sets TRUST_DOMAIN"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The prune CronJob: `meshca audit prune-anchors` as the container command
+/// (the image has no shell), with the set and namespace meshca anchors to,
+/// under its own ServiceAccount whose Role is list and delete of ConfigMaps
+/// and nothing else; meshca's ServiceAccount is not bound to it.
+#[test]
+fn anchor_prune_is_a_cronjob_with_only_what_prune_needs() {
+    let all = render_all(&[]);
+    let jobs = of_kind(&all, "CronJob");
+    assert_eq!(jobs.len(), 1, "on by default");
+    let spec = &jobs[0]["spec"]["jobTemplate"]["spec"]["template"]["spec"];
+    let c = &spec["containers"][0];
+    assert_eq!(c["command"][0].as_str(), Some("/usr/local/bin/meshca"));
+    let args: Vec<&str> = c["args"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap())
+        .collect();
+    assert_eq!(
+        args,
+        [
+            "audit",
+            "prune-anchors",
+            "--older-than=168h",
+            "--anchor-namespace=istio-system",
+            "--anchor-configmap=meshca-audit-anchors"
+        ]
+    );
+    let dep_env = env_of(&of_kind(&all, "Deployment")[0].clone());
+    assert!(dep_env.contains(&(
+        "MESHCA_AUDIT_ANCHOR_CONFIGMAP".into(),
+        "meshca-audit-anchors".into()
+    )));
+    assert_eq!(
+        c["securityContext"]["readOnlyRootFilesystem"].as_bool(),
+        Some(true)
+    );
+    let sa = spec["serviceAccountName"].as_str().unwrap();
+    assert_eq!(sa, "meshca-audit-prune");
+    assert_ne!(
+        pod_spec(&all)["serviceAccountName"].as_str(),
+        Some(sa),
+        "meshca never runs as the prune ServiceAccount"
+    );
+    let bound = bound_to(&all, sa);
+    assert_eq!(
+        bound,
+        [("Role".to_string(), "meshca-audit-prune".to_string())].into()
+    );
+    let role: Vec<Value> = of_kind(&all, "Role")
+        .into_iter()
+        .filter(|d| d["metadata"]["name"].as_str() == Some("meshca-audit-prune"))
+        .cloned()
+        .collect();
+    assert_eq!(
+        rules_of(&role, "Role"),
+        vec![Rule {
+            api_groups: [String::new()].into(),
+            resources: ["configmaps".to_string()].into(),
+            resource_names: BTreeSet::new(),
+            verbs: ["delete", "list"].map(String::from).into(),
+        }]
+    );
+    // The admission policy that keeps its delete to the anchors is exactly
+    // the one tests/kube_audit_prune.rs checks in the API server.
+    let strip = |d: &Value| {
+        let mut d = d.clone();
+        d["metadata"].as_mapping_mut().unwrap().remove("labels");
+        d
+    };
+    let policy: Vec<Value> = all
+        .iter()
+        .filter(|d| {
+            d["kind"]
+                .as_str()
+                .is_some_and(|k| k.starts_with("ValidatingAdmissionPolicy"))
+                && d["metadata"]["name"]
+                    .as_str()
+                    .is_some_and(|n| n.contains("-audit-prune."))
+        })
+        .map(strip)
+        .collect();
+    let fixture =
+        docs(&std::fs::read_to_string(repo().join("tests/fixtures/vap-audit-prune.yaml")).unwrap());
+    assert_eq!(policy, fixture);
+    let off = render_all(&["--set", "audit.anchor.prune.enabled=false"]);
+    assert!(of_kind(&off, "CronJob").is_empty());
+    assert!(!of_kind(&off, "ValidatingAdmissionPolicy")
+        .iter()
+        .any(|d| d["metadata"]["name"]
+            .as_str()
+            .is_some_and(|n| n.contains("-audit-prune."))));
+    assert!(!role_names(&off).contains("meshca-audit-prune"));
 }

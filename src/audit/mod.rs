@@ -11,6 +11,7 @@ pub mod bounded;
 pub mod chain;
 pub mod format;
 pub mod keys;
+pub mod keysecret;
 pub mod metrics;
 pub mod query;
 pub mod settings;

@@ -27,6 +27,10 @@ pub struct AuditSettings {
     pub retain_issued: Duration,
     pub max_line_bytes: u64,
     pub checkpoint_key: Option<PathBuf>,
+    /// The Secret (`namespace`, `name`) holding the checkpoint key under
+    /// `key.pem`, created with a new key on the first start
+    /// (`MESHCA_AUDIT_CHECKPOINT_KEY_SECRET`).
+    pub checkpoint_key_secret: Option<(String, String)>,
     pub checkpoint_every: u64,
     pub checkpoint_interval: Duration,
     /// Writer thread: queue, fsync policy, batch interval.
@@ -113,6 +117,14 @@ pub struct AuditArgs {
     /// (`meshca audit keygen` makes one). Without it checkpoints are unsigned.
     #[arg(long, env = "MESHCA_AUDIT_CHECKPOINT_KEY")]
     pub audit_checkpoint_key: Option<PathBuf>,
+    /// The checkpoint key as a Secret, `namespace/name` (the PEM under key
+    /// `key.pem`): read at start; when it does not exist, meshca generates
+    /// a P-256 key and creates the Secret, immutable (replicas starting at
+    /// once all take the one created first). Needs get on that Secret and
+    /// create on Secrets; an existing Secret is never replaced. Exclusive
+    /// with --audit-checkpoint-key.
+    #[arg(long, env = "MESHCA_AUDIT_CHECKPOINT_KEY_SECRET")]
+    pub audit_checkpoint_key_secret: Option<String>,
     /// Write a checkpoint after this many records.
     #[arg(long, env = "MESHCA_AUDIT_CHECKPOINT_EVERY", default_value_t = 1000)]
     pub audit_checkpoint_every: u64,
@@ -312,6 +324,17 @@ impl AuditArgs {
             retain_issued,
             max_line_bytes: self.audit_max_line_bytes,
             checkpoint_key: self.audit_checkpoint_key.clone(),
+            checkpoint_key_secret: match self.audit_checkpoint_key_secret.as_deref().map(str::trim)
+            {
+                None | Some("") => None,
+                Some(v) => Some(crate::flags::parse_configmap_ref(v).ok_or_else(|| {
+                    err(
+                        "MESHCA_AUDIT_CHECKPOINT_KEY_SECRET",
+                        v,
+                        "expected namespace/name",
+                    )
+                })?),
+            },
             checkpoint_every: self.audit_checkpoint_every,
             checkpoint_interval,
             handshakes: HandshakeAudit {

@@ -41,11 +41,14 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 {{- end }}
 
+{{/*
+The image reference, as cert-manager's istio-csr builds it: [<registry>/]<repository>, then
+@<digest> when a digest is set (the tag is ignored), else :<tag> (default: the chart's appVersion).
+*/}}
 {{- define "meshca.image" -}}
-{{- if .Values.image.digest }}
-{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
-{{- else }}
-{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- with .Values.image }}
+{{- if .registry }}{{ printf "%s/%s" (trimSuffix "/" .registry) .repository }}{{ else }}{{ .repository }}{{ end }}
+{{- if .digest }}{{ printf "@%s" .digest }}{{ else }}{{ printf ":%s" (default $.Chart.AppVersion .tag) }}{{ end }}
 {{- end }}
 {{- end }}
 
@@ -64,13 +67,29 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 /etc/meshca/audit-checkpoint-key
 {{- end }}
 
-{{/* The Secret holding the checkpoint key: the given one, else the one the chart generates. */}}
+{{/* The Secret holding the checkpoint key when one is mounted (audit.checkpoint.secretName). */}}
 {{- define "meshca.checkpointSecret" -}}
-{{- if .Values.audit.checkpoint.secretName -}}
-{{ .Values.audit.checkpoint.secretName }}
-{{- else if .Values.audit.checkpoint.generateKey -}}
+{{- .Values.audit.checkpoint.secretName -}}
+{{- end }}
+
+{{/* The Secret meshca creates with a new checkpoint key on its first start (generateKey). */}}
+{{- define "meshca.generatedKeySecret" -}}
+{{- if and .Values.audit.checkpoint.generateKey (not .Values.audit.checkpoint.secretName) -}}
 {{ include "meshca.fullname" . }}-audit-checkpoint-key
 {{- end -}}
+{{- end }}
+
+{{/* topologySpreadConstraints, an entry without a labelSelector given the pods' selector labels. */}}
+{{- define "meshca.spreadConstraints" -}}
+{{- $out := list }}
+{{- range .Values.topologySpreadConstraints }}
+{{- $c := deepCopy . }}
+{{- if not (hasKey $c "labelSelector") }}
+{{- $_ := set $c "labelSelector" (dict "matchLabels" (include "meshca.selectorLabels" $ | fromYaml)) }}
+{{- end }}
+{{- $out = append $out $c }}
+{{- end }}
+{{- toYaml $out }}
 {{- end }}
 
 {{/* The ConfigMap holding each replica's anchored audit head. */}}
