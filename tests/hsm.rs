@@ -178,29 +178,55 @@ fn run(c: &mut Command) -> String {
 /// An mTLS client identity signed by the CA directory `ca`'s own key in the
 /// token (the one `ca-key.uri` names, else `object`), with `ca`'s root as
 /// trust: only a leaf of this deployment's own signing certificates may
-/// renew over mTLS (`mtls_foreign_issuer`), so the test signs in-process
-/// with the same token key the server uses. SoftHSM2 reads its
-/// configuration at `C_Initialize`, once per process: each helper call
-/// holds a lock, points `SOFTHSM2_CONF` at this test's token and finalizes
-/// the module afterwards, so parallel tests each see their own token.
+/// renew over mTLS (`mtls_foreign_issuer`), so the test signs with the same
+/// token key the server uses. SoftHSM2 reads `SOFTHSM2_CONF` once per
+/// process, so [`mint_client_identity`] signs in a child process of this
+/// test binary pointed at this test's token.
 fn client_identity(hsm: &Hsm, ca: &Path, object: &str, id: &str) -> (String, String, String) {
+    let out = tempfile::tempdir().unwrap();
+    run(hsm
+        .tool(std::env::current_exe().unwrap().to_str().unwrap())
+        .args(["mint_client_identity", "--exact", "--ignored"])
+        .args(["--test-threads=1", "--nocapture"])
+        .env("MESHCA_TEST_MINT_OUT", out.path())
+        .env("MESHCA_TEST_MINT_CA", ca)
+        .env("MESHCA_TEST_MINT_URI", hsm.uri(object))
+        .env("MESHCA_TEST_MINT_ID", id));
+    let read = |f: &str| std::fs::read_to_string(out.path().join(f)).unwrap();
+    (read("cert-chain.pem"), read("key.pem"), read_root(ca))
+}
+
+fn read_root(ca: &Path) -> String {
+    std::fs::read_to_string(ca.join("root-cert.pem")).unwrap()
+}
+
+/// Not a test of its own: the child process [`client_identity`] runs. It
+/// loads the CA directory with its key in the token, as `meshca serve
+/// --signer` does, and writes a client identity signed by that key.
+#[test]
+#[ignore = "run by client_identity in a child process"]
+fn mint_client_identity() {
     use meshca::ca::custody::{ExternalKeys, KeySource};
     use meshca::ca::signer::uri::Pkcs11Uri;
-    static TOKEN: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let _one_token = TOKEN.lock().unwrap_or_else(|e| e.into_inner());
-    std::env::set_var("SOFTHSM2_CONF", hsm.conf());
-    let uri: Pkcs11Uri = hsm.uri(object).parse().unwrap();
-    let minted = {
-        let keys = KeySource::External(std::sync::Arc::new(ExternalKeys::pkcs11(uri.clone(), 1)));
-        let bundle = keys.load(ca, OffsetDateTime::now_utc()).unwrap();
-        assert_eq!(bundle.signer().kind(), "pkcs11");
-        bundle.client_identity(&id.parse().unwrap(), &validity_hours(-1, 1))
-    };
-    let ctx = meshca::ca::signer::pkcs11::load_module(&uri).unwrap();
-    ctx.finalize().unwrap();
-    let (chain, key) = minted.unwrap();
-    let root_cert = std::fs::read_to_string(ca.join("root-cert.pem")).unwrap();
-    (chain, key, root_cert)
+    let var = |k: &str| std::env::var(k).unwrap();
+    let out = PathBuf::from(var("MESHCA_TEST_MINT_OUT"));
+    let uri: Pkcs11Uri = var("MESHCA_TEST_MINT_URI").parse().unwrap();
+    let keys = KeySource::External(std::sync::Arc::new(ExternalKeys::pkcs11(uri, 1)));
+    let bundle = keys
+        .load(
+            Path::new(&var("MESHCA_TEST_MINT_CA")),
+            OffsetDateTime::now_utc(),
+        )
+        .unwrap();
+    assert_eq!(bundle.signer().kind(), "pkcs11");
+    let (chain, key) = bundle
+        .client_identity(
+            &var("MESHCA_TEST_MINT_ID").parse().unwrap(),
+            &validity_hours(-1, 1),
+        )
+        .unwrap();
+    std::fs::write(out.join("cert-chain.pem"), chain).unwrap();
+    std::fs::write(out.join("key.pem"), key).unwrap();
 }
 
 const ID: &str = "spiffe://cluster.local/ns/app/sa/app";
