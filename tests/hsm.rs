@@ -11,8 +11,6 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use meshca::ca::bundle::{BundleFiles, CaBundle};
-use meshca::ca::generate::GeneratedCa;
 use meshca::testing::{client, csr_for, request, spawn_listening, validity_hours};
 use time::OffsetDateTime;
 
@@ -177,32 +175,58 @@ fn run(c: &mut Command) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-/// An mTLS client identity under the same root, through a sibling
-/// intermediate made with the root key (the CA's own key is in the token).
-fn client_identity(root: &Path, id: &str) -> (String, String, String) {
-    let root_cert = std::fs::read_to_string(root.join("root-cert.pem")).unwrap();
-    let base = GeneratedCa {
-        root_cert: root_cert.clone(),
-        root_key: std::fs::read_to_string(root.join("root-key.pem")).unwrap(),
-        ca_cert: String::new(),
-        ca_key: String::new(),
-    };
-    let sib = meshca::testing::new_intermediate(&base, OffsetDateTime::now_utc());
-    let bundle = CaBundle::from_files(
-        BundleFiles {
-            signing_cert: sib.ca_cert.clone(),
-            signing_key: sib.ca_key.clone(),
-            cert_chain: sib.cert_chain(),
-            root_bundle: root_cert.clone(),
-            source: "client".into(),
-        },
-        OffsetDateTime::now_utc(),
-    )
-    .unwrap();
-    let (chain, key) = bundle
-        .client_identity(&id.parse().unwrap(), &validity_hours(-1, 1))
+/// An mTLS client identity signed by the CA directory `ca`'s own key in the
+/// token (the one `ca-key.uri` names, else `object`), with `ca`'s root as
+/// trust: only a leaf of this deployment's own signing certificates may
+/// renew over mTLS (`mtls_foreign_issuer`), so the test signs with the same
+/// token key the server uses. SoftHSM2 reads `SOFTHSM2_CONF` once per
+/// process, so [`mint_client_identity`] signs in a child process of this
+/// test binary pointed at this test's token.
+fn client_identity(hsm: &Hsm, ca: &Path, object: &str, id: &str) -> (String, String, String) {
+    let out = tempfile::tempdir().unwrap();
+    run(hsm
+        .tool(std::env::current_exe().unwrap().to_str().unwrap())
+        .args(["mint_client_identity", "--exact", "--ignored"])
+        .args(["--test-threads=1", "--nocapture"])
+        .env("MESHCA_TEST_MINT_OUT", out.path())
+        .env("MESHCA_TEST_MINT_CA", ca)
+        .env("MESHCA_TEST_MINT_URI", hsm.uri(object))
+        .env("MESHCA_TEST_MINT_ID", id));
+    let read = |f: &str| std::fs::read_to_string(out.path().join(f)).unwrap();
+    (read("cert-chain.pem"), read("key.pem"), read_root(ca))
+}
+
+fn read_root(ca: &Path) -> String {
+    std::fs::read_to_string(ca.join("root-cert.pem")).unwrap()
+}
+
+/// Not a test of its own: the child process [`client_identity`] runs. It
+/// loads the CA directory with its key in the token, as `meshca serve
+/// --signer` does, and writes a client identity signed by that key.
+#[test]
+#[ignore = "run by client_identity in a child process"]
+fn mint_client_identity() {
+    use meshca::ca::custody::{ExternalKeys, KeySource};
+    use meshca::ca::signer::uri::Pkcs11Uri;
+    let var = |k: &str| std::env::var(k).unwrap();
+    let out = PathBuf::from(var("MESHCA_TEST_MINT_OUT"));
+    let uri: Pkcs11Uri = var("MESHCA_TEST_MINT_URI").parse().unwrap();
+    let keys = KeySource::External(std::sync::Arc::new(ExternalKeys::pkcs11(uri, 1)));
+    let bundle = keys
+        .load(
+            Path::new(&var("MESHCA_TEST_MINT_CA")),
+            OffsetDateTime::now_utc(),
+        )
         .unwrap();
-    (chain, key, root_cert)
+    assert_eq!(bundle.signer().kind(), "pkcs11");
+    let (chain, key) = bundle
+        .client_identity(
+            &var("MESHCA_TEST_MINT_ID").parse().unwrap(),
+            &validity_hours(-1, 1),
+        )
+        .unwrap();
+    std::fs::write(out.join("cert-chain.pem"), chain).unwrap();
+    std::fs::write(out.join("key.pem"), key).unwrap();
 }
 
 const ID: &str = "spiffe://cluster.local/ns/app/sa/app";
@@ -263,7 +287,7 @@ async fn issue(
 #[tokio::test(flavor = "multi_thread")]
 async fn issuance_with_the_ca_key_only_in_the_token(key_type: &str, issuing: &str) {
     let hsm = Hsm::new("meshca");
-    let (root, ca) = hsm.init("intermediate", key_type);
+    let (_, ca) = hsm.init("intermediate", key_type);
     // The CA directory holds certificates only; the key never left the token.
     let mut names: Vec<_> = std::fs::read_dir(&ca)
         .unwrap()
@@ -311,7 +335,7 @@ async fn issuance_with_the_ca_key_only_in_the_token(key_type: &str, issuing: &st
         &[("MESHCA_ISSUING_CA", issuing)],
     ))
     .await;
-    let ident = client_identity(&root, "spiffe://cluster.local/ns/app/sa/app");
+    let ident = client_identity(&hsm, &ca, "intermediate", ID);
     let chain = issue(addr, &ident).await.expect("issued");
     let two_tier = issuing != "off";
     // [leaf, (issuing CA,) intermediate, root from cert-chain.pem, root bundle]
@@ -469,14 +493,14 @@ async fn wrong_token_pin_key_or_module_fail_startup_with_a_clear_error() {
 #[tokio::test(flavor = "multi_thread")]
 async fn token_failure_at_runtime_stops_issuance_and_recovers() {
     let hsm = Hsm::new("meshca");
-    let (root, ca) = hsm.init("intermediate", "ecdsa-p256");
+    let (_, ca) = hsm.init("intermediate", "ecdsa-p256");
     let (mut child, addr, _) = spawn_listening(hsm.serve(
         &ca,
         &hsm.uri("intermediate"),
         &[("MESHCA_ISSUING_CA", "off")],
     ))
     .await;
-    let ident = client_identity(&root, ID);
+    let ident = client_identity(&hsm, &ca, "intermediate", ID);
     issue(addr, &ident)
         .await
         .expect("issued before the failure");
@@ -522,14 +546,14 @@ async fn token_failure_at_runtime_stops_issuance_and_recovers() {
 #[tokio::test(flavor = "multi_thread")]
 async fn two_tier_rollover_under_load_fails_no_request() {
     let hsm = Hsm::new("meshca");
-    let (root, ca) = hsm.init("intermediate", "ecdsa-p256");
+    let (_, ca) = hsm.init("intermediate", "ecdsa-p256");
     let (mut child, addr, _) = spawn_listening(hsm.serve(
         &ca,
         &hsm.uri("intermediate"),
         &[("MESHCA_ISSUING_CA_TTL", "4s")],
     ))
     .await;
-    let ident = std::sync::Arc::new(client_identity(&root, ID));
+    let ident = std::sync::Arc::new(client_identity(&hsm, &ca, "intermediate", ID));
     let until = Instant::now() + Duration::from_secs(10);
     let mut workers = Vec::new();
     for _ in 0..6 {
@@ -688,7 +712,7 @@ async fn a_csr_for_an_offline_root_is_signed_elsewhere_and_served() {
     std::fs::write(ca.join("cert-chain.pem"), format!("{ca_pem}{root_pem}")).unwrap();
     std::fs::write(ca.join("root-cert.pem"), &root_pem).unwrap();
     let (mut child, addr, _) = spawn_listening(hsm.serve(&ca, &hsm.uri("intermediate"), &[])).await;
-    let chain = issue(addr, &client_identity(&root, ID))
+    let chain = issue(addr, &client_identity(&hsm, &ca, "intermediate", ID))
         .await
         .expect("issued");
     let _ = child.kill().await;
@@ -744,7 +768,7 @@ async fn root_rotation_with_both_keys_in_the_token(issuing: &str) {
     use rotation_check::{check, Gen, Ident, Workers};
     let two_tier = issuing != "off";
     let hsm = Hsm::new("meshca");
-    let (root1, gen1) = hsm.generation("gen1", "ica-1");
+    let (_, gen1) = hsm.generation("gen1", "ica-1");
     let (_, gen2) = hsm.generation("gen2", "ica-2");
     let ca_dir = hsm.dir.path().join("cacerts");
     let next_dir = hsm.dir.path().join("next");
@@ -774,7 +798,7 @@ async fn root_rotation_with_both_keys_in_the_token(issuing: &str) {
     let (mut child, addr, admin) = spawn_listening(hsm.serve(&ca_dir, &uri, &env)).await;
     let status =
         || meshca::rotation::status(&ca_dir, &settings, OffsetDateTime::now_utc()).unwrap();
-    let (chain, key, trust) = client_identity(&root1, ID);
+    let (chain, key, trust) = client_identity(&hsm, &gen1, "ica-1", ID);
     let seeds = (0..3)
         .map(|_| Ident {
             id: ID.into(),
@@ -902,7 +926,7 @@ async fn root_rotation_with_both_keys_in_the_token(issuing: &str) {
     // A restart on the promoted directory, MESHCA_SIGNER still naming ica-1:
     // the directory's own ca-key.uri decides.
     let (mut child, addr, _) = spawn_listening(hsm.serve(&ca_dir, &uri, &env)).await;
-    let (c2, k2, t2) = client_identity(&hsm.dir.path().join("gen2-root"), ID);
+    let (c2, k2, t2) = client_identity(&hsm, &gen2, "ica-2", ID);
     let ident = Ident {
         id: ID.into(),
         chain: c2,

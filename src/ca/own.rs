@@ -16,7 +16,15 @@
 //! them as the anchor (webpki: issuer name, key identifiers and the
 //! signature), not by name alone: a sibling cluster's intermediate may
 //! carry the same subject.
+//!
+//! The verdict is cached per presented chain (SHA-256 of its DER) and
+//! generation of the known set, so a renewal storm of the same callers
+//! pays the chain verification once; any change of the set (a swap, a
+//! rotation generation, an expiry) bumps the generation and so discards
+//! every cached verdict.
 
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use rustls_pki_types::{CertificateDer, UnixTime};
@@ -32,11 +40,28 @@ struct Known {
     not_after: OffsetDateTime,
 }
 
+/// How many chain verdicts are cached: far above the distinct callers a
+/// renewal wave brings per generation; when full the cache starts over
+/// (one verification per caller again), so memory stays bounded.
+const VERDICTS: usize = 16_384;
+
+/// The known signing certificates and the generation of that set.
+#[derive(Debug, Default)]
+struct KnownSet {
+    certs: Vec<Known>,
+    generation: u64,
+}
+
 /// The signing certificates whose leaves are this deployment's.
 #[derive(Debug)]
 pub struct OwnIssuers {
     stores: Vec<Arc<CaStore>>,
-    known: Mutex<Vec<Known>>,
+    known: Mutex<KnownSet>,
+    /// Verdicts by SHA-256 of the presented chain, with the generation of
+    /// the known set they were reached against.
+    verdicts: Mutex<HashMap<[u8; 32], (u64, bool)>>,
+    /// Chain verifications run (tests, benchmarks).
+    verifications: AtomicU64,
 }
 
 fn not_after_of(cert: &CertificateDer<'_>) -> Option<OffsetDateTime> {
@@ -52,7 +77,9 @@ impl OwnIssuers {
     pub fn new(stores: Vec<Arc<CaStore>>) -> Self {
         let own = Self {
             stores,
-            known: Mutex::new(Vec::new()),
+            known: Mutex::new(KnownSet::default()),
+            verdicts: Mutex::new(HashMap::new()),
+            verifications: AtomicU64::new(0),
         };
         own.refresh();
         own
@@ -64,8 +91,9 @@ impl OwnIssuers {
             return;
         };
         let mut k = crate::primitives::lock(&self.known);
-        if !k.iter().any(|x| x.cert == cert) {
-            k.push(Known { cert, not_after });
+        if !k.certs.iter().any(|x| x.cert == cert) {
+            k.certs.push(Known { cert, not_after });
+            k.generation += 1;
         }
     }
 
@@ -77,7 +105,12 @@ impl OwnIssuers {
             let b = s.snapshot();
             self.add(b.signing_cert().clone());
         }
-        crate::primitives::lock(&self.known).retain(|k| k.not_after > now);
+        let mut k = crate::primitives::lock(&self.known);
+        let before = k.certs.len();
+        k.certs.retain(|k| k.not_after > now);
+        if k.certs.len() != before {
+            k.generation += 1;
+        }
     }
 
     /// Keeps up with every swap of the stores (a rotation phase, a reload,
@@ -99,7 +132,12 @@ impl OwnIssuers {
 
     /// How many signing certificates are known (tests, logs).
     pub fn len(&self) -> usize {
-        crate::primitives::lock(&self.known).len()
+        crate::primitives::lock(&self.known).certs.len()
+    }
+
+    /// How many chain verifications have run, cached verdicts aside.
+    pub fn verifications(&self) -> u64 {
+        self.verifications.load(Ordering::Relaxed)
     }
 
     pub fn is_empty(&self) -> bool {
@@ -110,10 +148,42 @@ impl OwnIssuers {
     /// signed by one of this deployment's signing certificates.
     pub fn issued(&self, chain: &[CertificateDer<'_>]) -> bool {
         self.refresh();
-        let certs: Vec<CertificateDer<'static>> = crate::primitives::lock(&self.known)
-            .iter()
-            .map(|k| k.cert.clone())
-            .collect();
+        let key = {
+            let mut der = Vec::new();
+            for c in chain {
+                // Length-prefixed: no two chains share an encoding.
+                der.extend_from_slice(&(c.len() as u64).to_be_bytes());
+                der.extend_from_slice(c);
+            }
+            crate::primitives::sha256(&der)
+        };
+        let current = crate::primitives::lock(&self.known).generation;
+        if let Some(&(g, verdict)) = crate::primitives::lock(&self.verdicts).get(&key) {
+            if g == current {
+                return verdict;
+            }
+        }
+        // The certificates and their generation together: a verdict is
+        // never filed under a generation it was not reached against.
+        let (generation, certs): (u64, Vec<CertificateDer<'static>>) = {
+            let k = crate::primitives::lock(&self.known);
+            (
+                k.generation,
+                k.certs.iter().map(|k| k.cert.clone()).collect(),
+            )
+        };
+        let verdict = Self::verify(&certs, chain);
+        self.verifications.fetch_add(1, Ordering::Relaxed);
+        let mut v = crate::primitives::lock(&self.verdicts);
+        if v.len() >= VERDICTS {
+            v.clear();
+        }
+        v.insert(key, (generation, verdict));
+        verdict
+    }
+
+    /// The uncached verdict: `chain` verifies to one of `certs` as anchor.
+    fn verify(certs: &[CertificateDer<'static>], chain: &[CertificateDer<'_>]) -> bool {
         let anchors: Vec<_> = certs
             .iter()
             .filter_map(|c| webpki::anchor_from_trusted_cert(c).ok())
@@ -186,5 +256,48 @@ mod tests {
         // Once the sibling's certificate is ours (a rotation generation), it is.
         own.add(CertificateDer::from(theirs.signing_cert().to_vec()));
         assert!(own.issued(&chain(&foreign)));
+    }
+
+    #[test]
+    fn a_verdict_is_cached_until_the_set_of_signing_certificates_changes() {
+        let now = OffsetDateTime::now_utc();
+        let pki = TestPki::new(KeyType::EcdsaP256);
+        let store = Arc::new(CaStore::new(
+            CaBundle::load_dir(pki.path(), now).unwrap(),
+            None,
+            false,
+        ));
+        let id = "spiffe://cluster.local/ns/a/sa/b";
+        let (mine, _) = client_identity(&store.snapshot(), id, &validity_hours(-1, 1));
+        let sibling = crate::testing::new_intermediate(&pki.ca, now);
+        let sibling_dir = tempfile::tempdir().unwrap();
+        crate::ca::generate::write_cacerts(sibling_dir.path(), &sibling, false).unwrap();
+        let theirs = CaBundle::load_dir(sibling_dir.path(), now).unwrap();
+        let (foreign, _) = client_identity(&theirs, id, &validity_hours(-1, 1));
+        let own = OwnIssuers::new(vec![store.clone()]);
+
+        // A renewal storm of the same callers: one verification each.
+        for _ in 0..50 {
+            assert!(own.issued(&chain(&mine)));
+            assert!(!own.issued(&chain(&foreign)));
+        }
+        assert_eq!(own.verifications(), 2);
+
+        // A swap to the sibling intermediate (a reload): the set changes,
+        // every verdict is reached again, and the foreign leaf is now ours.
+        store.swap(CaBundle::load_dir(sibling_dir.path(), now).unwrap());
+        assert!(own.issued(&chain(&foreign)));
+        assert!(own.issued(&chain(&mine)), "the previous one still signs");
+        assert_eq!(own.verifications(), 4);
+        assert!(own.issued(&chain(&foreign)));
+        assert_eq!(own.verifications(), 4);
+
+        // The same leaf presented with another chain is a verdict of its own.
+        let mut longer = chain(&mine);
+        longer.push(CertificateDer::from(
+            store.snapshot().signing_cert().to_vec(),
+        ));
+        own.issued(&longer);
+        assert_eq!(own.verifications(), 5);
     }
 }
