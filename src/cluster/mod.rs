@@ -966,6 +966,32 @@ mod tests {
         assert_eq!(got.map_err(|e| e.reason()), want);
     }
 
+    /// A leaf of a fresh test CA for spiffe://cluster.local/ns/a/sa/b with
+    /// `mark` in its serial, and its chain as a client presents it.
+    fn marked_leaf(
+        mark: Option<crate::ca::serial::LeafMark>,
+    ) -> (SpiffeId, Vec<rustls_pki_types::CertificateDer<'static>>) {
+        use rustls_pki_types::pem::PemObject;
+        let pki = crate::testing::TestPki::new(crate::ca::generate::KeyType::EcdsaP256);
+        let bundle =
+            crate::ca::CaBundle::load_dir(pki.path(), time::OffsetDateTime::now_utc()).unwrap();
+        let key = rcgen::KeyPair::generate().unwrap();
+        let id: SpiffeId = "spiffe://cluster.local/ns/a/sa/b".parse().unwrap();
+        let leaf = bundle
+            .sign_leaf_for(
+                &rcgen::PublicKeyData::subject_public_key_info(&key),
+                &id,
+                false,
+                &crate::testing::validity_hours(-1, 1),
+                mark,
+            )
+            .unwrap();
+        let chain = rustls_pki_types::CertificateDer::pem_slice_iter(leaf.pem.as_bytes())
+            .collect::<Result<_, _>>()
+            .unwrap();
+        (id, chain)
+    }
+
     /// A leaf of another CA under the mesh roots (`own` false) is bound only
     /// by a mark naming a registered remote cluster; lineage marks (version
     /// 2, the local cluster's leaves too) bind as version 1 marks do.
@@ -986,13 +1012,7 @@ mod tests {
         want: Result<&str, &str>,
     ) {
         use crate::ca::serial::{ClusterTag, LeafMark, Lineage, LineageTag, NodeTag};
-        use rustls_pki_types::pem::PemObject;
         let r = registry();
-        let pki = crate::testing::TestPki::new(crate::ca::generate::KeyType::EcdsaP256);
-        let bundle =
-            crate::ca::CaBundle::load_dir(pki.path(), time::OffsetDateTime::now_utc()).unwrap();
-        let key = rcgen::KeyPair::generate().unwrap();
-        let id: SpiffeId = "spiffe://cluster.local/ns/a/sa/b".parse().unwrap();
         let mark = mark.map(|c| match lineage {
             false => LeafMark::Cluster(ClusterTag::of(c)),
             true => LeafMark::Lineage(Lineage {
@@ -1001,19 +1021,7 @@ mod tests {
                 node: NodeTag::of("n1"),
             }),
         });
-        let leaf = bundle
-            .sign_leaf_for(
-                &rcgen::PublicKeyData::subject_public_key_info(&key),
-                &id,
-                false,
-                &crate::testing::validity_hours(-1, 1),
-                mark,
-            )
-            .unwrap();
-        let chain: Vec<rustls_pki_types::CertificateDer<'static>> =
-            rustls_pki_types::CertificateDer::pem_slice_iter(leaf.pem.as_bytes())
-                .collect::<Result<_, _>>()
-                .unwrap();
+        let (_, chain) = marked_leaf(mark);
         let creds = Credentials {
             peer_chain: Some(chain.into()),
             ..Default::default()
@@ -1038,28 +1046,11 @@ mod tests {
         header: Option<&str>,
         want: Result<&str, &str>,
     ) {
-        use rustls_pki_types::pem::PemObject;
         let r = registry();
-        let pki = crate::testing::TestPki::new(crate::ca::generate::KeyType::EcdsaP256);
-        let bundle =
-            crate::ca::CaBundle::load_dir(pki.path(), time::OffsetDateTime::now_utc()).unwrap();
-        let key = rcgen::KeyPair::generate().unwrap();
-        let id: SpiffeId = "spiffe://cluster.local/ns/a/sa/b".parse().unwrap();
-        let leaf = bundle
-            .sign_leaf_for(
-                &rcgen::PublicKeyData::subject_public_key_info(&key),
-                &id,
-                false,
-                &crate::testing::validity_hours(-1, 1),
-                mark.map(|c| {
-                    crate::ca::serial::LeafMark::Cluster(crate::ca::serial::ClusterTag::of(c))
-                }),
-            )
-            .unwrap();
-        let chain: Vec<rustls_pki_types::CertificateDer<'static>> =
-            rustls_pki_types::CertificateDer::pem_slice_iter(leaf.pem.as_bytes())
-                .collect::<Result<_, _>>()
-                .unwrap();
+        let (id, chain) =
+            marked_leaf(mark.map(|c| {
+                crate::ca::serial::LeafMark::Cluster(crate::ca::serial::ClusterTag::of(c))
+            }));
         let creds = Credentials {
             peer_chain: Some(chain.into()),
             cluster_id: header.map(str::to_string),
