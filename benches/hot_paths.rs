@@ -423,6 +423,41 @@ fn bench_guards(c: &mut Criterion) {
     g.finish();
 }
 
+/// The own-issuer check of an mTLS caller (`ca::own`, issue 50 item 3):
+/// one chain verification against this deployment's signing certificates
+/// for a chain not seen before (20,000 distinct callers cycled, more than
+/// the verdict cache holds, so every look-up misses), and the cached
+/// verdict for a chain seen before (a ztunnel's certificate on every
+/// request it makes). Compare with `issue_mtls_in_process/null_audit`.
+fn bench_own(c: &mut Criterion) {
+    use meshca::ca::own::OwnIssuers;
+    let pki = TestPki::new(KeyType::EcdsaP256);
+    let bundle = CaBundle::load_dir(pki.path(), OffsetDateTime::now_utc()).unwrap();
+    let chains: Vec<Vec<CertificateDer<'static>>> = (0..20_000)
+        .map(|_| {
+            let (pem, _key) =
+                testing::client_identity(&bundle, ID, &testing::validity_hours(-1, 24));
+            CertificateDer::pem_slice_iter(pem.as_bytes())
+                .collect::<Result<_, _>>()
+                .unwrap()
+        })
+        .collect();
+    let own = OwnIssuers::new(vec![Arc::new(CaStore::new(bundle, None, false))]);
+    let mut g = c.benchmark_group("own_issuer");
+    let mut i = 0;
+    g.bench_function("new_chain", |b| {
+        b.iter(|| {
+            i += 1;
+            black_box(own.issued(&chains[i % chains.len()]))
+        })
+    });
+    g.bench_function("cached_chain", |b| {
+        b.iter(|| black_box(own.issued(&chains[0])))
+    });
+    g.finish();
+    assert!(own.issued(&chains[1]), "the bench's chains are this CA's");
+}
+
 criterion_group!(
     benches,
     bench_csr,
@@ -430,6 +465,7 @@ criterion_group!(
     bench_authz,
     bench_index,
     bench_issue,
-    bench_guards
+    bench_guards,
+    bench_own
 );
 criterion_main!(benches);
