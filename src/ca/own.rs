@@ -227,8 +227,18 @@ mod tests {
             .unwrap()
     }
 
-    #[test]
-    fn only_leaves_of_this_deployments_signing_certificates_are_its_own() {
+    /// This deployment's store and a sibling cluster's intermediate under
+    /// the same root (its cacerts directory), with a client leaf of each.
+    struct Siblings {
+        _pki: TestPki,
+        store: Arc<CaStore>,
+        sibling_dir: tempfile::TempDir,
+        theirs: CaBundle,
+        mine: String,
+        foreign: String,
+    }
+
+    fn siblings() -> Siblings {
         let now = OffsetDateTime::now_utc();
         let pki = TestPki::new(KeyType::EcdsaP256);
         let store = Arc::new(CaStore::new(
@@ -236,17 +246,34 @@ mod tests {
             None,
             false,
         ));
-        let ours = store.snapshot();
-        // A sibling cluster: its own intermediate under the same root.
         let sibling = crate::testing::new_intermediate(&pki.ca, now);
         let sibling_dir = tempfile::tempdir().unwrap();
         crate::ca::generate::write_cacerts(sibling_dir.path(), &sibling, false).unwrap();
         let theirs = CaBundle::load_dir(sibling_dir.path(), now).unwrap();
         let id = "spiffe://cluster.local/ns/a/sa/b";
+        let (mine, _) = client_identity(&store.snapshot(), id, &validity_hours(-1, 1));
+        let (foreign, _) = client_identity(&theirs, id, &validity_hours(-1, 1));
+        Siblings {
+            _pki: pki,
+            store,
+            sibling_dir,
+            theirs,
+            mine,
+            foreign,
+        }
+    }
+
+    #[test]
+    fn only_leaves_of_this_deployments_signing_certificates_are_its_own() {
+        let Siblings {
+            store,
+            theirs,
+            mine,
+            foreign,
+            ..
+        } = siblings();
         let own = OwnIssuers::new(vec![store]);
         assert_eq!(own.len(), 1);
-        let (mine, _) = client_identity(&ours, id, &validity_hours(-1, 1));
-        let (foreign, _) = client_identity(&theirs, id, &validity_hours(-1, 1));
         assert!(own.issued(&chain(&mine)));
         assert!(
             !own.issued(&chain(&foreign)),
@@ -260,20 +287,15 @@ mod tests {
 
     #[test]
     fn a_verdict_is_cached_until_the_set_of_signing_certificates_changes() {
+        let Siblings {
+            _pki,
+            store,
+            sibling_dir,
+            mine,
+            foreign,
+            ..
+        } = siblings();
         let now = OffsetDateTime::now_utc();
-        let pki = TestPki::new(KeyType::EcdsaP256);
-        let store = Arc::new(CaStore::new(
-            CaBundle::load_dir(pki.path(), now).unwrap(),
-            None,
-            false,
-        ));
-        let id = "spiffe://cluster.local/ns/a/sa/b";
-        let (mine, _) = client_identity(&store.snapshot(), id, &validity_hours(-1, 1));
-        let sibling = crate::testing::new_intermediate(&pki.ca, now);
-        let sibling_dir = tempfile::tempdir().unwrap();
-        crate::ca::generate::write_cacerts(sibling_dir.path(), &sibling, false).unwrap();
-        let theirs = CaBundle::load_dir(sibling_dir.path(), now).unwrap();
-        let (foreign, _) = client_identity(&theirs, id, &validity_hours(-1, 1));
         let own = OwnIssuers::new(vec![store.clone()]);
 
         // A renewal storm of the same callers: one verification each.
